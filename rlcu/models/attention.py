@@ -1,0 +1,78 @@
+"""How a layer's attention sees its keys. The model computes q, k, v and hands them to one of these;
+training uses `PaddedAttention`, the reference rollout `DenseCacheAttention`, and the engine its paged
+attention, all on the same modules and parameters."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionContext(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] (RoPE applied) -> [B, T, Hq, D]."""
+
+
+def causal_key_mask(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """[B, S] key validity -> [B, 1, T, S] boolean mask for the last T positions of S.
+
+    A query may see valid keys at or before its own position. It always sees itself, so that padding
+    queries have a non-empty row (SDPA turns an empty row into NaN, which would poison gradients)."""
+    s = key_valid.shape[1]
+    q_pos = torch.arange(s - num_queries, s, device=key_valid.device)[:, None]
+    k_pos = torch.arange(s, device=key_valid.device)[None, :]
+    causal = k_pos <= q_pos
+    mask = causal[None] & key_valid[:, None, :]
+    mask |= (k_pos == q_pos)[None]
+    return mask[:, None]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+class PaddedAttention:
+    """Self-attention over a padded batch (prompt left-padded, completion right-padded)."""
+
+    def __init__(self, attention_mask: torch.Tensor | None):
+        self.mask = None if attention_mask is None else causal_key_mask(attention_mask.bool(),
+                                                                         attention_mask.shape[1])
+
+    def __call__(self, layer_idx, q, k, v):
+        return sdpa(q, k, v, self.mask)
+
+
+class DenseKVCache:
+    """A contiguous per-layer KV cache for a left-padded batch that advances in lockstep."""
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+
+    def step(self, new_valid: torch.Tensor) -> "DenseCacheAttention":
+        """Reserve the next T slots ([B, T] validity) and return the attention context for them."""
+        start, t = self.length, new_valid.shape[1]
+        if start + t > self.key_valid.shape[1]:
+            raise ValueError(f"dense KV cache overflow: {start + t} > {self.key_valid.shape[1]} slots")
+        self.key_valid[:, start:start + t] = new_valid
+        self.length = start + t
+        return DenseCacheAttention(self, start, t)
+
+
+class DenseCacheAttention:
+    def __init__(self, cache: DenseKVCache, start: int, t: int):
+        self.cache, self.start, self.end = cache, start, start + t
+        self.mask = causal_key_mask(cache.key_valid[:, :self.end], t)
+
+    def __call__(self, layer_idx, q, k, v):
+        c = self.cache
+        c.k[layer_idx][:, self.start:self.end] = k
+        c.v[layer_idx][:, self.start:self.end] = v
+        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.mask)

@@ -1,0 +1,118 @@
+"""Our Llama-family modules against transformers' own implementation (fp32)."""
+import pytest
+import torch
+import transformers
+
+from rlcu.models import load_model, save_pretrained
+from rlcu.models.attention import DenseKVCache
+from tests.helpers import FAMILIES, tiny_hf_folder
+
+ATOL = 1e-4  # fp32 logits; observed differences are ~1e-6, this leaves room for kernel order changes
+
+
+def padded_batch(vocab, lengths, pad_id, left=True):
+    t = max(lengths)
+    ids = torch.full((len(lengths), t), pad_id)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        sl = slice(t - n, t) if left else slice(0, n)
+        ids[i, sl] = torch.randint(0, vocab - 2, (n,))
+        mask[i, sl] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+    folder = tiny_hf_folder(tmp_path, family)
+    ours, _ = load_model(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, mask = padded_batch(64, [1, 7, 13], pad_id=62)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        got = ours.logits(ids, mask)
+    valid = mask.bool()
+    assert (got[valid] - expected[valid]).abs().max() < ATOL
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
+    folder = tiny_hf_folder(tmp_path, "llama", rope_parameters=dict(rope_theta=500000.0, **scaling))
+    ours, _ = load_model(folder)
+    assert ours.config.rope_scaling["rope_type"] == "llama3"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, 62, (2, 100))
+    with torch.no_grad():
+        assert (ours.logits(ids) - ref(input_ids=ids).logits).abs().max() < ATOL
+
+
+def test_tied_embeddings_share_one_parameter(tmp_path):
+    ours, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    untied, _ = load_model(tiny_hf_folder(tmp_path / "q2", "qwen2"))
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_saved_folder_loads_in_transformers(tmp_path, family):
+    ours, tok = load_model(tiny_hf_folder(tmp_path / "src", family))
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.01)  # a state transformers has never seen: proves the save, not the source folder
+    out = save_pretrained(ours, tok, tmp_path / "out")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 62, (2, 9))
+    with torch.no_grad():
+        assert (ours.logits(ids) - ref(input_ids=ids).logits).abs().max() < ATOL
+    assert transformers.AutoTokenizer.from_pretrained(out)("t1 t2").input_ids == tok("t1 t2").input_ids
+
+
+def test_dense_cache_decode_equals_full_forward(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    ids, mask = padded_batch(64, [3, 8], pad_id=62)
+    extra = torch.randint(0, 62, (2, 4))
+    full_ids = torch.cat([ids, extra], 1)
+    full_mask = torch.cat([mask, torch.ones_like(extra)], 1)
+    with torch.no_grad():
+        full = model.logits(full_ids, full_mask)
+        c = model.config
+        cache = DenseKVCache(c.num_hidden_layers, 2, full_ids.shape[1], c.num_key_value_heads, c.head_dim,
+                             torch.float32, "cpu")
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        steps = [model.lm_head(model(ids, pos, cache.step(mask.bool())))[:, -1]]
+        for i in range(extra.shape[1]):
+            pos = pos[:, -1:] + 1
+            steps.append(model.lm_head(model(extra[:, i:i + 1], pos, cache.step(torch.ones(2, 1, dtype=torch.bool))))[:, -1])
+    expected = full[:, ids.shape[1] - 1:]
+    assert (torch.stack(steps, 1) - expected).abs().max() < ATOL
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    import json
+    folder = tiny_hf_folder(tmp_path, "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "mistral"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'mistral' is not supported.*llama.*qwen2.*qwen3"):
+        load_model(folder)
+
+
+def test_unknown_source_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither|not found"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path / "empty")
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2_folder):
+    ours, tok = load_model(smollm2_folder)
+    assert ours.config.num_attention_heads == 9 and ours.config.num_key_value_heads == 3
+    ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+    enc = tok(["What is 17 + 25?", "Hi"], return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        expected = ref(**enc).logits
+        got = ours.logits(enc.input_ids, enc.attention_mask)
+    valid = enc.attention_mask.bool()
+    assert (got[valid] - expected[valid]).abs().max() < 2e-4  # 30 layers, vocab 49152: fp32 sums differ slightly
