@@ -1,0 +1,46 @@
+"""Prompt rows and their tokenisation. A row is a dict with a `prompt` (text, or chat messages
+[{'role': ..., 'content': ...}]) and any other columns, which reach the rewards unchanged."""
+from __future__ import annotations
+
+from typing import Any
+
+PROMPT = "prompt"
+
+
+def is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+
+
+def encode_prompt(tokenizer, prompt: Any) -> list[int]:
+    """Token ids of a prompt: chat messages go through the tokenizer's chat template with the
+    generation prompt; plain text is tokenised as is. No special tokens are added beyond the template's
+    (TRL does the same), so text prompts and templates are never doubled up with a BOS."""
+    if is_conversational(prompt):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat template; "
+                             "give plain-text prompts or a tokenizer with a chat_template")
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def as_rows(batch) -> list[dict]:
+    """Accept a list of row dicts (rlcu's collate) or a dict of columns (torch's default collate)."""
+    if isinstance(batch, dict):
+        if PROMPT not in batch:
+            raise KeyError(f"the batch has no {PROMPT!r} column; columns: {sorted(batch)}")
+        n = len(batch[PROMPT])
+        return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+    rows = list(batch)
+    for r in rows:
+        if not isinstance(r, dict) or PROMPT not in r:
+            cols = sorted(r) if isinstance(r, dict) else type(r).__name__
+            raise KeyError(f"every row needs a {PROMPT!r} column; got {cols}")
+    return rows
+
+
+def collate_rows(rows: list[dict]) -> list[dict]:
+    return list(rows)

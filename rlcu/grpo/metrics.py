@@ -1,0 +1,69 @@
+"""The one place each GRPO metric is defined. Names follow TRL's GRPOTrainer so dashboards carry over:
+reward, reward_std, rewards/<name>/mean|std, frac_reward_zero_std, completions/*, clip_ratio/*,
+entropy, kl, plus rlcu's timing/* and tokens_per_second."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.grpo.loss import nanstd
+
+
+def _item(x: torch.Tensor) -> float:
+    return float(x.item()) if x.numel() else float("nan")
+
+
+def reward_metrics(rewards_per_func: torch.Tensor, names: list[str], rewards: torch.Tensor,
+                   is_std_zero: torch.Tensor) -> dict[str, float]:
+    out = {}
+    for j, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = _item(torch.nanmean(rewards_per_func[:, j]))
+        out[f"rewards/{name}/std"] = _item(nanstd(rewards_per_func[:, j]))
+    out["reward"] = _item(torch.nanmean(rewards))
+    out["reward_std"] = _item(nanstd(rewards))
+    out["frac_reward_zero_std"] = _item(is_std_zero.float().mean())
+    return out
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    lengths = lengths.float()
+    done = lengths[~truncated]
+    out = {"completions/mean_length": _item(lengths.mean()), "completions/min_length": _item(lengths.min()),
+           "completions/max_length": _item(lengths.max()), "completions/clipped_ratio": _item(truncated.float().mean())}
+    out["completions/mean_terminated_length"] = _item(done.mean()) if done.numel() else 0.0
+    return out
+
+
+class LossStats:
+    """Token-weighted means over all micro-batches of an update, as TRL reduces them."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+        self.low_min, self.high_max = float("inf"), float("-inf")
+
+    def _add(self, key: str, x: torch.Tensor, mask: torch.Tensor):
+        if x.shape[1] == 1:  # sequence-level (GSPO): one value per sequence
+            s, c = x.sum(), torch.tensor(float(x.shape[0]))
+        else:
+            s, c = (x * mask).sum(), mask.sum()
+        self.sums[key] = self.sums.get(key, 0.0) + float(s)
+        self.counts[key] = self.counts.get(key, 0.0) + float(c)
+
+    def add(self, mask, entropy, kl, low, high, region):
+        with torch.no_grad():
+            mask = mask.float()
+            self._add("entropy", entropy, mask)
+            if kl is not None:
+                self._add("kl", kl, mask)
+            for key, x in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
+                           ("clip_ratio/region_mean", region)):
+                self._add(key, x.float(), mask)
+            seq = lambda x: x.float().squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            self.low_min = min(self.low_min, float(seq(low).min()))
+            self.high_max = max(self.high_max, float(seq(high).max()))
+
+    def result(self) -> dict[str, float]:
+        out = {k: self.sums[k] / max(self.counts[k], 1.0) for k in self.sums}
+        if self.sums:
+            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = self.low_min, self.high_max
+        return out

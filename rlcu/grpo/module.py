@@ -1,0 +1,308 @@
+"""GRPOModule: GRPO (and its DAPO / Dr. GRPO / GSPO variants) as a Lightning module with manual
+optimization. One `training_step` is one GRPO step:
+
+    generate G completions per prompt (rollout backend, on this module's own parameters)
+    -> score them (reward plugins) -> group advantages
+    -> num_iterations x [micro-batched forward/backward, clip, optimizer step, LR schedule]
+
+Options keep TRL's names and meanings. The maths are the pure functions of `loss.py`."""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from torch import nn
+
+from rlcu import plugins
+from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
+from rlcu.grpo import loss as L_
+from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
+from rlcu.models import CausalLM, load_model
+from rlcu.rewards.base import resolve_rewards, score
+from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
+
+log = logging.getLogger(__name__)
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _plain(v) -> bool:
+    """Whether a value can be saved as a hyperparameter (objects such as modules and callables cannot)."""
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
+
+
+def resolve_rollout(spec) -> RolloutBackend:
+    """A backend from an instance, a short name / import path, or {name|class_path, init_args}."""
+    init_args = {}
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        init_args = spec.pop("init_args", {}) or {}
+        spec = spec.pop("name", None) or spec.pop("class_path", None)
+    if isinstance(spec, str):
+        spec = plugins.load("rollouts", spec)
+    if isinstance(spec, type):
+        spec = spec(**init_args)
+    if not isinstance(spec, RolloutBackend):
+        raise TypeError(f"{type(spec).__name__} is not a rollout backend: it needs setup(module), "
+                        "generate(prompt_token_ids, sampling), release() and on_weights_updated()")
+    return spec
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(
+        self,
+        model: str | CausalLM = "smollm2-135m-instruct",
+        tokenizer: Any = None,
+        rewards: Any = ("math_answer",),
+        reward_weights: list[float] | None = None,
+        rollout: Any = "reference",
+        num_generations: int = 8,
+        max_prompt_length: int = 512,
+        max_completion_length: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        loss_type: str = "dapo",
+        importance_sampling_level: str = "token",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        num_iterations: int = 1,
+        scale_rewards: str = "group",
+        mask_truncated_completions: bool = False,
+        filter_zero_std_groups: bool = False,
+        micro_batch_size: int = 8,
+        learning_rate: float = 1e-6,
+        weight_decay: float = 0.0,
+        adam_betas: tuple[float, float] = (0.9, 0.999),
+        lr_scheduler: str = "constant",
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = 1.0,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__()
+        objects = dict(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout)
+        self.save_hyperparameters(ignore=[k for k, v in objects.items() if not _plain(v)])
+        self._check_options(loss_type, importance_sampling_level, scale_rewards, lr_scheduler, num_generations,
+                            micro_batch_size, num_iterations, epsilon, max_completion_length)
+        self.automatic_optimization = False
+        if isinstance(model, nn.Module):
+            if tokenizer is None:
+                raise ValueError("a model given as a module needs its tokenizer too (tokenizer=...)")
+            self.policy, self.tokenizer = model, tokenizer
+        else:
+            self.policy, self.tokenizer = load_model(model, dtype=dtype)
+            if tokenizer is not None:
+                self.tokenizer = tokenizer
+        self.policy.gradient_checkpointing = gradient_checkpointing
+        self.ref_model = None
+        if beta != 0.0:  # frozen copy of the starting policy for the KL term
+            self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        self.rewards = resolve_rewards(rewards, reward_weights)
+        self.rollout = resolve_rollout(rollout)
+        eos = set(self.policy.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.stop_token_ids = sorted(eos)
+        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+
+    @staticmethod
+    def _check_options(loss_type, level, scale, schedule, g, mb, iters, eps, max_len):
+        for value, allowed, name in ((loss_type, L_.LOSS_TYPES, "loss_type"), (level, L_.LEVELS, "importance_sampling_level"),
+                                     (scale, L_.SCALES, "scale_rewards"), (schedule, SCHEDULES, "lr_scheduler")):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if g < 2:
+            raise ValueError(f"num_generations must be >= 2 (GRPO compares completions within a group), got {g}")
+        if mb < 1 or iters < 1 or max_len < 1 or eps < 0:
+            raise ValueError("micro_batch_size, num_iterations and max_completion_length must be >= 1, epsilon >= 0")
+
+    # ---- Lightning hooks -------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        self.rollout.setup(self)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas))
+        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        if hp.lr_scheduler != "constant" and total is None:
+            raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps to know where it ends")
+
+        def factor(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / (hp.warmup_steps + 1)
+            if hp.lr_scheduler == "constant":
+                return 1.0
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            return 1.0 - progress if hp.lr_scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+
+    def trainer_state(self) -> dict:
+        """TRL passes `trainer_state` to rewards for schedules that depend on progress."""
+        max_steps = self.trainer.max_steps if self._trainer is not None else -1
+        return {"global_step": self.global_step, "max_steps": max_steps, "epoch": self.current_epoch}
+
+    # ---- one GRPO step ---------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        hp = self.hparams
+        rows = as_rows(batch)
+        g = hp.num_generations
+        t0 = self._now()
+        prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
+        sampling = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
+                                  top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
+                                  seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
+        was_training = self.policy.training
+        self.policy.eval()
+        rollout = self.rollout.generate([ids for ids in prompt_ids for _ in range(g)], sampling)
+        self.rollout.release()
+        self.policy.train(was_training)
+        t1 = self._now()
+
+        rewards_per_func, completions = self._score(rows, rollout)
+        weights = torch.tensor([r.weight for r in self.rewards])
+        rewards = L_.combine_rewards(rewards_per_func, weights)
+        advantages, _, is_std_zero = L_.group_advantages(rewards, g, hp.scale_rewards)
+        t2 = self._now()
+
+        batch_t = self._tensors(rollout, advantages)
+        keep = torch.ones(len(rollout), dtype=torch.bool)
+        if hp.filter_zero_std_groups:
+            keep = ~is_std_zero
+        metrics = reward_metrics(rewards_per_func, [r.name for r in self.rewards], rewards, is_std_zero)
+        metrics.update(completion_metrics(batch_t["lengths"], batch_t["truncated"]))
+        metrics.update(self._update(batch_t, keep) if keep.any() else {"skipped_updates": 1.0})
+        t3 = self._now()
+        gen_tokens = int(batch_t["lengths"].sum())
+        metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
+                        "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens)})
+        self._log_metrics(metrics)
+        self.last_rollout = dict(prompts=[r["prompt"] for r in rows for _ in range(g)], completions=completions,
+                                 rewards=rewards_per_func, advantages=advantages)
+        return None
+
+    def _encode(self, prompt, index: int) -> list[int]:
+        ids = encode_prompt(self.tokenizer, prompt)
+        if not ids:
+            raise ValueError(f"prompt {index} of the batch encodes to no tokens")
+        if len(ids) > self.hparams.max_prompt_length:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_length="
+                             f"{self.hparams.max_prompt_length}; raise max_prompt_length or shorten the prompt")
+        return ids
+
+    def _score(self, rows: list[dict], rollout: RolloutBatch):
+        g = self.hparams.num_generations
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        prompts = [r["prompt"] for r in rows for _ in range(g)]
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                       for p, t in zip(prompts, texts)]
+        keys = [k for k in rows[0] if k != "prompt"]
+        columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in keys}
+        return score(self.rewards, prompts, completions, rollout.completion_ids, columns,
+                     trainer_state=self.trainer_state()), completions
+
+    def _tensors(self, rollout: RolloutBatch, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Prompt left-padded and completion right-padded, as TRL lays them out."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        n, p = len(rollout), max(len(x) for x in rollout.prompt_ids)
+        c = max(1, max(len(x) for x in rollout.completion_ids))
+        prompt = torch.full((n, p), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(n, p, dtype=torch.long)
+        completion = torch.full((n, c), pad, dtype=torch.long)
+        completion_mask = torch.zeros(n, c, dtype=torch.long)
+        sampler_logps = torch.zeros(n, c)
+        for i, (pi, ci, lp) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.logprobs)):
+            prompt[i, p - len(pi):], prompt_mask[i, p - len(pi):] = torch.tensor(pi), 1
+            if ci:
+                completion[i, :len(ci)], completion_mask[i, :len(ci)] = torch.tensor(ci), 1
+                sampler_logps[i, :len(ci)] = torch.tensor(lp)
+        truncated = torch.tensor([r == "length" for r in rollout.finish_reasons])
+        loss_mask = completion_mask.clone()
+        if self.hparams.mask_truncated_completions:
+            loss_mask[truncated] = 0
+        return dict(input_ids=torch.cat([prompt, completion], 1), attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                    loss_mask=loss_mask, advantages=advantages, sampler_logps=sampler_logps, truncated=truncated,
+                    lengths=completion_mask.sum(1))
+
+    def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        return list(idx.split(self.hparams.micro_batch_size))
+
+    def _logps(self, model, b: dict, rows: torch.Tensor, grad: bool):
+        dev = self.device
+        ids, mask = b["input_ids"][rows].to(dev), b["attention_mask"][rows].to(dev)
+        with torch.set_grad_enabled(grad):
+            return completion_logprobs(model, ids, mask, b["loss_mask"].shape[1], self.hparams.temperature)
+
+    def _update(self, b: dict, keep: torch.Tensor) -> dict[str, float]:
+        hp = self.hparams
+        idx = keep.nonzero()[:, 0]
+        mbs = self._micro_batches(idx)
+        old = ref = None
+        if hp.num_iterations > 1:  # the policy moves between iterations: freeze the sampling-time logprobs
+            old = torch.cat([self._logps(self.policy, b, r, grad=False)[0] for r in mbs])
+        if self.ref_model is not None:
+            ref = torch.cat([self._logps(self.ref_model, b, r, grad=False)[0] for r in mbs])
+        num_items = b["loss_mask"][idx].sum().float()
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        stats, losses, grad_norms = LossStats(), [], []
+        gap_sum, gap_max = 0.0, 0.0
+        for it in range(hp.num_iterations):
+            opt.zero_grad()
+            total = 0.0
+            start = 0
+            for rows in mbs:
+                sl = slice(start, start + len(rows))
+                start += len(rows)
+                logps, entropy = self._logps(self.policy, b, rows, grad=True)
+                mask = b["loss_mask"][rows].to(self.device).float()
+                adv = b["advantages"][rows].to(self.device)
+                old_lp = old[sl] if old is not None else logps.detach()
+                ptl, coef, kl = L_.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
+                                                  hp.importance_sampling_level, ref[sl] if ref is not None else None, hp.beta)
+                loss = L_.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), num_items)
+                self.manual_backward(loss)
+                total += float(loss.detach())
+                if it == 0:  # sampler vs trainer logprobs of the same tokens under the same weights
+                    gap = (logps.detach() - b["sampler_logps"][rows].to(self.device)).abs() * mask
+                    gap_sum, gap_max = gap_sum + float(gap.sum()), max(gap_max, float(gap.max()))
+                stats.add(mask, entropy, kl, *L_.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
+            grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+            grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
+            if hp.max_grad_norm:
+                self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+            opt.step()
+            sched.step()
+            self.rollout.on_weights_updated()
+            losses.append(total)
+        out = stats.result()
+        out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
+                   learning_rate=sched.get_last_lr()[0])
+        out["logprob_mismatch/mean"] = gap_sum / max(float(num_items), 1.0)
+        out["logprob_mismatch/max"] = gap_max
+        return out
+
+    def _log_metrics(self, metrics: dict[str, float]) -> None:
+        shown = {"reward", "tokens_per_second"}
+        clean = {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        self.log_dict({k: v for k, v in clean.items() if k not in shown}, on_step=True, prog_bar=False,
+                      batch_size=1)
+        self.log_dict({k: clean[k] for k in shown if k in clean}, on_step=True, prog_bar=True, batch_size=1)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

@@ -1,0 +1,43 @@
+"""Plugins are Python entry points. A package registers rewards under `rlcu.rewards` and rollout
+backends under `rlcu.rollouts`; YAML names them by short name or by import path (`pkg.module:attr`
+or `pkg.module.attr`). Plain Python objects work everywhere too: no registry is required."""
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import EntryPoint, entry_points
+
+GROUPS = {"rewards": "rlcu.rewards", "rollouts": "rlcu.rollouts"}
+
+
+class UnknownPluginError(LookupError):
+    pass
+
+
+def available(kind: str) -> dict[str, EntryPoint]:
+    """Short name -> entry point, for kind 'rewards' or 'rollouts'."""
+    if kind not in GROUPS:
+        raise ValueError(f"unknown plugin kind {kind!r}; kinds: {sorted(GROUPS)}")
+    return {ep.name: ep for ep in entry_points(group=GROUPS[kind])}
+
+
+def import_path(path: str):
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module or not attr:
+        raise ImportError(f"{path!r} is not an import path (use 'package.module:attr')")
+    return getattr(importlib.import_module(module), attr)
+
+
+def load(kind: str, name: str):
+    """The object (class or function) registered as `name`, or found at import path `name`."""
+    found = available(kind)
+    if name in found:
+        return found[name].load()
+    if ":" in name or "." in name:
+        try:
+            return import_path(name)
+        except (ImportError, AttributeError) as e:
+            raise UnknownPluginError(f"cannot import {kind[:-1]} {name!r}: {e}") from e
+    raise UnknownPluginError(
+        f"unknown {kind[:-1]} {name!r}; available: {', '.join(sorted(found)) or 'none'}. "
+        f"Install a package that registers it under the '{GROUPS[kind]}' entry-point group, "
+        "or give an import path such as 'my_pkg.rewards:my_reward'.")

@@ -1,0 +1,75 @@
+"""Plain PyTorch sampling on the live policy: a left-padded batch decoded in lockstep over a dense KV
+cache. Simple and exact, it runs anywhere and is the oracle the native engine is tested against."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels.sampling import sample
+from rlcu.models.attention import DenseKVCache
+from rlcu.rollout.base import RolloutBatch, SamplingParams
+
+
+class ReferenceRollout:
+    def __init__(self, max_batch_size: int = 64):
+        self.max_batch_size = max_batch_size
+        self.model = None
+
+    def setup(self, module) -> None:
+        self.model = module.policy
+
+    def release(self) -> None:
+        pass  # the cache lives only inside generate()
+
+    def on_weights_updated(self) -> None:
+        pass  # the model is the module's own: nothing to sync
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        if self.model is None:
+            raise RuntimeError("ReferenceRollout.generate() called before setup(module)")
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("every prompt needs at least one token")
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item()))
+        out = RolloutBatch([], [], [], [])
+        for start in range(0, len(prompt_token_ids), self.max_batch_size):
+            chunk = prompt_token_ids[start:start + self.max_batch_size]
+            ids, lps, reasons = self._generate(chunk, sampling, gen, device)
+            out.prompt_ids += [list(p) for p in chunk]
+            out.completion_ids += ids
+            out.logprobs += lps
+            out.finish_reasons += reasons
+        return out
+
+    def _generate(self, prompts, sp: SamplingParams, gen, device):
+        model, cfg = self.model, self.model.config
+        b, p = len(prompts), max(len(x) for x in prompts)
+        ids = torch.zeros(b, p, dtype=torch.long, device=device)
+        valid = torch.zeros(b, p, dtype=torch.bool, device=device)
+        for i, x in enumerate(prompts):
+            ids[i, p - len(x):] = torch.tensor(x, device=device)
+            valid[i, p - len(x):] = True
+        cache = DenseKVCache(cfg.num_hidden_layers, b, p + sp.max_tokens, cfg.num_key_value_heads, cfg.head_dim,
+                             model.model.embed_tokens.weight.dtype, device)
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = model(ids, pos, cache.step(valid))[:, -1]
+        stop = torch.tensor(sorted(set(sp.stop_token_ids)) or [-1], device=device)
+        finished = torch.zeros(b, dtype=torch.bool, device=device)
+        tokens, logprobs, lengths = [], [], torch.zeros(b, dtype=torch.long, device=device)
+        pos = pos[:, -1:]
+        for step in range(sp.max_tokens):
+            tok, lp = sample(model.lm_head(hidden), sp.temperature, sp.top_k, sp.top_p, sp.min_p, gen)
+            tokens.append(tok)
+            logprobs.append(lp)
+            lengths += (~finished).long()
+            finished |= torch.isin(tok, stop)
+            if bool(finished.all()) or step == sp.max_tokens - 1:
+                break
+            pos = pos + 1
+            hidden = model(tok[:, None], pos, cache.step(torch.ones(b, 1, dtype=torch.bool, device=device)))[:, -1]
+        toks = torch.stack(tokens, 1).tolist()
+        lps = torch.stack(logprobs, 1).tolist()
+        lengths, finished = lengths.tolist(), finished.tolist()
+        return ([t[:n] for t, n in zip(toks, lengths)], [lp[:n] for lp, n in zip(lps, lengths)],
+                ["stop" if f else "length" for f in finished])
