@@ -52,3 +52,42 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
     model.save_pretrained(path)
     word_tokenizer(vocab_size, path)
     return Path(path)
+
+
+def toy_rows(n: int, seed: int = 0, chat: bool = False) -> list[dict]:
+    """Prompt 'tD' (D in 0..7); the verifiable answer is token t(D+8), repeated."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        d = rng.randrange(8)
+        prompt = [{"role": "user", "content": f"t{d}"}] if chat else f"t{d}"
+        rows.append({"prompt": prompt, "target": d + 8})
+    return rows
+
+
+def match_target(prompts, completions, completion_ids, target, **kwargs):
+    """A TRL-style reward: the fraction of 4 completion tokens equal to the row's target token."""
+    return [sum(t == tg for t in ids) / 4 for ids, tg in zip(completion_ids, target)]
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def fit(module, rows, steps: int, log_dir, batch_size: int = 4, max_epochs: int | None = None):
+    """Train with Lightning on CPU and return the logged metrics rows (CSV logger, as users see them)."""
+    import csv
+    import logging
+
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from rlcu.data.prompts import collate_rows
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accelerator="cpu", logger=L.loggers.CSVLogger(log_dir), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(module, DataLoader(rows, batch_size=batch_size, collate_fn=collate_rows))
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]

@@ -29,6 +29,7 @@ from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
 
 log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear", "cosine")
+MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
 
 
 def _plain(v) -> bool:
@@ -185,7 +186,7 @@ class GRPOModule(L.LightningModule):
             keep = ~is_std_zero
         metrics = reward_metrics(rewards_per_func, [r.name for r in self.rewards], rewards, is_std_zero)
         metrics.update(completion_metrics(batch_t["lengths"], batch_t["truncated"]))
-        metrics.update(self._update(batch_t, keep) if keep.any() else {"skipped_updates": 1.0})
+        metrics.update(self._update(batch_t, keep) if keep.any() else self._skip())
         t3 = self._now()
         gen_tokens = int(batch_t["lengths"].sum())
         metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
@@ -238,6 +239,15 @@ class GRPOModule(L.LightningModule):
                     loss_mask=loss_mask, advantages=advantages, sampler_logps=sampler_logps, truncated=truncated,
                     lengths=completion_mask.sum(1))
 
+    def _skip(self) -> dict[str, float]:
+        """Every group had zero reward variance and was filtered: no update, so no optimizer step."""
+        self._skips = getattr(self, "_skips", 0) + 1
+        if self._skips >= MAX_CONSECUTIVE_SKIPS:
+            raise RuntimeError(f"{self._skips} batches in a row had zero reward variance in every group, so "
+                               "filter_zero_std_groups left nothing to train on; check that the rewards can tell "
+                               "completions apart, or set filter_zero_std_groups=false")
+        return {"skipped_updates": 1.0}
+
     def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
         return list(idx.split(self.hparams.micro_batch_size))
 
@@ -249,6 +259,7 @@ class GRPOModule(L.LightningModule):
 
     def _update(self, b: dict, keep: torch.Tensor) -> dict[str, float]:
         hp = self.hparams
+        self._skips = 0
         idx = keep.nonzero()[:, 0]
         mbs = self._micro_batches(idx)
         old = ref = None

@@ -1,0 +1,114 @@
+"""GRPOModule contracts: shared parameters, TRL rewards unchanged, metrics, and clear errors."""
+import pytest
+import torch
+
+from rlcu.grpo.module import GRPOModule
+from rlcu.models import load_model
+from rlcu.plugins import UnknownPluginError
+from rlcu.rewards.base import RewardError
+from rlcu.rollout import SamplingParams
+from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_rows
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    tok.chat_template = CHAT_TEMPLATE
+    return model, tok
+
+
+def make(tiny, **kw):
+    options = dict(rewards=[match_target], num_generations=4, max_completion_length=4, learning_rate=1e-2,
+                   micro_batch_size=8)
+    options.update(kw)
+    return GRPOModule(tiny[0], tokenizer=tiny[1], **options)
+
+
+def test_rollout_runs_on_the_modules_own_parameters(tiny, tmp_path):
+    module = make(tiny, learning_rate=0.5, max_grad_norm=None)
+    module.setup("fit")
+    assert module.rollout.model is module.policy
+    ptrs = {n: p.data_ptr() for n, p in module.policy.named_parameters()}
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [[1], [2, 3], [4, 5, 6]]
+    before = module.rollout.generate(prompts, greedy).completion_ids
+    fit(module, toy_rows(4), steps=1, log_dir=tmp_path)
+    assert {n: p.data_ptr() for n, p in module.policy.named_parameters()} == ptrs  # updated in place, never copied
+    assert module.rollout.model is module.policy
+    assert module.rollout.generate(prompts, greedy).completion_ids != before  # the next rollout sees the new weights
+
+
+def test_trl_reward_functions_run_unchanged(tiny, tmp_path):
+    trl_rewards = pytest.importorskip("trl.rewards")
+    module = make(tiny, rewards=[trl_rewards.think_format_reward,
+                                 trl_rewards.get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)])
+    metrics = fit(module, toy_rows(8, chat=True), steps=2, log_dir=tmp_path)
+    names = {k for m in metrics for k in m}
+    assert {"rewards/think_format_reward/mean", "rewards/soft_overlong_punishment_reward/mean"} <= names
+    assert all(m["rewards/think_format_reward/mean"] == 0.0 for m in metrics if "reward" in m)  # no <think> in 4 tokens
+    completions = module.last_rollout["completions"]
+    assert isinstance(completions[0], list) and completions[0][0]["role"] == "assistant"  # TRL's conversational form
+
+
+def test_metrics_carry_trl_names_and_timings(tiny, tmp_path):
+    metrics = fit(make(tiny), toy_rows(8), steps=2, log_dir=tmp_path)
+    step = [m for m in metrics if "reward" in m][-1]
+    for name in ("reward", "reward_std", "rewards/match_target/mean", "frac_reward_zero_std", "completions/mean_length",
+                 "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "entropy", "loss", "grad_norm", "learning_rate", "timing/generate", "timing/score", "timing/train",
+                 "tokens_per_second", "logprob_mismatch/max"):
+        assert name in step, name
+    assert step["logprob_mismatch/max"] < 1e-4  # sampler and trainer agree on the same weights
+    assert 1 <= step["completions/mean_length"] <= 4
+
+
+def test_mask_truncated_and_zero_std_filtering(tiny, tmp_path):
+    def constant(prompts, completions, completion_ids, **kw):
+        return [1.0] * len(completions)
+
+    module = make(tiny, rewards=[constant], filter_zero_std_groups=True, mask_truncated_completions=True)
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    metrics = fit(module, toy_rows(8), steps=-1, max_epochs=1, log_dir=tmp_path)
+    assert len([m for m in metrics if "reward" in m]) == 2
+    assert all(m.get("frac_reward_zero_std") == 1.0 for m in metrics if "reward" in m)
+    assert any(m.get("skipped_updates") == 1.0 for m in metrics)  # every group filtered: nothing to learn from
+    assert all(torch.equal(a, b) for a, b in zip(before, module.policy.parameters()))
+
+
+def test_a_reward_without_signal_stops_the_run_instead_of_looping(tiny, tmp_path):
+    def constant(prompts, completions, completion_ids, **kw):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RuntimeError, match="20 batches in a row had zero reward variance"):
+        fit(make(tiny, rewards=[constant], filter_zero_std_groups=True), toy_rows(8), steps=5, log_dir=tmp_path)
+
+
+def test_lr_schedule_warms_up_and_decays(tiny, tmp_path):
+    module = make(tiny, lr_scheduler="linear", warmup_steps=2, learning_rate=1e-2)
+    lrs = [m["learning_rate"] for m in fit(module, toy_rows(24), steps=6, log_dir=tmp_path) if "learning_rate" in m]
+    expected = [1e-2 * f for f in (2 / 3, 1.0, 0.75, 0.5, 0.25, 0.0)]  # lr after each step's scheduler tick
+    assert lrs == pytest.approx(expected)
+
+
+def test_clear_errors(tiny, tmp_path):
+    with pytest.raises(UnknownPluginError, match="unknown reward 'mth_answer'; available: .*math_answer"):
+        make(tiny, rewards=["mth_answer"])
+    with pytest.raises(UnknownPluginError, match="unknown rollout 'vllm'; available: .*reference"):
+        make(tiny, rollout="vllm")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        make(tiny, loss_type="ppo")
+    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+        make(tiny, num_generations=1)
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        GRPOModule(tiny[0], rewards=[match_target])
+    with pytest.raises(ValueError, match=r"prompt 0 has 5 tokens, more than max_prompt_length=3"):
+        fit(make(tiny, max_prompt_length=3), [{"prompt": "t1 t2 t3 t4 t5", "target": 8}] * 4, 1, tmp_path)
+
+    def broken(prompts, completions, completion_ids, **kw):
+        raise RuntimeError("grader offline")
+
+    with pytest.raises(RewardError, match="reward 'broken' raised RuntimeError: grader offline on sample 0"):
+        fit(make(tiny, rewards=[broken]), toy_rows(4), 1, tmp_path)
+    with pytest.raises(RewardError, match="'math_answer' needs the dataset column 'answer'; the batch has \\['target'\\]"):
+        fit(make(tiny, rewards=["math_answer"]), toy_rows(4), 1, tmp_path)
