@@ -1,0 +1,25 @@
+"""The README's Python example, run as written: 3 GRPO steps of SmolLM2 on CPU change its parameters."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.mark.slow
+def test_readme_grpo_example_trains_smollm2(smollm2_folder):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    example = next(b for b in blocks if "trainer.fit" in b)
+    scope: dict = {}
+    exec(compile(example, str(README), "exec"), scope)
+    module, trainer = scope["module"], scope["trainer"]
+    assert trainer.global_step == 3
+    from rlcu.models import load_model
+
+    start, _ = load_model("smollm2-135m-instruct")
+    changed = [n for (n, p), q in zip(module.policy.named_parameters(), start.parameters()) if not torch.equal(p, q)]
+    assert len(changed) > 0.9 * len(list(start.parameters())), f"only {len(changed)} tensors changed"
+    metrics = trainer.callback_metrics
+    assert {"reward", "rewards/math_answer/mean", "completions/mean_length", "loss"} <= set(metrics)
