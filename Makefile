@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml plugins/rlcu-repetition/pyproject.toml
 install: $(VENV)/.installed
 
 quickstart: install
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/rlcu run quickstart
 
 test: install
 	$(BIN)/python -m pytest -q

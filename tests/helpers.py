@@ -31,7 +31,8 @@ def word_tokenizer(vocab_size: int, path: Path | None = None):
 
 
 def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidden: int = 48, layers: int = 2,
-                   heads: int = 6, kv_heads: int = 2, head_dim: int | None = 16, seed: int = 0, **overrides) -> Path:
+                   heads: int = 6, kv_heads: int = 2, head_dim: int | None = 16, seed: int = 0,
+                   chat_template: str | None = None, **overrides) -> Path:
     """A transformers model with random weights (GQA group 3 by default), saved as an HF folder."""
     import transformers
 
@@ -50,7 +51,10 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
-    word_tokenizer(vocab_size, path)
+    tok = word_tokenizer(vocab_size)
+    if chat_template:
+        tok.chat_template = chat_template
+    tok.save_pretrained(path)
     return Path(path)
 
 

@@ -1,5 +1,8 @@
-"""PromptDataModule: rows of prompts (a list of dicts or a Hugging Face `datasets.Dataset`) served in
-seeded shuffled batches of row dicts, validated at setup so bad data fails before any training."""
+"""PromptDataModule: prompt rows served in seeded, shuffled batches of row dicts, validated at setup so
+bad data fails before any training step.
+
+`dataset` is an embedded task ('arithmetic', 'countdown'), a loader ('gsm8k', 'math'), a hub name or
+local files with a 'prompt' column, or rows given directly (a list of dicts or a `datasets.Dataset`)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -8,27 +11,55 @@ import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader
 
-from rlcu.data.prompts import PROMPT, collate_rows
+from rlcu.data.prompts import PROMPT, collate_rows, is_conversational
 
 
 class PromptDataModule(L.LightningDataModule):
-    def __init__(self, train: Sequence[dict] | Any, batch_size: int = 8, shuffle: bool = True, seed: int = 0,
-                 required_columns: Sequence[str] = ()):
+    def __init__(self, dataset: Any = "arithmetic", dataset_args: dict[str, Any] | None = None, split: str = "train",
+                 batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
+                 required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None):
         super().__init__()
-        self.train, self.batch_size, self.shuffle, self.seed = train, batch_size, shuffle, seed
-        self.required_columns = list(required_columns)
+        self.save_hyperparameters(ignore=[] if isinstance(dataset, (str, list)) and all(
+            isinstance(x, str) for x in ([dataset] if isinstance(dataset, str) else dataset)) else ["dataset"])
+        self.dataset, self.dataset_args, self.split = dataset, dataset_args, split
+        self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
+        self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt
+        self.train_set = None
 
     def setup(self, stage: str | None = None) -> None:
-        if len(self.train) == 0:
-            raise ValueError("the training dataset is empty")
-        columns = set(self.train.column_names) if hasattr(self.train, "column_names") else set(self.train[0])
-        missing = [c for c in [PROMPT, *self.required_columns] if c not in columns]
-        if missing:
-            raise KeyError(f"the training dataset lacks the column(s) {missing}; it has {sorted(columns)}")
+        if self.train_set is not None:
+            return
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        rows = self.dataset
+        if isinstance(rows, str) or (isinstance(rows, list) and rows and all(isinstance(x, str) for x in rows)):
+            from rlcu.data.sources import build_dataset
+
+            rows = build_dataset(rows, self.dataset_args, self.split)
+        elif self.dataset_args:
+            raise ValueError("dataset_args apply only when dataset is a name or files, not to rows given directly")
+        if self.max_samples is not None:
+            rows = rows.select(range(min(self.max_samples, len(rows)))) if hasattr(rows, "select") else rows[:self.max_samples]
+        if len(rows) == 0:
+            raise ValueError(f"the training dataset {self.dataset if isinstance(self.dataset, str) else ''} is empty")
+        columns = set(rows.column_names) if hasattr(rows, "column_names") else set(rows[0])
+        missing = [c for c in [PROMPT, *self.required_columns] if c not in columns]
+        if missing:
+            raise KeyError(f"the training dataset lacks the column(s) {missing}; it has {sorted(columns)}. "
+                           "Rename a column to 'prompt', or use a loader such as 'gsm8k' that builds it.")
+        if self.as_chat or self.system_prompt:
+            rows = [self._to_chat(dict(r)) for r in rows]
+        self.train_set = rows
+
+    def _to_chat(self, row: dict) -> dict:
+        prompt = row[PROMPT]
+        messages = prompt if is_conversational(prompt) else [{"role": "user", "content": str(prompt)}]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return dict(row, prompt=messages)
 
     def train_dataloader(self) -> DataLoader:
+        self.setup()
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
                           collate_fn=collate_rows)

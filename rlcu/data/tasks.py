@@ -3,15 +3,47 @@ from __future__ import annotations
 
 import random
 
+ARITHMETIC_QUESTION = "What is {a} {op} {b}? Give only the final number."
+COUNTDOWN_QUESTION = ("Using the numbers {nums}, create an equation that equals {target}. You can use + - * / and "
+                      "brackets, and each number exactly once. Show your work in <think> </think> tags and give the "
+                      "final equation in <answer> </answer> tags, for example <answer>(1 + 2) / 3</answer>.")
 
-def arithmetic(n: int, seed: int = 0, digits: int = 2, ops: str = "+") -> list[dict]:
-    """'What is A + B? Give only the final number.' with the answer as a string (chat prompts)."""
+
+def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+") -> list[dict]:
+    """'What is A + B? Give only the final number.' (chat prompts) with the answer as a string."""
+    if n < 1 or digits < 1 or not ops or set(ops) - set("+-*"):
+        raise ValueError(f"arithmetic needs n >= 1, digits >= 1 and ops from '+-*', got n={n}, digits={digits}, ops={ops!r}")
     rng = random.Random(seed)
-    lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1
+    lo, hi = (10 ** (digits - 1) if digits > 1 else 0), 10 ** digits - 1
     rows = []
     for _ in range(n):
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} {op} {b}? Give only the final number."}],
+        rows.append({"prompt": [{"role": "user", "content": ARITHMETIC_QUESTION.format(a=a, op=op, b=b)}],
                      "answer": str(value)})
     return rows
+
+
+def countdown(n: int = 1000, seed: int = 0, num_numbers: int = 3, max_number: int = 25) -> list[dict]:
+    """Countdown puzzles that are solvable by construction: the target is computed from a random
+    equation over the numbers, which are then shuffled."""
+    if n < 1 or not 2 <= num_numbers <= 6:
+        raise ValueError(f"countdown needs n >= 1 and 2 <= num_numbers <= 6, got n={n}, num_numbers={num_numbers}")
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        nums = [rng.randint(1, max_number) for _ in range(num_numbers)]
+        value = nums[0]
+        for x in nums[1:]:
+            op = rng.choice("+-*")
+            value = value + x if op == "+" else value - x if op == "-" else value * x
+        if not 1 <= value <= 1000:
+            continue
+        shown = nums[:]
+        rng.shuffle(shown)
+        rows.append({"prompt": [{"role": "user", "content": COUNTDOWN_QUESTION.format(nums=shown, target=value)}],
+                     "nums": shown, "target": value})
+    return rows
+
+
+TASKS = {"arithmetic": arithmetic, "countdown": countdown}

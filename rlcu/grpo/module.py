@@ -134,6 +134,15 @@ class GRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         self.rollout.setup(self)
 
+    def on_fit_start(self) -> None:
+        """Check every training prompt against the tokenizer before the first step, so data errors
+        surface at set-up and never mid-run."""
+        dm = getattr(self.trainer, "datamodule", None)
+        rows = getattr(dm, "train_set", None)
+        if rows is not None:
+            for i, row in enumerate(rows):
+                self._encode(row["prompt"], i)
+
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -199,7 +208,7 @@ class GRPOModule(L.LightningModule):
     def _encode(self, prompt, index: int) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
         if not ids:
-            raise ValueError(f"prompt {index} of the batch encodes to no tokens")
+            raise ValueError(f"prompt {index} encodes to no tokens")
         if len(ids) > self.hparams.max_prompt_length:
             raise ValueError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_length="
                              f"{self.hparams.max_prompt_length}; raise max_prompt_length or shorten the prompt")

@@ -1,0 +1,4 @@
+from rlcu.callbacks.completions import CompletionsTable
+from rlcu.callbacks.plot import RewardPlot
+
+__all__ = ["CompletionsTable", "RewardPlot"]

@@ -1,0 +1,45 @@
+"""Every N steps, the step's prompts, completions, per-reward scores and advantages: appended to
+`completions.jsonl` in the run folder and, with a wandb logger, logged as a table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as L
+
+from rlcu.rewards.base import completion_text
+
+
+class CompletionsTable(L.Callback):
+    def __init__(self, every_n_steps: int = 10, max_rows: int = 16):
+        if every_n_steps < 1 or max_rows < 1:
+            raise ValueError("every_n_steps and max_rows must be >= 1")
+        self.every_n_steps, self.max_rows = every_n_steps, max_rows
+        self._done_step = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        rollout = getattr(pl_module, "last_rollout", None)
+        if rollout is None or step == self._done_step or (step - 1) % self.every_n_steps or not trainer.is_global_zero:
+            return
+        self._done_step = step
+        names = [r.name for r in pl_module.rewards]
+        rows = []
+        for i in range(min(self.max_rows, len(rollout["completions"]))):
+            row = {"step": step, "prompt": completion_text(rollout["prompts"][i]),
+                   "completion": completion_text(rollout["completions"][i]),
+                   "advantage": float(rollout["advantages"][i])}
+            for j, name in enumerate(names):
+                v = float(rollout["rewards"][i, j])
+                row[name] = None if v != v else v
+            rows.append(row)
+        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "completions.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        for logger in trainer.loggers:
+            if isinstance(logger, L.loggers.WandbLogger):
+                columns = list(rows[0])
+                logger.log_table(key="completions", columns=columns, data=[[r[c] for c in columns] for r in rows],
+                                 step=step)

@@ -1,0 +1,141 @@
+"""The `rlcu` command, on LightningCLI (jsonargparse).
+
+    rlcu run RECIPE [--section.key=value ...]   run a recipe by name (rlcu recipes) or YAML path
+    rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
+    rlcu plugins                                rewards and rollout backends found through entry points
+    rlcu recipes                                the shipped recipes
+
+Any field can be overridden as `--model.learning_rate=1e-5` (the form wandb sweep agents pass); the
+resolved config is saved as config.yaml in every run's folder."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rlcu import plugins
+
+USAGE = __doc__.split("\n\n")[1]
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def recipe_dirs() -> list[Path]:
+    dirs = [Path(p) for p in os.environ.get("RLCU_RECIPES", "").split(os.pathsep) if p]
+    return dirs + [Path.cwd() / "recipes", PACKAGE_ROOT / "recipes"]
+
+
+def recipes() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in recipe_dirs():
+        for cfg in sorted(d.glob("*/config.yaml")) if d.is_dir() else []:
+            found.setdefault(cfg.parent.name, cfg)
+    return found
+
+
+def find_recipe(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file {name} does not exist")
+        return path
+    found = recipes()
+    if name not in found:
+        raise FileNotFoundError(f"unknown recipe {name!r}; available: {', '.join(sorted(found)) or 'none'} "
+                                f"(searched {', '.join(str(d) for d in recipe_dirs())})")
+    return found[name]
+
+
+def describe(config: Path) -> str:
+    """The first comment line of a recipe's YAML header."""
+    for line in config.read_text().splitlines():
+        if line.startswith("#") and line.strip("# ").strip():
+            return line.strip("# ").strip()
+    return ""
+
+
+def print_plugins() -> None:
+    for kind in plugins.GROUPS:
+        print(f"{kind} ({plugins.GROUPS[kind]}):")
+        for name, ep in sorted(plugins.available(kind).items()):
+            dist = ep.dist.name if ep.dist else "?"
+            print(f"  {name:<22} {ep.value:<45} from {dist}")
+
+
+def print_recipes() -> None:
+    for name, cfg in sorted(recipes().items()):
+        print(f"  {name:<14} {describe(cfg)}")
+        print(f"  {'':<14} {cfg}")
+
+
+def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
+    """The LightningCLI. `parse_only` validates and resolves a config without building the model, data
+    and trainer (for tests of shipped configs and of sweep argument lines)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from rlcu.data.module import PromptDataModule
+    from rlcu.grpo.module import GRPOModule
+
+    class RLCUCLI(LightningCLI):
+        def instantiate_classes(self) -> None:
+            if not parse_only:
+                super().instantiate_classes()
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            if not parse_only:
+                super()._run_subcommand(subcommand)
+
+        def before_instantiate_classes(self) -> None:
+            from rlcu.loggers import wandb_available
+
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            loggers = cfg.trainer.logger
+            if isinstance(loggers, list) and not wandb_available():
+                kept = [lg for lg in loggers if "WandbLogger" not in str(getattr(lg, "class_path", ""))]
+                if len(kept) != len(loggers):
+                    print("rlcu: wandb is not installed; logging without it (pip install wandb)", file=sys.stderr)
+                    cfg.trainer.logger = kept
+
+    argv, sys.argv = sys.argv, sys.argv[:1]  # the args are passed explicitly; LightningCLI warns if argv has more
+    try:
+        return RLCUCLI(GRPOModule, PromptDataModule, args=args, run=run, save_config_kwargs={"overwrite": True},
+                       parser_kwargs={"default_env": False}, auto_configure_optimizers=False)
+    finally:
+        sys.argv = argv
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from rlcu.rewards.base import RewardError
+
+    return (plugins.UnknownPluginError, RewardError, FileNotFoundError, KeyError, ValueError, TypeError)
+
+
+def expand_run(argv: list[str]) -> list[str]:
+    """`run RECIPE ARGS...` is `fit --config RECIPE_YAML ARGS...`; anything else passes through."""
+    if not argv or argv[0] != "run":
+        return argv
+    if len(argv) < 2 or argv[1].startswith("-"):
+        raise ValueError(f"usage: rlcu run RECIPE [--section.key=value ...]; recipes: {', '.join(sorted(recipes()))}")
+    return ["fit", "--config", str(find_recipe(argv[1]))] + argv[2:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage:\n{USAGE}\n\nLightningCLI subcommands: fit, validate, test, predict (rlcu fit --help)")
+        return
+    try:
+        if argv[0] == "plugins":
+            return print_plugins()
+        if argv[0] == "recipes":
+            return print_recipes()
+        build_cli(expand_run(argv))
+    except user_errors() as e:
+        if os.environ.get("RLCU_DEBUG"):
+            raise
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"rlcu: error: {message}\n(set RLCU_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Where prompt rows come from, as Hugging Face `datasets`: an embedded task ('arithmetic',
+'countdown'), a gsm8k- or MATH-style loader ('gsm8k', 'math') that takes a hub name or local files of
+the same schema, or any other dataset (hub name, or local json/jsonl/csv/parquet files) that already
+has a 'prompt' column."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlcu.data.tasks import TASKS
+from rlcu.rewards.math import last_boxed
+
+GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final number after '####'."
+MATH_INSTRUCTION = "Solve the problem step by step and put the final answer in \\boxed{}."
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(path: str | list[str], split: str = "train", name: str | None = None):
+    """A `datasets.Dataset` from a hub name or local files (one file, a list, or a folder)."""
+    import datasets
+
+    files = [path] if isinstance(path, str) else list(path)
+    local = [Path(f) for f in files if Path(f).exists()]
+    if local:
+        if len(local) == 1 and local[0].is_dir():
+            local = sorted(p for p in local[0].iterdir() if p.suffix in LOCAL_FORMATS)
+        kinds = {LOCAL_FORMATS.get(p.suffix) for p in local}
+        if None in kinds or len(kinds) != 1:
+            raise ValueError(f"local data files must all be one of {sorted(LOCAL_FORMATS)}; got {[str(p) for p in local]}")
+        return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in local], split="train")
+    if isinstance(path, list):
+        raise FileNotFoundError(f"data files not found: {files}")
+    try:
+        return datasets.load_dataset(path, name, split=split)
+    except Exception as e:
+        raise RuntimeError(f"could not load dataset {path!r} (split {split!r}): {type(e).__name__}: {e}. Offline? "
+                           "Pass local files of the same schema instead.") from e
+
+
+def _chat(question: str, instruction: str, system_prompt: str | None) -> list[dict]:
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": f"{question}\n{instruction}"}]
+
+
+def _require(ds, columns: list[str], what: str):
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise KeyError(f"{what} needs the column(s) {missing}; the data has {ds.column_names}")
+
+
+def gsm8k(path: str | list[str] = "openai/gsm8k", split: str = "train", system_prompt: str | None = None,
+          name: str | None = "main"):
+    """gsm8k schema: 'question', and 'answer' whose final number follows '####'."""
+    ds = load_rows(path, split, name if isinstance(path, str) and not Path(path).exists() else None)
+    _require(ds, ["question", "answer"], "the gsm8k loader")
+    return ds.map(lambda r: {"prompt": _chat(r["question"], GSM8K_INSTRUCTION, system_prompt),
+                             "answer": r["answer"].split("####")[-1].strip().replace(",", "")},
+                  remove_columns=ds.column_names)
+
+
+def math(path: str | list[str] = "EleutherAI/hendrycks_math", split: str = "train", system_prompt: str | None = None,
+         name: str | None = None):
+    """MATH schema: 'problem', and 'solution' whose final answer is the last \\boxed{}."""
+    ds = load_rows(path, split, name)
+    _require(ds, ["problem", "solution"], "the MATH loader")
+    return ds.map(lambda r: {"prompt": _chat(r["problem"], MATH_INSTRUCTION, system_prompt),
+                             "answer": last_boxed(r["solution"])}, remove_columns=ds.column_names)
+
+
+LOADERS = {"gsm8k": gsm8k, "math": math}
+
+
+def build_dataset(source: str | list[str], args: dict[str, Any] | None = None, split: str = "train"):
+    """Rows for `source`: a task name, a loader name, or a dataset path / hub name with a 'prompt' column."""
+    import datasets
+
+    args = dict(args or {})
+    if isinstance(source, str) and source in TASKS:
+        if "split" in args:
+            raise ValueError("embedded tasks are generated: use 'seed' and 'n' instead of 'split'")
+        return datasets.Dataset.from_list(TASKS[source](**args))
+    if isinstance(source, str) and source in LOADERS:
+        return LOADERS[source](split=args.pop("split", split), **args)
+    ds = load_rows(source, args.pop("split", split), args.pop("name", None))
+    if args:
+        raise ValueError(f"unused dataset_args {sorted(args)} for a plain dataset (only 'split' and 'name' apply)")
+    return ds

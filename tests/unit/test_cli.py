@@ -1,0 +1,153 @@
+"""The rlcu command: shipped configs parse, sweep agents' argument lines are accepted, and bad input
+gets a clear error."""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlcu import cli
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(ROOT.glob("recipes/*/config.yaml")) + sorted(p for p in ROOT.glob("configs/*/*.yaml")
+                                                              if p.parent.name != "sweeps")
+
+
+def parse(argv):
+    return cli.build_cli(cli.expand_run(argv), parse_only=True).config["fit"]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_config_parses(path):
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("# "), f"{path} needs a header comment saying what it is"
+    parse(["fit", "--config", str(path)])
+
+
+def test_recipes_say_command_hardware_and_expected_result():
+    for path in ROOT.glob("recipes/*/config.yaml"):
+        head = path.read_text().split("\nseed_everything")[0]
+        for word in ("Command:", "Hardware:", "Expected:"):
+            assert word in head, f"{path}: header lacks {word}"
+        assert (path.parent / "README.md").exists(), f"{path.parent} has no README"
+
+
+def test_fragments_compose_and_overrides_win():
+    cfg = parse(["fit", "--config", str(ROOT / "recipes/quickstart/config.yaml"),
+                 "--config", str(ROOT / "configs/trainer/cpu.yaml"),
+                 "--config", str(ROOT / "configs/rewards/countdown.yaml"), "--model.learning_rate=3e-6"])
+    assert cfg.trainer.accelerator == "cpu" and cfg.model.learning_rate == 3e-6
+    assert cfg.model.rewards[0] == "countdown" and cfg.model.num_generations == 4  # the rest from the recipe
+
+
+def test_run_expands_to_fit_with_the_recipe():
+    argv = cli.expand_run(["run", "quickstart", "--model.temperature=0.7"])
+    assert argv[:2] == ["fit", "--config"] and argv[2].endswith("recipes/quickstart/config.yaml")
+    with pytest.raises(FileNotFoundError, match="unknown recipe 'quikstart'; available: .*quickstart"):
+        cli.expand_run(["run", "quikstart"])
+
+
+def sweep_argument_lines(sweep: dict) -> list[list[str]]:
+    """What a wandb agent substitutes for ${args}: one `--name=value` per parameter (here: each listed
+    value in turn, and the bounds of distributions)."""
+    lines = []
+    params = sweep["parameters"]
+    width = max(len(p.get("values", [0])) for p in params.values())
+    for i in range(width):
+        line = []
+        for name, p in params.items():
+            value = p["value"] if "value" in p else p["values"][i % len(p["values"])] if "values" in p else p["min" if i % 2 else "max"]
+            line.append(f"--{name}={value}")
+        lines.append(line)
+    return lines
+
+
+def test_wandb_sweep_argument_lines_are_accepted():
+    sweep = yaml.safe_load((ROOT / "configs/sweeps/quickstart.yaml").read_text())
+    assert sweep["program"] == "rlcu" and sweep["metric"]["name"] == "reward"
+    command = [c for c in sweep["command"] if c not in ("${program}", "${args}")]
+    for line in sweep_argument_lines(sweep):
+        cfg = parse(command + line)
+        for arg in line:
+            key, value = arg[2:].split("=", 1)
+            section, field = key.split(".")
+            assert str(cfg[section][field]) == value or float(cfg[section][field]) == float(value)
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_unknown_config_key_and_wrong_type(capsys):
+    code, err = run_main(["run", "quickstart", "--model.lerning_rate=1e-5"], capsys)
+    assert code == 2 and "model.lerning_rate" in err
+    code, err = run_main(["run", "quickstart", "--model.num_generations=many"], capsys)
+    assert code == 2 and "num_generations" in err and "many" in err
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    return str(tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                              chat_template=CHAT_TEMPLATE))
+
+
+def fast_run(tiny_model, tmp_path, *extra):
+    return ["run", "quickstart", f"--model.model={tiny_model}", "--model.max_completion_length=4", "--trainer.max_steps=2",
+            "--trainer.logger+=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false", "--model.max_prompt_length=64", *extra]
+
+
+def test_unknown_plugin_lists_available(capsys, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(fast_run(tiny_model, tmp_path, "--model.rewards=[math_answr]"), capsys)
+    assert code == 2 and "unknown reward 'math_answr'; available:" in err and "math_answer" in err
+
+
+def test_missing_dataset_column_is_an_error_before_training(capsys, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = Path(__file__).resolve().parents[1] / "fixtures" / "no_prompt.jsonl"
+    code, err = run_main(fast_run(tiny_model, tmp_path, f"--data.dataset={data}", "--data.dataset_args=null"), capsys)
+    assert code == 2 and "lacks the column(s) ['prompt']" in err
+
+
+def test_prompt_longer_than_allowed_is_an_error_at_setup(capsys, tiny_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(fast_run(tiny_model, tmp_path, "--model.max_prompt_length=5"), capsys)
+    assert code == 2 and "more than max_prompt_length=5" in err
+
+
+def test_plugins_lists_the_third_party_reward_and_a_recipe_uses_it(capsys, tiny_model, tmp_path, monkeypatch):
+    cli.main(["plugins"])
+    out = capsys.readouterr().out
+    assert "repetition_penalty" in out and "from rlcu-repetition" in out
+    monkeypatch.chdir(tmp_path)
+    cli.main(fast_run(tiny_model, tmp_path, "--model.rewards=[math_answer, repetition_penalty]"))
+    metrics = list(csv.DictReader(open(next(tmp_path.glob("**/metrics.csv")))))
+    assert any(r.get("rewards/repetition_penalty/mean") for r in metrics)
+
+
+def test_recipes_lists_the_shipped_ones(capsys):
+    cli.main(["recipes"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("quickstart", "countdown", "gsm8k"))
+
+
+@pytest.mark.slow
+def test_quickstart_recipe_end_to_end(smollm2_folder, tmp_path, monkeypatch):
+    """The README's main job on the real model: 5 steps, CSV + offline wandb, plot, table, saved config."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cli.main(["run", "quickstart", "--trainer.enable_progress_bar=false"])
+    run = next((tmp_path / "runs" / "quickstart").glob("version_*"))
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("reward")]
+    assert len(rows) == 5 and all(r["rewards/math_answer/mean"] != "" for r in rows)
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert (run / "config.yaml").exists() and "smollm2-135m-instruct" in (run / "config.yaml").read_text()
+    table = [json.loads(line) for line in open(run / "completions.jsonl")]
+    assert {"prompt", "completion", "math_answer", "overlong_penalty", "advantage"} <= set(table[0])
+    assert list((tmp_path / "runs" / "wandb").glob("offline-run-*/run-*.wandb"))
