@@ -39,7 +39,7 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
     spec = FAMILIES[family]
     cfg_cls = getattr(transformers, spec["cls"])
     kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 8, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=1024,
               rms_norm_eps=1e-6, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 2, bos_token_id=None)
     kw.update(spec["extra"])
     kw.update(overrides)

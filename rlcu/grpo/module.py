@@ -108,6 +108,10 @@ class GRPOModule(L.LightningModule):
             if tokenizer is not None:
                 self.tokenizer = tokenizer
         self.policy.gradient_checkpointing = gradient_checkpointing
+        context = self.policy.config.max_position_embeddings
+        if max_prompt_length + max_completion_length > context:
+            raise ValueError(f"max_prompt_length + max_completion_length = {max_prompt_length + max_completion_length} "
+                             f"exceeds the model's context of {context} tokens; lower one of them")
         self.ref_model = None
         if beta != 0.0:  # frozen copy of the starting policy for the KL term
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()

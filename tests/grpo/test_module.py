@@ -100,6 +100,8 @@ def test_clear_errors(tiny, tmp_path):
         make(tiny, loss_type="ppo")
     with pytest.raises(ValueError, match="num_generations must be >= 2"):
         make(tiny, num_generations=1)
+    with pytest.raises(ValueError, match="exceeds the model's context of 1024 tokens"):
+        make(tiny, max_prompt_length=1000, max_completion_length=100)
     with pytest.raises(ValueError, match="needs its tokenizer"):
         GRPOModule(tiny[0], rewards=[match_target])
     with pytest.raises(ValueError, match=r"prompt 0 has 5 tokens, more than max_prompt_length=3"):

@@ -23,3 +23,22 @@ def test_readme_grpo_example_trains_smollm2(smollm2_folder):
     assert len(changed) > 0.9 * len(list(start.parameters())), f"only {len(changed)} tensors changed"
     metrics = trainer.callback_metrics
     assert {"reward", "rewards/math_answer/mean", "completions/mean_length", "loss"} <= set(metrics)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.DOTALL)
+
+
+@pytest.mark.slow
+def test_getting_started_python_example_runs(smollm2_folder):
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "getting-started.md")[0], scope)
+    assert scope["module"].global_step == 2
+
+
+def test_reward_guide_class_example_scores():
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "write-a-reward.md")[1], scope)
+    reward = scope["KeywordReward"](word="so")
+    assert reward(["p", "p"], ["so 4", [{"role": "assistant", "content": "4"}]], [[1], [2]]) == [1.0, 0.0]
+    assert reward.name == "keyword"
