@@ -1,0 +1,87 @@
+"""Continuous batching. Each step first gives every running sequence its next decode token, then fills
+the rest of the token budget with prefill chunks of waiting sequences (chunked prefill). When blocks
+run out, the most recently admitted sequence is preempted: its blocks are freed and it waits to be
+recomputed from its tokens. Nothing is ever dropped."""
+from __future__ import annotations
+
+from collections import deque
+
+from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes each step)")
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        worst = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.bm.block_size)
+        if worst > self.bm.num_blocks:
+            raise ValueError(f"a request of {seq.num_prompt_tokens} prompt + {seq.max_tokens} new tokens needs "
+                             f"{worst} KV blocks but the pool has {self.bm.num_blocks}; give the engine more "
+                             "memory (memory_fraction or num_blocks) or lower max_tokens")
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def preempt(self, seq: Sequence) -> None:
+        # Only the head of `waiting` may hold blocks (a chunked prefill in progress): the preempted sequence
+        # becomes the head, so a partial prefill behind it gives its blocks back and is recomputed too.
+        if self.waiting and self.waiting[0].block_table:
+            self.bm.free_sequence(self.waiting[0])
+        self.bm.free_sequence(seq)
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute this step), decodes first."""
+        batch: list[tuple[Sequence, int]] = []
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted by an earlier sequence of this loop
+            while self.bm.blocks_needed(seq, 1) > self.bm.num_free:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.bm.reserve(seq, 1)
+                batch.append((seq, 1))
+                budget -= 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = min(seq.num_uncomputed_tokens, budget, self._capacity(seq))
+            if chunk <= 0:
+                break
+            self.bm.reserve(seq, chunk)
+            batch.append((seq, chunk))
+            budget -= chunk
+            if chunk == seq.num_uncomputed_tokens:  # prefill completes: it samples this step and then decodes
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            else:
+                break  # a partial chunk used the rest of the budget or of the pool
+        return batch
+
+    def _capacity(self, seq: Sequence) -> int:
+        """How many more tokens of `seq` fit in the free blocks."""
+        bs = self.bm.block_size
+        room_in_tail = (-seq.num_computed_tokens) % bs if seq.block_table else 0
+        free = self.bm.num_free - (1 if room_in_tail and self.bm._shared_partial_tail(seq) else 0)
+        return max(0, room_in_tail + free * bs)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self.bm.free_sequence(seq)
