@@ -58,7 +58,7 @@ class Scheduler:
                 self.bm.reserve(seq, 1)
                 batch.append((seq, 1))
                 budget -= 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._admits(self.waiting[0]):
             seq = self.waiting[0]
             chunk = min(seq.num_uncomputed_tokens, budget, self._capacity(seq))
             if chunk <= 0:
@@ -73,6 +73,10 @@ class Scheduler:
             else:
                 break  # a partial chunk used the rest of the budget or of the pool
         return batch
+
+    def _admits(self, seq: Sequence) -> bool:
+        """Room among the running sequences for `seq` and the samples it will fork."""
+        return not self.running or len(self.running) + 1 + seq.pending_forks <= self.max_num_seqs
 
     def _capacity(self, seq: Sequence) -> int:
         """How many more tokens of `seq` fit in the free blocks."""

@@ -1,0 +1,112 @@
+"""The engine API: generate completions for many prompts with continuous batching over a paged KV
+cache, sharing each prompt's blocks among its samples (the prompt is prefilled once, then forked)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.model_runner import ModelRunner
+from rlcu.engine.scheduler import Scheduler
+from rlcu.engine.sequence import Sequence
+from rlcu.kernels.sampling import sample
+from rlcu.models.llama import CausalLM
+from rlcu.rollout.base import RolloutBatch, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    memory_fraction: float = 0.5  # of the GPU's free memory, for the KV pool
+    num_blocks: int | None = None  # a fixed pool size instead (on CPU: default is what the requests need)
+
+    def __post_init__(self):
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None):
+        self.model, self.config = model, config or EngineConfig()
+        self.runner: ModelRunner | None = None
+        self.stats: dict[str, int] = {}
+
+    def _pool_size(self, seqs: list[Sequence], forks: int) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        device = self.model.model.embed_tokens.weight.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return max(1, int(free * cfg.memory_fraction) // ModelRunner.bytes_per_block(self.model, cfg.block_size))
+        bs = cfg.block_size
+        return sum(-(-(s.num_prompt_tokens + s.max_tokens) // bs) * (1 + s.pending_forks) for s in seqs) + forks
+
+    def release(self) -> None:
+        """Free the KV pool; the next generate() allocates it again."""
+        self.runner = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("every prompt needs at least one token")
+        stops = frozenset(sampling.stop_token_ids)
+        parents: list[Sequence] = []
+        for i, prompt in enumerate(prompt_token_ids):  # adjacent identical prompts: one prefill, then fork
+            if parents and prompt_token_ids[i - 1] == prompt:
+                parents[-1].pending_forks += 1
+                continue
+            parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i))
+        num_blocks = self._pool_size(parents, len(prompt_token_ids))
+        if self.runner is None or self.runner.k_cache.shape[1] < num_blocks:
+            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size)
+        bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
+        scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        for seq in parents:
+            scheduler.add(seq)
+        device = self.runner.device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item()))
+        done: dict[int, Sequence] = {}
+        steps = 0
+        while not scheduler.is_finished():
+            batch = scheduler.schedule()
+            self.runner.copy_blocks(bm.pending_copies)
+            bm.pending_copies.clear()
+            logits, seqs = self.runner.run(batch, bm)
+            steps += 1
+            if not seqs:
+                continue
+            rows, owners = [], []
+            for row, seq in enumerate(seqs):
+                family = [seq]
+                for k in range(seq.pending_forks):  # samples 2..G of a prompt share its blocks from here on
+                    child = bm.fork(seq)
+                    child.request_index = seq.request_index + 1 + k
+                    scheduler.running.append(child)
+                    family.append(child)
+                seq.pending_forks = 0
+                rows += [row] * len(family)
+                owners += family
+            tokens, logprobs = sample(logits[torch.tensor(rows, device=logits.device)], sampling.temperature,
+                                      sampling.top_k, sampling.top_p, sampling.min_p, gen)
+            for seq, tok, lp in zip(owners, tokens.tolist(), logprobs.tolist()):
+                seq.append(tok, lp)
+                if seq.finish_reason is not None:
+                    scheduler.finish(seq)
+                    done[seq.request_index] = seq
+        self.stats = {"steps": steps, "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks}
+        if bm.num_free != bm.num_blocks:
+            raise AssertionError(f"{bm.num_blocks - bm.num_free} KV blocks leaked")
+        ordered = [done[i] for i in range(len(prompt_token_ids))]
+        return RolloutBatch(prompt_ids=[list(p) for p in prompt_token_ids],
+                            completion_ids=[s.completion_token_ids for s in ordered],
+                            logprobs=[s.logprobs for s in ordered], finish_reasons=[s.finish_reason for s in ordered])

@@ -1,0 +1,82 @@
+"""Runs one engine step: the scheduled tokens of all sequences as one flat batch through the rlcu
+model's own modules and parameters, with attention over the paged KV cache."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.sequence import Sequence
+from rlcu.kernels.decode_attention import decode_attention
+from rlcu.kernels.kv_cache import store_kv
+from rlcu.kernels.prefill_attention import paged_attention
+from rlcu.models.llama import CausalLM
+
+
+class PagedAttention:
+    """The attention context of one step: write this step's K/V into the cache, then attend over it."""
+
+    def __init__(self, runner: "ModelRunner", slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
+                 max_context: int):
+        self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
+        self.decode_only, self.max_context = decode_only, max_context
+        self.scale = runner.model.config.head_dim ** -0.5
+
+    def __call__(self, layer_idx, q, k, v):
+        kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
+        store_kv(k[0], v[0], kc, vc, self.slots)
+        if self.decode_only:
+            out = decode_attention(q[0], kc, vc, self.tables, self.ctx, self.scale, max_context=self.max_context)
+        else:
+            out = paged_attention(q[0], kc, vc, self.cu, self.ctx, self.tables, self.scale)
+        return out[None]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+        cfg = model.config
+        self.model = model  # the module's own: its parameters are read in place, never copied
+        p = model.model.embed_tokens.weight
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = torch.empty(shape, dtype=p.dtype, device=p.device)
+        self.v_cache = torch.empty(shape, dtype=p.dtype, device=p.device)
+        self.device = p.device
+
+    @staticmethod
+    def bytes_per_block(model: CausalLM, block_size: int) -> int:
+        cfg, p = model.config, model.model.embed_tokens.weight
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
+            self.k_cache[:, dst] = self.k_cache[:, src]
+            self.v_cache[:, dst] = self.v_cache[:, src]
+
+    @torch.no_grad()
+    def run(self, batch: list[tuple[Sequence, int]], bm: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
+        """Compute the scheduled tokens; return logits [n, vocab] for the sequences that now sample."""
+        ids, positions, slots, cu, ctx, tables, last, sampling = [], [], [], [0], [], [], [], []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [bm.slot(seq, p) for p in range(start, start + n)]
+            cu.append(cu[-1] + n)
+            ctx.append(start + n)
+            tables.append(seq.block_table)
+            if start + n == len(seq):
+                last.append(cu[-1] - 1)
+                sampling.append(seq)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, device=dev),
+                                   torch.tensor(ctx, dtype=torch.int32, device=dev), table,
+                                   decode_only=all(n == 1 for _, n in batch), max_context=max(ctx))
+        hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        if not sampling:
+            return hidden.new_empty(0, self.model.config.vocab_size), []
+        return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]).float(), sampling

@@ -1,0 +1,89 @@
+"""Paged decode attention: one new query token per sequence against its whole paged KV context.
+
+Triton: one program per (sequence, KV head, split). It serves every query head of its GQA group at
+once (any group size, padded to a power of two), walks its share of the sequence's blocks with an
+online softmax, and writes a partial output with its log-sum-exp; the splits are then combined. Split-KV
+keeps all SMs busy when there are few sequences with long contexts."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from rlcu.kernels.prefill_attention import paged_attention_reference
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [S, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [S, max_blocks];
+    context_lens: [S]. Returns [S, Hq, D]."""
+    cu = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_attention_reference(q, k_cache, v_cache, cu, context_lens, block_tables, scale)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, scale, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
+                       stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, blocks_per_split,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(CTX + s)
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK_SIZE))
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        t = tl.arange(0, BLOCK_SIZE)
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for b in range(first, last):
+            block = tl.load(BT + s * stride_bts + b)
+            tmask = b * BLOCK_SIZE + t < ctx
+            offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+            k = tl.load(KC + offs, mask=tmask[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(tmask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(VC + offs, mask=tmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l = l * alpha + tl.sum(p, 1)
+            m = m_new
+        empty = l == 0.0  # a split past the end of a short sequence
+        out = acc / tl.where(empty, 1.0, l)[:, None]
+        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+        o_offs = s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :]
+        tl.store(O + o_offs, out, mask=gmask[:, None])
+        tl.store(LSE + s * stride_ls + heads * stride_lh + split, lse, mask=gmask)
+
+
+def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
+                            max_context: int | None = None):
+    n_seq, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    assert hq % hkv == 0 and d == next_pow2(d) and bs == next_pow2(bs) and bs >= 16 and d >= 16
+    max_blocks = block_tables.shape[1] if max_context is None else -(-max_context // bs)
+    if num_splits is None:  # enough programs to fill the GPU when sequences are few and long
+        num_splits = max(1, min(max_blocks, 132 * 4 // max(1, n_seq * hkv)))
+    blocks_per_split = -(-max_blocks // num_splits)
+    group = hq // hkv
+    partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(n_seq, hq, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(n_seq, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
+        partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), blocks_per_split,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs)
+    weights = torch.softmax(lse, dim=-1)  # exp(lse_i - logsumexp(lse)): each split's share of the softmax mass
+    return (partial * weights[..., None]).sum(2).to(q.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context: int | None = None):
+    if use_triton(q):
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, max_context=max_context)
+    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -1,0 +1,122 @@
+"""The native engine against the reference backend and transformers' generate (greedy, token for token),
+its logprobs against the training forward, and its block accounting under preemption."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.models import load_model
+from rlcu.rollout import SamplingParams
+from rlcu.rollout.native import NativeRollout
+from rlcu.rollout.reference import ReferenceRollout
+from tests.helpers import tiny_hf_folder
+
+EOS = 63
+# a single token, lengths across block boundaries (block 16), shared prefixes, and repeated prompts (forks)
+PROMPTS = [[5], list(range(1, 17)), list(range(1, 18)), list(range(1, 18)) + [40, 41], [7] * 33, [7] * 33, [7] * 33,
+           [9, 8, 7]]
+
+
+def reference(model, prompts, sp):
+    backend = ReferenceRollout()
+    backend.setup(SimpleNamespace(policy=model))
+    return backend.generate(prompts, sp)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(max_num_batched_tokens=20, max_num_seqs=4),
+                                    EngineConfig(num_blocks=12, max_num_seqs=8, max_num_batched_tokens=32)],
+                         ids=["roomy", "chunked-prefill", "preempting"])
+def test_greedy_matches_reference_backend(tmp_path, family, config):
+    model, _ = load_model(tiny_hf_folder(tmp_path, family))
+    sp = SamplingParams(max_tokens=14, temperature=0, stop_token_ids=[EOS])
+    engine = LLMEngine(model, config)
+    got = engine.generate(PROMPTS, sp)
+    want = reference(model, PROMPTS, sp)
+    assert got.completion_ids == want.completion_ids and got.finish_reasons == want.finish_reasons
+    if config.num_blocks == 12:
+        assert engine.stats["preemptions"] > 0  # the pool is too small for all at once: preemption was exercised
+
+
+def test_mixed_max_lengths_and_transformers_generate(tmp_path):
+    folder = tiny_hf_folder(tmp_path, "llama")
+    model, _ = load_model(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine(model)
+    for max_tokens in (1, 5, 19):
+        out = engine.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, stop_token_ids=[EOS]))
+        for prompt, got in zip(PROMPTS, out.completion_ids):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=EOS,
+                              pad_token_id=62)[0, len(prompt):].tolist()
+            assert got == (ref[:ref.index(EOS) + 1] if EOS in ref else ref)
+
+
+def test_sampled_logprobs_match_training_forward(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, stop_token_ids=[EOS], seed=3)
+    out = LLMEngine(model, EngineConfig(max_num_batched_tokens=24, max_num_seqs=8)).generate(PROMPTS, sp)
+    worst = 0.0
+    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
+        ids = torch.tensor([p + c])
+        ref, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(c), sp.temperature)
+        worst = max(worst, (ref[0] - torch.tensor(lp)).abs().max().item())
+    print(f"max |engine - trainer| logprob: {worst:.2e}")
+    assert worst < 1e-4
+    forks = out.completion_ids[4:7]  # three samples of one prompt: shared prefill, independent sampling
+    assert len({tuple(c) for c in forks}) > 1
+
+
+@pytest.mark.slow
+def test_block_accounting_after_1000_requests_with_preemption(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "llama", layers=1, hidden=32, heads=2, kv_heads=1))
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(250):  # 250 prompts x 4 samples = 1000 requests
+        p = [rng.randrange(60) for _ in range(rng.randint(1, 40))]
+        prompts += [p] * 4
+    engine = LLMEngine(model, EngineConfig(num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64))
+    out = engine.generate(prompts, SamplingParams(max_tokens=24, stop_token_ids=[EOS], seed=0))
+    assert len(out) == 1000 and all(1 <= len(c) <= 24 for c in out.completion_ids)
+    assert all((r == "stop") == (c[-1] == EOS) for c, r in zip(out.completion_ids, out.finish_reasons))
+    assert engine.stats["preemptions"] > 0  # generate() itself raises if any block leaked
+
+
+def test_a_request_larger_than_the_pool_is_a_clear_error(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
+    with pytest.raises(ValueError, match="needs 3 KV blocks but the pool has 2"):
+        LLMEngine(model, EngineConfig(num_blocks=2)).generate([[1] * 20], SamplingParams(max_tokens=20))
+
+
+def test_native_backend_shares_parameters_and_sees_updates(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen2"))  # untied: a tiny tied model just echoes its input
+    backend = NativeRollout()
+    backend.setup(SimpleNamespace(policy=model))
+    assert backend.model is model
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    before = backend.generate(PROMPTS, greedy).completion_ids
+    backend.release()
+    with torch.no_grad():
+        model.lm_head.weight.neg_()  # in place, as optimizer.step() updates parameters
+    assert backend.generate(PROMPTS, greedy).completion_ids != before
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_reference_and_transformers(smollm2_folder):
+    model, tok = load_model(smollm2_folder)
+    texts = ["What is 17 + 25? Give only the final number.", "Hi", "Write a haiku about the sea, please."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+               for t in texts]
+    ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    ids = [ids[0], ids[0], ids[1], ids[2]]
+    sp = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[tok.eos_token_id])
+    got = LLMEngine(model, EngineConfig(max_num_batched_tokens=48, max_num_seqs=8)).generate(ids, sp)
+    assert got.completion_ids == reference(model, ids, sp).completion_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+    for p, c in zip(ids, got.completion_ids):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        assert c == ref[:len(c)] and (len(c) == 24 or c[-1] == tok.eos_token_id)
