@@ -65,7 +65,7 @@ class GRPOModule(L.LightningModule):
         tokenizer: Any = None,
         rewards: Any = ("math_answer",),
         reward_weights: list[float] | None = None,
-        rollout: Any = "reference",
+        rollout: Any = "native",
         num_generations: int = 8,
         max_prompt_length: int = 512,
         max_completion_length: int = 256,

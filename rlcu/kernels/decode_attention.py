@@ -7,17 +7,25 @@ keeps all SMs busy when there are few sequences with long contexts."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
-from rlcu.kernels.prefill_attention import paged_attention_reference
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [S, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [S, max_blocks];
-    context_lens: [S]. Returns [S, Hq, D]."""
-    cu = torch.arange(q.shape[0] + 1, device=q.device)
-    return paged_attention_reference(q, k_cache, v_cache, cu, context_lens, block_tables, scale)
+    context_lens: [S]. Returns [S, Hq, D]. All sequences at once: their blocks gathered and padded."""
+    tables = block_tables.long()
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [S, Hkv, max_blocks * block_size, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
+    # slots past the context may hold anything, NaN included (the pool is torch.empty): a mask alone would
+    # still let NaN * 0 through, so zero them
+    k = k.masked_fill(~mask[:, None, :, None], 0)
+    v = v.masked_fill(~mask[:, None, :, None], 0)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
+    return out[:, :, 0]
 
 
 if HAS_TRITON:

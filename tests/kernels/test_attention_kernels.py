@@ -89,3 +89,15 @@ def test_store_kv(dtype, hkv, d):
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[0].view(-1, hkv, d)[111], k[2])
+
+
+def test_garbage_past_the_context_never_leaks():
+    """Pool slots past a sequence's context may hold NaN (uninitialised memory): no output may change."""
+    k, v, table = paged_cache([5, 20], 3, 64, 16, torch.float32)
+    ctx = torch.tensor([5, 20], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 9, 64, device=DEVICE)
+    clean = decode_attention_reference(q, k, v, table, ctx, 0.125)
+    k.view(-1, 3, 64)[table[0, 0].long() * 16 + 5:table[0, 0].long() * 16 + 16] = float("nan")
+    v[table[1, 1].long(), 4:] = float("nan")
+    for out in (decode_attention_reference(q, k, v, table, ctx, 0.125), decode_attention_triton(q, k, v, table, ctx, 0.125)):
+        assert torch.allclose(out, clean, atol=2e-5)
