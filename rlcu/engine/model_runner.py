@@ -12,6 +12,12 @@ from rlcu.kernels.prefill_attention import paged_attention
 from rlcu.models.llama import CausalLM
 
 
+def cache_dtype(param: torch.Tensor) -> torch.dtype:
+    """Keys and values are stored as the forward computes them: the autocast dtype under mixed precision."""
+    kind = param.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else param.dtype
+
+
 class PagedAttention:
     """The attention context of one step: write this step's K/V into the cache, then attend over it."""
 
@@ -37,14 +43,16 @@ class ModelRunner:
         self.model = model  # the module's own: its parameters are read in place, never copied
         p = model.model.embed_tokens.weight
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = torch.empty(shape, dtype=p.dtype, device=p.device)
-        self.v_cache = torch.empty(shape, dtype=p.dtype, device=p.device)
+        dtype = cache_dtype(p)
+        self.k_cache = torch.empty(shape, dtype=dtype, device=p.device)
+        self.v_cache = torch.empty(shape, dtype=dtype, device=p.device)
         self.device = p.device
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
         cfg, p = model.config, model.model.embed_tokens.weight
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+        size = torch.empty((), dtype=cache_dtype(p)).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -52,14 +52,14 @@ if HAS_TRITON:
             block = tl.load(BT + s * stride_bts + b)
             tmask = b * BLOCK_SIZE + t < ctx
             offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-            k = tl.load(KC + offs, mask=tmask[:, None], other=0.0)
+            k = tl.load(KC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k)) * scale
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(VC + offs, mask=tmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            v = tl.load(VC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
         empty = l == 0.0  # a split past the end of a short sequence
