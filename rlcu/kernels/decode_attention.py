@@ -32,7 +32,8 @@ if HAS_TRITON:
     @triton.jit
     def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, scale, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
                        stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, blocks_per_split,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       PRECISION: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -53,13 +54,13 @@ if HAS_TRITON:
             tmask = b * BLOCK_SIZE + t < ctx
             offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
             k = tl.load(KC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(VC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
         empty = l == 0.0  # a split past the end of a short sequence
@@ -74,7 +75,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
                             max_context: int | None = None):
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    assert hq % hkv == 0 and d == next_pow2(d) and bs == next_pow2(bs) and bs >= 16 and d >= 16
+    assert triton_supports(d, bs), f"head_dim {d} / block_size {bs}: powers of two >= 16 only"
     max_blocks = block_tables.shape[1] if max_context is None else -(-max_context // bs)
     if num_splits is None:  # enough programs to fill the GPU when sequences are few and long
         num_splits = max(1, min(max_blocks, 132 * 4 // max(1, n_seq * hkv)))
@@ -86,12 +87,18 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
         partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), blocks_per_split,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs)
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays fp32 (tl.dot defaults to tf32)
     weights = torch.softmax(lse, dim=-1)  # exp(lse_i - logsumexp(lse)): each split's share of the softmax mass
     return (partial * weights[..., None]).sum(2).to(q.dtype)
 
 
+def triton_supports(head_dim: int, block_size: int) -> bool:
+    """tl.dot needs power-of-two tiles of at least 16."""
+    return head_dim == next_pow2(head_dim) >= 16 and block_size == next_pow2(block_size) >= 16
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context: int | None = None):
-    if use_triton(q):
+    if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, max_context=max_context)
     return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)

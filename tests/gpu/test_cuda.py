@@ -38,13 +38,12 @@ def test_cuda_logits_match_cpu_fp32(tmp_path, dtype, atol):
     assert (gpu - cpu)[mask.bool()].abs().max() < atol
 
 
-def test_grpo_learns_on_cuda(tmp_path):
-    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8))
-    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=8, max_completion_length=4,
-                        learning_rate=2e-2, micro_batch_size=16)
-    rewards = [m["reward"] for m in fit_gpu(module, toy_rows(320), 80, tmp_path) if "reward" in m]
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25
+@pytest.mark.parametrize("rollout", ["native", "reference"])
+def test_grpo_learns_on_cuda(tmp_path, rollout):
+    from tests.grpo.test_learning import assert_rises, run_toy
+
+    metrics = run_toy(tmp_path, accelerator="gpu", rollout=rollout)
+    assert_rises([m["reward"] for m in metrics if "reward" in m], f"{rollout} on cuda")
 
 
 @pytest.mark.slow

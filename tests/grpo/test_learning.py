@@ -19,13 +19,13 @@ VARIANTS = {
 }
 
 
-def run_toy(tmp_path, seed=0, **options):
+def run_toy(tmp_path, seed=0, accelerator="cpu", **options):
     model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
                                            head_dim=8))
     options = dict(dict(num_generations=8, max_completion_length=4, learning_rate=5e-3, micro_batch_size=16,
                         seed=seed), **options)
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], **options)
-    return fit(module, toy_rows(4 * STEPS, seed=seed), STEPS, tmp_path / "logs")
+    return fit(module, toy_rows(4 * STEPS, seed=seed), STEPS, tmp_path / "logs", accelerator=accelerator)
 
 
 def assert_rises(rewards, label):
