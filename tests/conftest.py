@@ -7,7 +7,6 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; it must be chosen before any kernel is defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import tiny_hf_folder  # noqa: F401  (re-exported for tests)
 
 
 def pytest_collection_modifyitems(config, items):

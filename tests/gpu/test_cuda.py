@@ -4,7 +4,7 @@ import torch
 
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
-from tests.helpers import match_target, tiny_hf_folder, toy_rows
+from tests.helpers import tiny_hf_folder
 
 pytestmark = pytest.mark.gpu
 

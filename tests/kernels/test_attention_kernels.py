@@ -35,7 +35,6 @@ def paged_cache(context_lens, hkv, d, block_size, dtype, seed=0):
 
 def float64_attention(q, k, v, table, ctx, q_positions):
     """Straight from the definition, one query at a time, in float64."""
-    bs = k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
     for i, (s, pos) in enumerate(q_positions):
