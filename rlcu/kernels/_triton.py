@@ -10,7 +10,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 def use_triton(t) -> bool:
-    return HAS_TRITON and t.is_cuda
+    """Triton on CUDA tensors; RLCU_TRITON=1 forces it elsewhere (the CPU interpreter, for tests)."""
+    import os
+
+    return HAS_TRITON and (t.is_cuda or os.environ.get("RLCU_TRITON") == "1")
 
 
 def next_pow2(n: int) -> int:

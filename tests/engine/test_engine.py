@@ -120,3 +120,21 @@ def test_smollm2_greedy_matches_reference_and_transformers(smollm2_folder):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
         assert c == ref[:len(c)] and (len(c) == 24 or c[-1] == tok.eos_token_id)
+
+
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monkeypatch):
+    """The engine with its Triton kernels (KV write, paged decode) run by TRITON_INTERPRET=1 on the CPU, fp32."""
+    import rlcu.kernels.decode_attention as decode
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
+    sp = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS])
+    want = reference(model, PROMPTS, sp)
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    calls = []
+    real = decode.decode_attention_triton
+    monkeypatch.setattr(decode, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=8)).generate(PROMPTS, sp)
+    assert calls, "the Triton decode kernel did not run"
+    assert got.completion_ids == want.completion_ids
