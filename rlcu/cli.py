@@ -2,6 +2,7 @@
 
     rlcu run RECIPE [--section.key=value ...]   run a recipe by name (rlcu recipes) or YAML path
     rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
+    rlcu generate --input P.jsonl --output O.jsonl [--model M --rollout native --temperature 0 ...]
     rlcu plugins                                rewards and rollout backends found through entry points
     rlcu recipes                                the shipped recipes
 
@@ -128,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
             return print_plugins()
         if argv[0] == "recipes":
             return print_recipes()
+        if argv[0] == "generate":
+            from rlcu.generate import run
+
+            run(argv[1:])
+            return
         build_cli(expand_run(argv))
     except user_errors() as e:
         if os.environ.get("RLCU_DEBUG"):

@@ -1,0 +1,89 @@
+"""`rlcu generate`: run a model with any rollout backend on a JSONL of prompts and write completions,
+token ids, logprobs and finish reasons as JSONL (for evaluation and for debugging the engine).
+
+Input rows: {"prompt": "text"}, {"prompt": [chat messages]} or {"messages": [chat messages]}; other
+fields are copied to the output."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+
+def read_prompts(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {path} does not exist")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+            raise ValueError(f"{path}:{n} needs a 'prompt' (text or chat messages) or a 'messages' field")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlcu generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, hub id, .gguf file or embedded name")
+    p.add_argument("--input", required=True, type=Path, help="JSONL of prompts")
+    p.add_argument("--output", required=True, type=Path, help="JSONL to write")
+    p.add_argument("--rollout", default="native", help="rollout backend: a plugin name or import path")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--max_tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--min_p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    return p
+
+
+def run(argv: list[str]) -> Path:
+    from rlcu.data.prompts import encode_prompt
+    from rlcu.grpo.module import resolve_rollout
+    from rlcu.models import load_model
+    from rlcu.rollout import SamplingParams
+
+    args = parser().parse_args(argv)
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = ("bfloat16" if device == "cuda" else "float32") if args.dtype == "auto" else args.dtype
+    rows = read_prompts(args.input)
+    model, tok = load_model(args.model, dtype=dtype)
+    model.to(device).eval()
+    backend = resolve_rollout(args.rollout)
+    backend.setup(SimpleNamespace(policy=model, tokenizer=tok))
+    prompt_ids = [encode_prompt(tok, r.get("prompt", r.get("messages"))) for r in rows]
+    stops = sorted({*model.config.eos_token_ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])})
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, min_p=args.min_p, stop_token_ids=stops, seed=args.seed)
+    start = time.perf_counter()
+    out = backend.generate([ids for ids in prompt_ids for _ in range(args.n)], sampling)
+    seconds = time.perf_counter() - start
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.output, "w") as f:
+        for i, (ids, lps, reason) in enumerate(zip(out.completion_ids, out.logprobs, out.finish_reasons)):
+            row = rows[i // args.n]
+            record = {k: v for k, v in row.items()}
+            record.update(index=i // args.n, sample=i % args.n, completion=tok.decode(ids, skip_special_tokens=True),
+                          completion_ids=ids, logprobs=lps, finish_reason=reason, prompt_ids=out.prompt_ids[i])
+            f.write(json.dumps(record) + "\n")
+    tokens = sum(len(c) for c in out.completion_ids)
+    print(f"rlcu generate: {len(out)} completions, {tokens} tokens in {seconds:.1f} s "
+          f"({tokens / max(seconds, 1e-9):.0f} tok/s) -> {args.output}", file=sys.stderr)
+    return args.output

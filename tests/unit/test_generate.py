@@ -1,0 +1,46 @@
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from rlcu import cli
+from rlcu.models import load_model
+from rlcu.rollout import SamplingParams
+from rlcu.rollout.reference import ReferenceRollout
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return tiny_hf_folder(tmp_path / "m", "llama", chat_template=CHAT_TEMPLATE)
+
+
+def test_generate_writes_completions_matching_the_reference_backend(tmp_path, tiny):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "t1 t2 t3", "id": "a"}\n\n{"messages": [{"role": "user", "content": "t5"}]}\n')
+    out = tmp_path / "o.jsonl"
+    cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(out), "--max_tokens", "6",
+              "--n", "2"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)] and rows[0]["id"] == "a"
+    assert rows[0]["completion_ids"] == rows[1]["completion_ids"]  # greedy: both samples agree
+    model, tok = load_model(tiny)
+    ref = ReferenceRollout()
+    ref.setup(SimpleNamespace(policy=model))
+    want = ref.generate([rows[0]["prompt_ids"], rows[2]["prompt_ids"]],
+                        SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[63]))
+    assert [rows[0]["completion_ids"], rows[2]["completion_ids"]] == want.completion_ids
+    assert all(len(r["logprobs"]) == len(r["completion_ids"]) and r["finish_reason"] in ("stop", "length") for r in rows)
+    assert rows[0]["completion"] == tok.decode(rows[0]["completion_ids"], skip_special_tokens=True)
+
+
+def test_generate_bad_input_names_the_line(tmp_path, tiny, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "t1"}\n{"prompt": "t2",\n')
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(tiny), "--input", str(bad), "--output", str(tmp_path / "o.jsonl")])
+    assert f"{bad}:2 is not valid JSON" in capsys.readouterr().err
+    bad.write_text('{"text": "t1"}\n')
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(tiny), "--input", str(bad), "--output", str(tmp_path / "o.jsonl")])
+    assert "needs a 'prompt'" in capsys.readouterr().err
