@@ -14,6 +14,7 @@ from rlcu.engine.sequence import Sequence
 from rlcu.kernels.sampling import sample
 from rlcu.models.llama import CausalLM
 from rlcu.rollout.base import RolloutBatch, SamplingParams
+from rlcu.rollout.stops import StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, config: EngineConfig | None = None):
-        self.model, self.config = model, config or EngineConfig()
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
+        self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         self.runner: ModelRunner | None = None
         self.stats: dict[str, int] = {}
 
@@ -59,6 +60,7 @@ class LLMEngine:
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         stops = frozenset(sampling.stop_token_ids)
+        stop_strings = StopStrings(self.tokenizer, sampling.stop)
         parents: list[Sequence] = []
         for i, prompt in enumerate(prompt_token_ids):  # adjacent identical prompts: one prefill, then fork
             if parents and prompt_token_ids[i - 1] == prompt:
@@ -100,6 +102,8 @@ class LLMEngine:
                                       sampling.top_k, sampling.top_p, sampling.min_p, gen)
             for seq, tok, lp in zip(owners, tokens.tolist(), logprobs.tolist()):
                 seq.append(tok, lp)
+                if seq.finish_reason is None and stop_strings and stop_strings.hit(seq.completion_token_ids):
+                    seq.finish_reason = "stop"
                 if seq.finish_reason is not None:
                     scheduler.finish(seq)
                     done[seq.request_index] = seq

@@ -73,6 +73,7 @@ class GRPOModule(L.LightningModule):
         top_p: float = 1.0,
         top_k: int = 0,
         min_p: float = 0.0,
+        stop: list[str] | None = None,
         loss_type: str = "dapo",
         importance_sampling_level: str = "token",
         epsilon: float = 0.2,
@@ -179,6 +180,7 @@ class GRPOModule(L.LightningModule):
         prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
         sampling = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
                                   top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
+                                  stop=list(hp.stop or []),
                                   seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
         was_training = self.policy.training
         self.policy.eval()

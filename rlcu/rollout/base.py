@@ -13,6 +13,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (the completion keeps the tokens that spell them)
     seed: int | None = None
 
     def __post_init__(self):

@@ -18,7 +18,7 @@ class NativeRollout:
         return None if self.engine is None else self.engine.model
 
     def setup(self, module) -> None:
-        self.engine = LLMEngine(module.policy, self.config)
+        self.engine = LLMEngine(module.policy, self.config, tokenizer=getattr(module, "tokenizer", None))
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         if self.engine is None:

@@ -7,15 +7,17 @@ import torch
 from rlcu.kernels.sampling import sample
 from rlcu.models.attention import DenseKVCache
 from rlcu.rollout.base import RolloutBatch, SamplingParams
+from rlcu.rollout.stops import StopStrings
 
 
 class ReferenceRollout:
     def __init__(self, max_batch_size: int = 64):
         self.max_batch_size = max_batch_size
-        self.model = None
+        self.model = self.tokenizer = None
 
     def setup(self, module) -> None:
         self.model = module.policy
+        self.tokenizer = getattr(module, "tokenizer", None)
 
     def release(self) -> None:
         pass  # the cache lives only inside generate()
@@ -55,6 +57,7 @@ class ReferenceRollout:
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         hidden = model(ids, pos, cache.step(valid))[:, -1]
         stop = torch.tensor(sorted(set(sp.stop_token_ids)) or [-1], device=device)
+        stop_strings = StopStrings(self.tokenizer, sp.stop)
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         tokens, logprobs, lengths = [], [], torch.zeros(b, dtype=torch.long, device=device)
         pos = pos[:, -1:]
@@ -64,6 +67,10 @@ class ReferenceRollout:
             logprobs.append(lp)
             lengths += (~finished).long()
             finished |= torch.isin(tok, stop)
+            if stop_strings:
+                done = torch.stack(tokens, 1).tolist()
+                for i in (~finished).nonzero()[:, 0].tolist():
+                    finished[i] = stop_strings.hit(done[i])
             if bool(finished.all()) or step == sp.max_tokens - 1:
                 break
             pos = pos + 1

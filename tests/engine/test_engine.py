@@ -138,3 +138,24 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
     got = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=8)).generate(PROMPTS, sp)
     assert calls, "the Triton decode kernel did not run"
     assert got.completion_ids == want.completion_ids
+
+
+def test_stop_strings_end_completions_in_both_backends(tmp_path):
+    from tests.helpers import word_tokenizer
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen2"))
+    tok = word_tokenizer(64)
+    free = SamplingParams(max_tokens=12, temperature=0)
+    full = LLMEngine(model).generate(PROMPTS, free).completion_ids
+    target = full[1][3]  # a token the greedy completion of prompt 1 emits at position 3 (or earlier)
+    stop = f"t{target}"
+    sp = SamplingParams(max_tokens=12, temperature=0, stop=[stop])
+    native = LLMEngine(model, tokenizer=tok).generate(PROMPTS, sp)
+    ref_backend = ReferenceRollout()
+    ref_backend.setup(SimpleNamespace(policy=model, tokenizer=tok))
+    ref = ref_backend.generate(PROMPTS, sp)
+    assert native.completion_ids == ref.completion_ids and native.finish_reasons == ref.finish_reasons
+    cut = native.completion_ids[1]
+    assert native.finish_reasons[1] == "stop" and cut == full[1][:len(cut)] and stop in tok.decode(cut)
+    with pytest.raises(ValueError, match="stop strings need the tokenizer"):
+        LLMEngine(model).generate(PROMPTS, sp)

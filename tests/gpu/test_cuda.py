@@ -58,3 +58,30 @@ def test_smollm2_grpo_bf16_mixed_on_cuda(tmp_path, smollm2_folder):
     assert changed > 0.9 * len(start)
     last = [m for m in metrics if "reward" in m][-1]
     assert last["logprob_mismatch/mean"] < 0.05  # sampler and trainer both under bf16 autocast
+
+
+def test_memory_does_not_grow_over_100_grpo_steps(tmp_path):
+    """The engine's KV pool is taken for each rollout and released for training: after warm-up, the
+    memory held between steps stays flat."""
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from rlcu.data.prompts import collate_rows
+    from tests.helpers import match_target, toy_rows
+
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", vocab_size=32, hidden=64, heads=4, kv_heads=2,
+                                           head_dim=16))
+    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=8, max_completion_length=4,
+                        learning_rate=5e-3, micro_batch_size=16)
+    held = []
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated())
+
+    trainer = L.Trainer(max_steps=100, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[Probe()])
+    trainer.fit(module, DataLoader(toy_rows(400), batch_size=4, collate_fn=collate_rows))
+    assert len(held) == 100
+    assert max(held[10:]) <= held[10] * 1.01 + 1024, f"memory grew: {held[10]} -> {max(held[10:])} bytes"
