@@ -41,3 +41,28 @@ def load(kind: str, name: str):
         f"unknown {kind[:-1]} {name!r}; available: {', '.join(sorted(found)) or 'none'}. "
         f"Install a package that registers it under the '{GROUPS[kind]}' entry-point group, "
         "or give an import path such as 'my_pkg.rewards:my_reward'.")
+
+
+def build(kind: str, spec, extra_keys: tuple[str, ...] = ()):
+    """An object from a spec: an instance (returned as is), a class (instantiated), a short name or
+    import path, or a mapping {name | class_path: ..., init_args: {...}, <extra_keys>...}.
+
+    Returns (object, extras): `extras` holds the mapping's `extra_keys` (for example a reward's weight)."""
+    extras, init_args = {}, {}
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        target = spec.pop("name", None) or spec.pop("class_path", None)
+        init_args = spec.pop("init_args", None) or {}
+        extras = {k: spec.pop(k) for k in extra_keys if k in spec}
+        if target is None or spec:
+            allowed = ["name (or class_path)", "init_args", *extra_keys]
+            raise ValueError(f"a {kind[:-1]} given as a mapping takes {allowed}; got unexpected keys "
+                             f"{sorted(spec) or ['(no name)']}")
+        spec = target
+    if isinstance(spec, str):
+        spec = load(kind, spec)
+    if isinstance(spec, type):
+        spec = spec(**init_args)
+    elif init_args:
+        raise ValueError(f"init_args were given for {getattr(spec, '__name__', spec)!r}, which is not a class")
+    return spec, extras

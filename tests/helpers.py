@@ -80,7 +80,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def fit(module, rows, steps: int, log_dir, batch_size: int = 4, max_epochs: int | None = None,
-        accelerator: str = "cpu"):
+        accelerator: str = "cpu", precision: str = "32-true"):
     """Train with Lightning on CPU and return the logged metrics rows (CSV logger, as users see them)."""
     import csv
     import logging
@@ -91,8 +91,9 @@ def fit(module, rows, steps: int, log_dir, batch_size: int = 4, max_epochs: int 
     from rlcu.data.prompts import collate_rows
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accelerator=accelerator, devices=1, logger=L.loggers.CSVLogger(log_dir), enable_checkpointing=False,
+    trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accelerator=accelerator, devices=1, precision=precision, logger=L.loggers.CSVLogger(log_dir), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(module, DataLoader(rows, batch_size=batch_size, collate_fn=collate_rows))
+    assert trainer.strategy.root_device.type == ("cuda" if accelerator == "gpu" else "cpu")
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
         return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]

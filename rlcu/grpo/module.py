@@ -42,20 +42,12 @@ def _plain(v) -> bool:
 
 
 def resolve_rollout(spec) -> RolloutBackend:
-    """A backend from an instance, a short name / import path, or {name|class_path, init_args}."""
-    init_args = {}
-    if isinstance(spec, dict):
-        spec = dict(spec)
-        init_args = spec.pop("init_args", {}) or {}
-        spec = spec.pop("name", None) or spec.pop("class_path", None)
-    if isinstance(spec, str):
-        spec = plugins.load("rollouts", spec)
-    if isinstance(spec, type):
-        spec = spec(**init_args)
-    if not isinstance(spec, RolloutBackend):
-        raise TypeError(f"{type(spec).__name__} is not a rollout backend: it needs setup(module), "
+    """A backend from an instance, a short name / import path, or {name | class_path, init_args}."""
+    backend, _ = plugins.build("rollouts", spec)
+    if not isinstance(backend, RolloutBackend):
+        raise TypeError(f"{type(backend).__name__} is not a rollout backend: it needs setup(module), "
                         "generate(prompt_token_ids, sampling), release() and on_weights_updated()")
-    return spec
+    return backend
 
 
 class GRPOModule(L.LightningModule):

@@ -8,7 +8,6 @@ weight and constructor arguments. Scoring validates every output and names the r
 sample when something is wrong."""
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,27 +51,13 @@ def _name_of(fn) -> str:
 
 
 def resolve_reward(spec) -> BoundReward:
-    """A reward from a callable, a `Reward`, a short name / import path, or a dict
+    """A reward from a callable, a `Reward`, a short name / import path, or a mapping
     {name | class_path: ..., weight: ..., init_args: {...}}."""
-    weight, init_args = None, {}
-    if isinstance(spec, dict):
-        spec = dict(spec)
-        target = spec.pop("name", None) or spec.pop("class_path", None)
-        weight = spec.pop("weight", None)
-        init_args = spec.pop("init_args", {}) or {}
-        if target is None or spec:
-            raise ValueError(f"a reward given as a mapping takes 'name' (or 'class_path'), 'weight' and "
-                             f"'init_args'; got unexpected keys {sorted(spec) or ['(no name)']}")
-        spec = target
-    if isinstance(spec, str):
-        spec = plugins.load("rewards", spec)
-    if inspect.isclass(spec):
-        spec = spec(**init_args)
-    elif init_args:
-        raise ValueError(f"init_args were given for {_name_of(spec)!r}, which is a function, not a class")
-    if not callable(spec):
-        raise TypeError(f"a reward must be callable, got {type(spec).__name__}")
-    return BoundReward(spec, _name_of(spec), float(weight if weight is not None else getattr(spec, "weight", 1.0)))
+    fn, extras = plugins.build("rewards", spec, extra_keys=("weight",))
+    if not callable(fn):
+        raise TypeError(f"a reward must be callable, got {type(fn).__name__}")
+    weight = extras.get("weight", getattr(fn, "weight", 1.0))
+    return BoundReward(fn, _name_of(fn), float(weight))
 
 
 def resolve_rewards(specs, weights: list[float] | None = None) -> list[BoundReward]:

@@ -4,26 +4,9 @@ import torch
 
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
-from tests.helpers import tiny_hf_folder
+from tests.helpers import fit, tiny_hf_folder
 
 pytestmark = pytest.mark.gpu
-
-
-def fit_gpu(module, rows, steps, tmp_path, precision="32-true"):
-    import csv
-    from pathlib import Path
-
-    import lightning.pytorch as L
-    from torch.utils.data import DataLoader
-
-    from rlcu.data.prompts import collate_rows
-
-    trainer = L.Trainer(max_steps=steps, accelerator="gpu", devices=1, precision=precision, enable_checkpointing=False,
-                        logger=L.loggers.CSVLogger(tmp_path), enable_progress_bar=False, log_every_n_steps=1)
-    trainer.fit(module, DataLoader(rows, batch_size=4, collate_fn=collate_rows))
-    assert trainer.strategy.root_device.type == "cuda"  # Lightning moves the module back to CPU after fit
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-3), (torch.bfloat16, 0.1)])
@@ -53,7 +36,7 @@ def test_smollm2_grpo_bf16_mixed_on_cuda(tmp_path, smollm2_folder):
     module = GRPOModule("smollm2-135m-instruct", rewards=["math_answer", {"name": "overlong_penalty", "init_args": {
         "max_length": 16, "cache_length": 8}}], num_generations=8, max_completion_length=16, learning_rate=1e-5)
     start = [p.detach().clone() for p in module.policy.parameters()]
-    metrics = fit_gpu(module, arithmetic(64), 3, tmp_path, precision="bf16-mixed")
+    metrics = fit(module, arithmetic(64), 3, tmp_path, accelerator="gpu", precision="bf16-mixed")
     changed = sum(not torch.equal(a, p.detach().cpu()) for a, p in zip(start, module.policy.parameters()))
     assert changed > 0.9 * len(start)
     last = [m for m in metrics if "reward" in m][-1]

@@ -1,6 +1,4 @@
 """The native engine on the GPU: Triton kernels, bf16, against the reference backend (run on the H200)."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -8,17 +6,10 @@ from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
-from rlcu.rollout.reference import ReferenceRollout
-from tests.engine.test_engine import EOS, PROMPTS
+from tests.engine.test_engine import EOS, PROMPTS, reference
 from tests.helpers import tiny_hf_folder
 
 pytestmark = pytest.mark.gpu
-
-
-def reference(model, prompts, sp):
-    backend = ReferenceRollout()
-    backend.setup(SimpleNamespace(policy=model))
-    return backend.generate(prompts, sp)
 
 
 def test_greedy_parity_fp32_on_cuda(tmp_path):
