@@ -8,25 +8,24 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from rlcu.kernels.rmsnorm import rms_norm
+from rlcu.kernels.silu_mul import silu_mul
 from rlcu.models.attention import AttentionContext, PaddedAttention
 from rlcu.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """With `residual`, adds it first and returns (normed, x + residual): the fused form the engine uses."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as in the reference implementations, so bf16 training matches them.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
@@ -85,7 +84,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +95,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, attention, residual=None):
+        """Returns (mlp output, residual stream); the next layer's first norm adds the two (fused)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, attention)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -138,12 +143,14 @@ class CausalLM(nn.Module):
         attention = attention or PaddedAttention(None)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
+        residual = None
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention, use_reentrant=False)
+                x, residual = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention, residual,
+                                                                use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attention)
-        return self.model.norm(x)
+                x, residual = layer(x, cos, sin, attention, residual)
+        return self.model.norm(x, residual)[0]
 
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Hidden states of a padded batch; positions count only the real tokens of each row."""

@@ -141,3 +141,15 @@ def test_embedded_model_from_a_local_gguf_is_verified(monkeypatch, tmp_path):
     monkeypatch.setenv("RLCU_SMOLLM2_GGUF", str(bad))
     with pytest.raises(RuntimeError, match="corrupt or not the expected file"):
         load_model("smollm2-135m-instruct")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    ids = torch.randint(0, 62, (2, 9))
+    grads = []
+    for flag in (False, True):
+        model.zero_grad()
+        model.gradient_checkpointing = flag
+        model.logits(ids).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
