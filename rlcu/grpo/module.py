@@ -20,7 +20,7 @@ from torch import nn
 
 from rlcu import plugins
 from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
-from rlcu.grpo import loss as L_
+from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
 from rlcu.models import CausalLM, load_model
@@ -118,8 +118,8 @@ class GRPOModule(L.LightningModule):
 
     @staticmethod
     def _check_options(loss_type, level, scale, schedule, g, mb, iters, eps, max_len):
-        for value, allowed, name in ((loss_type, L_.LOSS_TYPES, "loss_type"), (level, L_.LEVELS, "importance_sampling_level"),
-                                     (scale, L_.SCALES, "scale_rewards"), (schedule, SCHEDULES, "lr_scheduler")):
+        for value, allowed, name in ((loss_type, grpo_loss.LOSS_TYPES, "loss_type"), (level, grpo_loss.LEVELS, "importance_sampling_level"),
+                                     (scale, grpo_loss.SCALES, "scale_rewards"), (schedule, SCHEDULES, "lr_scheduler")):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if g < 2:
@@ -183,8 +183,8 @@ class GRPOModule(L.LightningModule):
 
         rewards_per_func, completions = self._score(rows, rollout)
         weights = torch.tensor([r.weight for r in self.rewards])
-        rewards = L_.combine_rewards(rewards_per_func, weights)
-        advantages, _, is_std_zero = L_.group_advantages(rewards, g, hp.scale_rewards)
+        rewards = grpo_loss.combine_rewards(rewards_per_func, weights)
+        advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, g, hp.scale_rewards)
         t2 = self._now()
 
         batch_t = self._tensors(rollout, advantages)
@@ -289,15 +289,15 @@ class GRPOModule(L.LightningModule):
                 mask = b["loss_mask"][rows].to(self.device).float()
                 adv = b["advantages"][rows].to(self.device)
                 old_lp = old[sl] if old is not None else logps.detach()
-                ptl, coef, kl = L_.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
+                ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
                                                   hp.importance_sampling_level, ref[sl] if ref is not None else None, hp.beta)
-                loss = L_.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), num_items)
+                loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), num_items)
                 self.manual_backward(loss)
                 total += float(loss.detach())
                 if it == 0:  # sampler vs trainer logprobs of the same tokens under the same weights
                     gap = (logps.detach() - b["sampler_logps"][rows].to(self.device)).abs() * mask
                     gap_sum, gap_max = gap_sum + float(gap.sum()), max(gap_max, float(gap.max()))
-                stats.add(mask, entropy, kl, *L_.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
+                stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
             grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
             grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
             if hp.max_grad_norm:
