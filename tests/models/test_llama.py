@@ -153,3 +153,19 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
         model.logits(ids).square().mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+
+def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    folder = tiny_hf_folder(tmp_path / "snapshot", "qwen2")
+    asked = {}
+
+    def fake_snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        asked.update(repo_id=repo_id, patterns=allow_patterns)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model, tok = load_model("Qwen/Qwen2.5-0.5B-Instruct")
+    assert asked["repo_id"] == "Qwen/Qwen2.5-0.5B-Instruct" and "*.safetensors" in asked["patterns"]
+    assert model.config.model_type == "qwen2" and tok("t1").input_ids == [1]
