@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rlcu.kernels.rmsnorm import rms_norm
+from rlcu.kernels.rope import rope
 from rlcu.kernels.silu_mul import silu_mul
 from rlcu.models.attention import AttentionContext, PaddedAttention
 from rlcu.models.config import ModelConfig
@@ -44,11 +45,6 @@ def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -70,8 +66,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 

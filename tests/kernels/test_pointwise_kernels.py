@@ -44,3 +44,22 @@ def test_silu_mul(dtype, shape):
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
     assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (8, 128), (3, 16)])
+def test_rope(dtype, heads, head_dim):
+    from rlcu.kernels.rope import rope_reference, rope_triton
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 7, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [40, 41, 42, 900, 901, 902, 5000]]).double()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    emb = torch.cat([pos[..., None] * inv] * 2, -1)[:, :, None]
+    cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+    got, ref = rope_triton(x, cos, sin), rope_reference(x, cos, sin)
+    x64, c64, s64 = x.double().cpu(), emb.cos(), emb.sin()
+    exact = x64 * c64 + torch.cat((-x64[..., head_dim // 2:], x64[..., :head_dim // 2]), -1) * s64
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=4 * atol, rtol=rtol)  # cos/sin themselves are rounded
+    assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
