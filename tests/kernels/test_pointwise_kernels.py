@@ -47,7 +47,7 @@ def test_silu_mul(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,head_dim", [(9, 64), (8, 128), (3, 16)])
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (8, 128), (3, 16), (4, 8)])
 def test_rope(dtype, heads, head_dim):
     from rlcu.kernels.rope import rope_reference, rope_triton
 
