@@ -57,6 +57,7 @@ def run(argv: list[str]) -> Path:
     from rlcu.grpo.module import resolve_rollout
     from rlcu.models import load_model
     from rlcu.rollout import SamplingParams
+    from rlcu.rollout.stops import eos_token_ids
 
     args = parser().parse_args(argv)
     if args.n < 1:
@@ -69,7 +70,7 @@ def run(argv: list[str]) -> Path:
     backend = resolve_rollout(args.rollout)
     backend.setup(SimpleNamespace(policy=model, tokenizer=tok))
     prompt_ids = [encode_prompt(tok, r.get("prompt", r.get("messages"))) for r in rows]
-    stops = sorted({*model.config.eos_token_ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])})
+    stops = eos_token_ids(model.config, tok)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, stop_token_ids=stops, seed=args.seed)
     start = time.perf_counter()

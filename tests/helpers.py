@@ -58,6 +58,17 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
     return Path(path)
 
 
+def reference_generate(model, prompts, sampling, tokenizer=None):
+    """The oracle: the reference rollout backend on `model`."""
+    from types import SimpleNamespace
+
+    from rlcu.rollout.reference import ReferenceRollout
+
+    backend = ReferenceRollout()
+    backend.setup(SimpleNamespace(policy=model, tokenizer=tokenizer))
+    return backend.generate(prompts, sampling)
+
+
 def toy_rows(n: int, seed: int = 0, chat: bool = False) -> list[dict]:
     """Prompt 'tD' (D in 0..7); the verifiable answer is token t(D+8), repeated."""
     import random

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlcu.data.prompts import PROMPT, collate_rows, is_conversational
+from rlcu.hparams import not_plain
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -19,8 +20,7 @@ class PromptDataModule(L.LightningDataModule):
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None):
         super().__init__()
-        self.save_hyperparameters(ignore=[] if isinstance(dataset, (str, list)) and all(
-            isinstance(x, str) for x in ([dataset] if isinstance(dataset, str) else dataset)) else ["dataset"])
+        self.save_hyperparameters(ignore=not_plain(dataset=dataset))
         self.dataset, self.dataset_args, self.split = dataset, dataset_args, split
         self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
         self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt

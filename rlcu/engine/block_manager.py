@@ -28,11 +28,11 @@ class BlockManager:
         """New blocks to hold `num_tokens` more tokens of `seq` (counting a copy-on-write)."""
         total = -(-(seq.num_computed_tokens + num_tokens) // self.block_size)
         need = max(0, total - len(seq.block_table))
-        if self._shared_partial_tail(seq):
+        if self.shared_partial_tail(seq):
             need += 1
         return need
 
-    def _shared_partial_tail(self, seq: Sequence) -> bool:
+    def shared_partial_tail(self, seq: Sequence) -> bool:
         return (bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0
                 and self.ref_counts[seq.block_table[-1]] > 1)
 
@@ -45,7 +45,7 @@ class BlockManager:
 
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         """Make room for `num_tokens` more tokens; the caller checked `blocks_needed` <= `num_free`."""
-        if self._shared_partial_tail(seq):
+        if self.shared_partial_tail(seq):
             old = seq.block_table[-1]
             new = self._take()
             self.ref_counts[old] -= 1

@@ -82,7 +82,7 @@ class Scheduler:
         """How many more tokens of `seq` fit in the free blocks."""
         bs = self.bm.block_size
         room_in_tail = (-seq.num_computed_tokens) % bs if seq.block_table else 0
-        free = self.bm.num_free - (1 if room_in_tail and self.bm._shared_partial_tail(seq) else 0)
+        free = self.bm.num_free - (1 if room_in_tail and self.bm.shared_partial_tail(seq) else 0)
         return max(0, room_in_tail + free * bs)
 
     def finish(self, seq: Sequence) -> None:

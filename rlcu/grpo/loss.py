@@ -19,10 +19,12 @@ STD_EPS = 1e-4  # TRL's: keeps a near-constant group from exploding its advantag
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Unbiased standard deviation ignoring NaN (NaN where fewer than two values)."""
+    if dim is None:
+        x, dim = x.reshape(-1), 0
     mean = torch.nanmean(x, dim=dim, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True) if dim is not None else (~torch.isnan(x)).sum()
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
     var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1)
-    return var.sqrt().squeeze(dim) if dim is not None else var.sqrt().reshape(())
+    return var.sqrt().squeeze(dim)
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -22,23 +22,16 @@ from rlcu import plugins
 from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.hparams import not_plain
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
 from rlcu.models import CausalLM, load_model
 from rlcu.rewards.base import resolve_rewards, score
 from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
+from rlcu.rollout.stops import eos_token_ids
 
 log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear", "cosine")
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
-
-
-def _plain(v) -> bool:
-    """Whether a value can be saved as a hyperparameter (objects such as modules and callables cannot)."""
-    if v is None or isinstance(v, (str, int, float, bool)):
-        return True
-    if isinstance(v, (list, tuple)):
-        return all(_plain(x) for x in v)
-    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
 
 
 def resolve_rollout(spec) -> RolloutBackend:
@@ -87,8 +80,7 @@ class GRPOModule(L.LightningModule):
         seed: int = 0,
     ):
         super().__init__()
-        objects = dict(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout)
-        self.save_hyperparameters(ignore=[k for k, v in objects.items() if not _plain(v)])
+        self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
         self._check_options(loss_type, importance_sampling_level, scale_rewards, lr_scheduler, num_generations,
                             micro_batch_size, num_iterations, epsilon, max_completion_length)
         self.automatic_optimization = False
@@ -110,10 +102,7 @@ class GRPOModule(L.LightningModule):
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rewards = resolve_rewards(rewards, reward_weights)
         self.rollout = resolve_rollout(rollout)
-        eos = set(self.policy.config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.stop_token_ids = sorted(eos)
+        self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
 
     @staticmethod

@@ -68,9 +68,9 @@ class ReferenceRollout:
             lengths += (~finished).long()
             finished |= torch.isin(tok, stop)
             if stop_strings:
-                done = torch.stack(tokens, 1).tolist()
+                tail = torch.stack(tokens[-stop_strings.window:], 1).tolist()  # all hit() ever decodes
                 for i in (~finished).nonzero()[:, 0].tolist():
-                    finished[i] = stop_strings.hit(done[i])
+                    finished[i] = stop_strings.hit(tail[i])
             if bool(finished.all()) or step == sp.max_tokens - 1:
                 break
             pos = pos + 1

@@ -3,6 +3,14 @@ decoded each step, so the check stays cheap for long completions."""
 from __future__ import annotations
 
 
+def eos_token_ids(config, tokenizer) -> list[int]:
+    """Every end-of-sequence id the model's config or its tokenizer declares: a completion stops at any."""
+    ids = set(config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 class StopStrings:
     def __init__(self, tokenizer, stops: list[str]):
         if stops and tokenizer is None:

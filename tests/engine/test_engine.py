@@ -12,19 +12,13 @@ from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
 from rlcu.rollout.native import NativeRollout
-from rlcu.rollout.reference import ReferenceRollout
+from tests.helpers import reference_generate as reference
 from tests.helpers import tiny_hf_folder
 
 EOS = 63
 # a single token, lengths across block boundaries (block 16), shared prefixes, and repeated prompts (forks)
 PROMPTS = [[5], list(range(1, 17)), list(range(1, 18)), list(range(1, 18)) + [40, 41], [7] * 33, [7] * 33, [7] * 33,
            [9, 8, 7]]
-
-
-def reference(model, prompts, sp):
-    backend = ReferenceRollout()
-    backend.setup(SimpleNamespace(policy=model))
-    return backend.generate(prompts, sp)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -151,9 +145,7 @@ def test_stop_strings_end_completions_in_both_backends(tmp_path):
     stop = f"t{target}"
     sp = SamplingParams(max_tokens=12, temperature=0, stop=[stop])
     native = LLMEngine(model, tokenizer=tok).generate(PROMPTS, sp)
-    ref_backend = ReferenceRollout()
-    ref_backend.setup(SimpleNamespace(policy=model, tokenizer=tok))
-    ref = ref_backend.generate(PROMPTS, sp)
+    ref = reference(model, PROMPTS, sp, tokenizer=tok)
     assert native.completion_ids == ref.completion_ids and native.finish_reasons == ref.finish_reasons
     cut = native.completion_ids[1]
     assert native.finish_reasons[1] == "stop" and cut == full[1][:len(cut)] and stop in tok.decode(cut)

@@ -1,13 +1,10 @@
 import json
-from types import SimpleNamespace
-
 import pytest
 
 from rlcu import cli
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
-from rlcu.rollout.reference import ReferenceRollout
-from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+from tests.helpers import CHAT_TEMPLATE, reference_generate, tiny_hf_folder
 
 
 @pytest.fixture
@@ -25,9 +22,7 @@ def test_generate_writes_completions_matching_the_reference_backend(tmp_path, ti
     assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)] and rows[0]["id"] == "a"
     assert rows[0]["completion_ids"] == rows[1]["completion_ids"]  # greedy: both samples agree
     model, tok = load_model(tiny)
-    ref = ReferenceRollout()
-    ref.setup(SimpleNamespace(policy=model))
-    want = ref.generate([rows[0]["prompt_ids"], rows[2]["prompt_ids"]],
+    want = reference_generate(model, [rows[0]["prompt_ids"], rows[2]["prompt_ids"]],
                         SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[63]))
     assert [rows[0]["completion_ids"], rows[2]["completion_ids"]] == want.completion_ids
     assert all(len(r["logprobs"]) == len(r["completion_ids"]) and r["finish_reason"] in ("stop", "length") for r in rows)
