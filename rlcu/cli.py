@@ -3,6 +3,7 @@
     rlcu run RECIPE [--section.key=value ...]   run a recipe by name (rlcu recipes) or YAML path
     rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
     rlcu generate --input P.jsonl --output O.jsonl [--model M --rollout native --temperature 0 ...]
+    rlcu bench rollout|step [--sequences N | --prompts P --generations G] [--new_tokens L ...]
     rlcu plugins                                rewards and rollout backends found through entry points
     rlcu recipes                                the shipped recipes
 
@@ -133,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
             from rlcu.generate import run
 
             run(argv[1:])
+            return
+        if argv[0] == "bench":
+            from rlcu.bench import run as bench
+
+            bench(argv[1:])
             return
         build_cli(expand_run(argv))
     except user_errors() as e:

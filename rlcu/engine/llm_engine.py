@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcu.engine.block_manager import BlockManager
-from rlcu.engine.model_runner import ModelRunner
+from rlcu.engine.model_runner import ModelRunner, cache_dtype
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels.sampling import sample
@@ -24,8 +24,10 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    memory_fraction: float = 0.5  # of the GPU's free memory, for the KV pool
-    num_blocks: int | None = None  # a fixed pool size instead (on CPU: default is what the requests need)
+    memory_fraction: float = 0.5  # at most this share of the GPU's free memory goes to the KV pool
+    num_blocks: int | None = None  # a fixed pool size instead of what the requests need (capped as above)
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (GPU with Triton only)
+    release_memory: bool = True  # free the pool (and graphs) after each generate(), for the training phase
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -39,18 +41,24 @@ class LLMEngine:
         self.stats: dict[str, int] = {}
 
     def _pool_size(self, seqs: list[Sequence], forks: int) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
+        """What the requests can need at most (no sharing assumed), or `num_blocks`; on the GPU capped at
+        `memory_fraction` of free memory (the scheduler preempts when the cap bites)."""
+        cfg, bs = self.config, self.config.block_size
+        want = cfg.num_blocks
+        if want is None:
+            want = sum(-(-(s.num_prompt_tokens + s.max_tokens) // bs) * (1 + s.pending_forks) for s in seqs) + forks
         device = self.model.model.embed_tokens.weight.device
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            return max(1, int(free * cfg.memory_fraction) // ModelRunner.bytes_per_block(self.model, cfg.block_size))
-        bs = cfg.block_size
-        return sum(-(-(s.num_prompt_tokens + s.max_tokens) // bs) * (1 + s.pending_forks) for s in seqs) + forks
+            held = 0 if self.runner is None else self.runner.k_cache.nbytes * 2  # ours to reuse
+            cap = int((free + held) * cfg.memory_fraction) // ModelRunner.bytes_per_block(self.model, bs)
+            want = min(want, max(1, cap))
+        return want
 
-    def release(self) -> None:
-        """Free the KV pool; the next generate() allocates it again."""
+    def release(self, force: bool = False) -> None:
+        """Free the KV pool and the CUDA graphs (unless release_memory is off); the next generate() takes them again."""
+        if not (self.config.release_memory or force):
+            return
         self.runner = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -68,8 +76,12 @@ class LLMEngine:
                 continue
             parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i))
         num_blocks = self._pool_size(parents, len(prompt_token_ids))
-        if self.runner is None or self.runner.k_cache.shape[1] < num_blocks:
-            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size)
+        runner = self.runner
+        if (runner is None or runner.k_cache.shape[1] < num_blocks
+                or runner.dtype != cache_dtype(self.model.model.embed_tokens.weight)):
+            self.runner = None  # the old pool goes before the new one is taken
+            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs,
+                                      self.config.cuda_graphs)
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
         scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         for seq in parents:

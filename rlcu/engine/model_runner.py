@@ -1,12 +1,15 @@
 """Runs one engine step: the scheduled tokens of all sequences as one flat batch through the rlcu
-model's own modules and parameters, with attention over the paged KV cache."""
+model's own modules and parameters, with attention over the paged KV cache. Decode-only steps on the
+GPU replay a CUDA graph (`cuda_graphs.py`)."""
 from __future__ import annotations
 
 import torch
 
 from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.sequence import Sequence
-from rlcu.kernels.decode_attention import decode_attention
+from rlcu.kernels._triton import use_triton
+from rlcu.kernels.decode_attention import decode_attention, triton_supports
 from rlcu.kernels.kv_cache import store_kv
 from rlcu.kernels.prefill_attention import paged_attention
 from rlcu.models.llama import CausalLM
@@ -22,31 +25,37 @@ class PagedAttention:
     """The attention context of one step: write this step's K/V into the cache, then attend over it."""
 
     def __init__(self, runner: "ModelRunner", slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
-                 max_context: int):
+                 num_splits: int | None = None):
         self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
-        self.decode_only, self.max_context = decode_only, max_context
+        self.decode_only, self.num_splits = decode_only, num_splits
         self.scale = runner.model.config.head_dim ** -0.5
 
     def __call__(self, layer_idx, q, k, v):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
         store_kv(k[0], v[0], kc, vc, self.slots)
         if self.decode_only:
-            out = decode_attention(q[0], kc, vc, self.tables, self.ctx, self.scale, max_context=self.max_context)
+            out = decode_attention(q[0], kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
         else:
             out = paged_attention(q[0], kc, vc, self.cu, self.ctx, self.tables, self.scale)
         return out[None]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int = 256,
+                 cuda_graphs: bool = True):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
         p = model.model.embed_tokens.weight
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        dtype = cache_dtype(p)
-        self.k_cache = torch.empty(shape, dtype=dtype, device=p.device)
-        self.v_cache = torch.empty(shape, dtype=dtype, device=p.device)
+        self.dtype = cache_dtype(p)
+        # zeros, not empty: a padding row of a graph batch reads block 0, and must not read NaN
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=p.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=p.device)
         self.device = p.device
+        self.graphs = None
+        if cuda_graphs and p.is_cuda and use_triton(p) and triton_supports(cfg.head_dim, block_size):
+            max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
 
     @staticmethod
     def bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -77,14 +86,18 @@ class ModelRunner:
                 last.append(cu[-1] - 1)
                 sampling.append(seq)
         width = max(len(t) for t in tables)
-        dev = self.device
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, device=dev),
-                                   torch.tensor(ctx, dtype=torch.int32, device=dev), table,
-                                   decode_only=all(n == 1 for _, n in batch), max_context=max(ctx))
-        hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         for seq, n in batch:
             seq.num_computed_tokens += n
+        decode_only = len(ids) == len(batch)
+        if decode_only and self.graphs is not None and self.graphs.fits(len(ids), width):
+            logits = self.graphs.run(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots),
+                                     torch.tensor(ctx, dtype=torch.int32), table)
+            return logits, sampling
+        dev = self.device
+        attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, device=dev),
+                                   torch.tensor(ctx, dtype=torch.int32, device=dev), table.to(dev), decode_only)
+        hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
         if not sampling:
             return hidden.new_empty(0, self.model.config.vocab_size), []
         return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]).float(), sampling

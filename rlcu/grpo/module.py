@@ -24,6 +24,7 @@ from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.hparams import not_plain
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
+from rlcu.grpo.optim import MasterWeightAdamW
 from rlcu.models import CausalLM, load_model
 from rlcu.rewards.base import resolve_rewards, score
 from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
@@ -132,7 +133,9 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas))
+        low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+        optimizer = MasterWeightAdamW if low_precision else torch.optim.AdamW  # fp32 updates for bf16 weights
+        opt = optimizer(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas))
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else None
         if hp.lr_scheduler != "constant" and total is None:
             raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps to know where it ends")
@@ -287,7 +290,9 @@ class GRPOModule(L.LightningModule):
                     gap = (logps.detach() - b["sampler_logps"][rows].to(self.device)).abs() * mask
                     gap_sum, gap_max = gap_sum + float(gap.sum()), max(gap_max, float(gap.max()))
                 stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
-            grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+            if isinstance(opt.optimizer, MasterWeightAdamW):
+                opt.optimizer.load_grads()  # clip and measure the fp32 copies
+            grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
             grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
             if hp.max_grad_norm:
                 self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")

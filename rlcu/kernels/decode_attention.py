@@ -3,7 +3,8 @@
 Triton: one program per (sequence, KV head, split). It serves every query head of its GQA group at
 once (any group size, padded to a power of two), walks its share of the sequence's blocks with an
 online softmax, and writes a partial output with its log-sum-exp; the splits are then combined. Split-KV
-keeps all SMs busy when there are few sequences with long contexts."""
+keeps all SMs busy when there are few sequences with long contexts. Each sequence divides its own blocks
+among the splits, so the launch depends on no host-side length and can be captured in a CUDA graph."""
 from __future__ import annotations
 
 import torch
@@ -31,15 +32,17 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 if HAS_TRITON:
     @triton.jit
     def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, scale, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
-                       stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, blocks_per_split,
+                       stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, num_splits,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        PRECISION: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(CTX + s)
-        first = split * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BLOCK_SIZE))
+        num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+        per_split = tl.cdiv(num_blocks, num_splits)
+        first = split * per_split
+        last = tl.minimum(first + per_split, num_blocks)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         t = tl.arange(0, BLOCK_SIZE)
@@ -71,22 +74,24 @@ if HAS_TRITON:
         tl.store(LSE + s * stride_ls + heads * stride_lh + split, lse, mask=gmask)
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                            max_context: int | None = None):
+def default_num_splits(n_seq: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Enough programs to fill an H100/H200-sized GPU (132 SMs) when sequences are few and long."""
+    return max(1, min(max_blocks, 16, 132 * 4 // max(1, n_seq * num_kv_heads)))
+
+
+def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d} / block_size {bs}: powers of two >= 16 only"
-    max_blocks = block_tables.shape[1] if max_context is None else -(-max_context // bs)
-    if num_splits is None:  # enough programs to fill the GPU when sequences are few and long
-        num_splits = max(1, min(max_blocks, 132 * 4 // max(1, n_seq * hkv)))
-    blocks_per_split = -(-max_blocks // num_splits)
+    if num_splits is None:
+        num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1])
     group = hq // hkv
     partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(n_seq, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(n_seq, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
-        partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), blocks_per_split,
+        partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays fp32 (tl.dot defaults to tf32)
     weights = torch.softmax(lse, dim=-1)  # exp(lse_i - logsumexp(lse)): each split's share of the softmax mass
@@ -98,7 +103,7 @@ def triton_supports(head_dim: int, block_size: int) -> bool:
     return head_dim == next_pow2(head_dim) >= 16 and block_size == next_pow2(block_size) >= 16
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context: int | None = None):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, max_context=max_context)
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
     return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -1,4 +1,5 @@
-"""Write new keys and values into the paged KV cache at flat slots (block * block_size + offset)."""
+"""Write new keys and values into the paged KV cache at flat slots (block * block_size + offset).
+A negative slot is skipped: the padding rows of a CUDA-graph batch write nowhere."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,9 @@ from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -19,7 +23,7 @@ if HAS_TRITON:
         t = tl.program_id(0)
         slot = tl.load(slots + t)
         offs = tl.arange(0, N_PAD)
-        mask = offs < N
+        mask = offs < tl.where(slot >= 0, N, 0)
         k = tl.load(K + t * stride_kt + offs, mask=mask)
         v = tl.load(V + t * stride_vt + offs, mask=mask)
         tl.store(KC + slot * N + offs, k.to(KC.dtype.element_ty), mask=mask)

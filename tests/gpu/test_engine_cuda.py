@@ -47,3 +47,23 @@ def test_smollm2_on_cuda_matches_reference_with_dtype_tolerance(smollm2_folder, 
     gaps = torch.cat(gaps)
     print(f"{dtype}: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
     assert gaps.mean() < (0.05 if dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("release_memory", [True, False])
+def test_cuda_graph_decode_matches_eager(tmp_path, release_memory):
+    """The same sampled run with and without decode graphs (bucket padding included: 11 sequences run
+    in the 16-row graph), twice in a row so a kept pool and its graphs are reused."""
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=128, heads=8, kv_heads=2, head_dim=32))
+    model.cuda()
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)][:11]
+    sp = SamplingParams(max_tokens=20, temperature=1.0, stop_token_ids=[EOS], seed=3)
+    eager = LLMEngine(model, EngineConfig(cuda_graphs=False)).generate(prompts, sp)
+    engine = LLMEngine(model, EngineConfig(cuda_graphs=True, release_memory=release_memory))
+    for _ in range(2):
+        graphed = engine.generate(prompts, sp)
+        assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "no graph was captured"
+        assert graphed.completion_ids == eager.completion_ids
+        gap = max(abs(a - b) for x, y in zip(graphed.logprobs, eager.logprobs) for a, b in zip(x, y))
+        assert gap < 1e-4, gap
+        engine.release()
+    assert (engine.runner is None) == release_memory

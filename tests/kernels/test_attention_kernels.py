@@ -80,14 +80,17 @@ def test_prefill_reference_after_a_cached_prefix(dtype):
 @pytest.mark.parametrize("hkv,d", [(3, 64), (8, 128), (1, 16)])
 def test_store_kv(dtype, hkv, d):
     cache_shape = (7, 16, hkv, d)
-    slots = torch.tensor([0, 17, 111, 5, 64], device=DEVICE)
-    k = torch.randn(5, hkv, d, device=DEVICE).to(dtype)
-    v = torch.randn(5, hkv, d, device=DEVICE).to(dtype)
+    slots = torch.tensor([0, 17, 111, -1, 5, 64], device=DEVICE)  # -1: a padding row writes nowhere
+    k = torch.randn(6, hkv, d, device=DEVICE).to(dtype)
+    v = torch.randn(6, hkv, d, device=DEVICE).to(dtype)
     caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(4)]
     store_kv_triton(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert torch.equal(caches[0].view(-1, hkv, d)[111], k[2])
+    written = torch.zeros(7 * 16, dtype=torch.bool)
+    written[[0, 17, 111, 5, 64]] = True
+    assert not caches[0].view(7 * 16, -1)[~written.to(DEVICE)].any(), "the -1 row was written somewhere"
 
 
 def test_garbage_past_the_context_never_leaks():

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
+#   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
+# PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8), trl8 / trl32 (TRL's GRPO step),
+# hf (transformers generate). PEERS_DIR holds ../shared/peers (default .peers).
+set -uo pipefail
+out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
+mkdir -p "$out"
+rlcu() { python3 -m rlcu.cli "$@"; }
+log() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1; echo "rc=$?"; grep -E '^\{|^TRL|^HFGEN|run [0-9]|step [0-9]' "$out/$name.log" | tail -8; }
+case $part in
+  rlcu)
+    log rollout64 rlcu bench rollout --sequences 64 --new_tokens 512
+    log rollout512 rlcu bench rollout --sequences 512 --new_tokens 512
+    log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4
+    log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 ;;
+  trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
+  trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
+  hf) (cd "$peers" && log hf_generate python3 hf_generate.py) ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac

@@ -1,0 +1,192 @@
+"""`rlcu bench`: rollout throughput and GRPO step time, on any supported model or on the standard
+workload's model (a Qwen3-0.6B shape with random weights and a word-level tokenizer over its whole
+vocabulary, as `../shared/peers` builds it for TRL). Completions run to full length, as the peers'
+do, so that every run generates the same number of tokens.
+
+    rlcu bench rollout --sequences 64 --new_tokens 512
+    rlcu bench step --prompts 8 --generations 8 --new_tokens 512
+
+Each prints a table and, last, one JSON line."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                 tie_word_embeddings=True, qk_norm=True)
+STANDARD = "qwen3-0.6b-random"
+
+
+def word_tokenizer(vocab_size: int):
+    """Token i is the word `t{i}`; the last two ids are <pad> and <eos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 2)}
+    vocab.update({"<pad>": vocab_size - 2, "<eos>": vocab_size - 1})
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def random_model(device: str, dtype: torch.dtype, seed: int = 0):
+    """The standard workload's model, initialised as transformers does (normal, std 0.02)."""
+    from rlcu.models.config import ModelConfig
+    from rlcu.models.llama import CausalLM
+
+    cfg = ModelConfig(**QWEN3_06B, eos_token_id=QWEN3_06B["vocab_size"] - 1, pad_token_id=QWEN3_06B["vocab_size"] - 2)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = CausalLM(cfg)
+        for name, p in model.named_parameters():
+            torch.nn.init.normal_(p, std=0.02) if "norm" not in name else torch.nn.init.ones_(p)
+    return model.to(dtype), word_tokenizer(cfg.vocab_size)
+
+
+def build_model(name: str, device: str, dtype: str):
+    from rlcu.models.loading import load_model, resolve_dtype
+
+    if name == STANDARD:
+        return random_model(device, resolve_dtype(dtype))
+    model, tok = load_model(name, dtype=dtype)
+    return model.to(device), tok
+
+
+def random_prompt_ids(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size - 2) for _ in range(length)] for _ in range(n)]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlcu bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    for name in ("rollout", "step"):
+        s = sub.add_parser(name)
+        s.add_argument("--model", default=STANDARD, help=f"{STANDARD} or any model rlcu loads")
+        s.add_argument("--prompt_len", type=int, default=128)
+        s.add_argument("--new_tokens", type=int, default=512)
+        s.add_argument("--dtype", default="bfloat16")
+        s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        s.add_argument("--no_cuda_graphs", action="store_true")
+        s.add_argument("--block_size", type=int, default=16)
+    r = sub.choices["rollout"]
+    r.add_argument("--sequences", type=int, default=64)
+    r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")
+    r.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up run")
+    s = sub.choices["step"]
+    s.add_argument("--prompts", type=int, default=8)
+    s.add_argument("--generations", type=int, default=8)
+    s.add_argument("--steps", type=int, default=4, help="GRPO steps; the first is reported apart as warm-up")
+    s.add_argument("--micro_batch_size", type=int, default=16)
+    s.add_argument("--gradient_checkpointing", action="store_true")
+    s.add_argument("--release_memory", action="store_true", help="free the KV pool after every rollout")
+    return p
+
+
+def _peak_gb(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else float("nan")
+
+
+def bench_rollout(args) -> dict:
+    from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+    from rlcu.rollout.base import SamplingParams
+
+    model, _ = build_model(args.model, args.device, args.dtype)
+    model.eval()
+    n_prompts = -(-args.sequences // args.generations)
+    prompts = random_prompt_ids(n_prompts, args.prompt_len, model.config.vocab_size)
+    requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
+                                           cuda_graphs=not args.no_cuda_graphs, release_memory=False))
+    sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
+    runs = []
+    for i in range(1 + args.repeats):
+        _sync(args.device)
+        start = time.perf_counter()
+        out = engine.generate(requests, sampling)
+        _sync(args.device)
+        runs.append(time.perf_counter() - start)
+        tokens = sum(len(c) for c in out.completion_ids)
+        print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {runs[-1]:.2f} s "
+              f"= {tokens / runs[-1]:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
+    best = min(runs[1:]) if args.repeats else runs[0]
+    return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
+                tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best), ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
+                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
+
+
+def bench_step(args) -> dict:
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from rlcu.data.prompts import collate_rows
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.rollout.native import NativeRollout
+
+    model, tok = build_model(args.model, args.device, args.dtype)
+    model.gradient_checkpointing = args.gradient_checkpointing
+    prompts = random_prompt_ids(args.prompts * args.steps, args.prompt_len, model.config.vocab_size)
+    rows = [{"prompt": tok.decode(p)} for p in prompts]
+
+    def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
+        return [float(len(c)) for c in completions]
+
+    rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
+                            release_memory=args.release_memory, max_num_seqs=max(256, args.prompts * args.generations))
+    module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
+                        max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
+                        micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo")
+    module.stop_token_ids = []  # completions run to full length, as the peers force them to
+    steps: list[dict] = []
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            _sync(args.device)
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _sync(args.device)
+            m = trainer.callback_metrics
+            steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"])
+                                                                       for k in ("generate", "score", "train")}))
+            print(f"  step {batch_idx}: {steps[-1]['total']:.2f} s (generate {steps[-1]['generate']:.2f}, score "
+                  f"{steps[-1]['score']:.2f}, train {steps[-1]['train']:.2f})", file=sys.stderr)
+
+    trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if args.device.startswith("cuda") else "cpu",
+                        devices=1, precision="32-true", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
+    trainer.fit(module, DataLoader(rows, batch_size=args.prompts, collate_fn=collate_rows))
+    steady = steps[1:] or steps
+    mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", "generate", "score", "train")}
+    return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
+                prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
+                step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
+                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+def run(argv: list[str]) -> dict:
+    args = parser().parse_args(argv)
+    for name in ("prompt_len", "new_tokens", "generations"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1")
+    result = bench_rollout(args) if args.what == "rollout" else bench_step(args)
+    print(json.dumps(result))
+    return result

@@ -1,0 +1,80 @@
+"""CUDA graphs of the decode step. A decode step of a small model is hundreds of short kernels whose
+launch cost from Python exceeds their run time; replaying a captured graph launches them all at once.
+
+One graph per batch-size bucket, captured on first use, over static input buffers: the step's real
+rows are copied in and the rest of the bucket is padding that writes no KV (slot -1) and whose
+logits are ignored. The graphs read the KV pool and the model's parameters at their addresses, so
+they live exactly as long as the pool (the model runner) and parameters must be updated in place,
+which optimizers do."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels.decode_attention import default_num_splits
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def bucket_for(n: int, max_batch: int) -> int:
+    for b in BUCKETS:
+        if b >= n:
+            return min(b, max_batch)
+    return max_batch
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, max_blocks_per_seq: int):
+        dev = runner.device
+        self.runner, self.max_batch = runner, max_batch
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def fits(self, n: int, width: int) -> bool:
+        return n <= self.max_batch and width <= self.block_tables.shape[1]
+
+    def run(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
+        """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (float32, valid until the next run)."""
+        n, width = len(ids), tables.shape[1]
+        bucket = bucket_for(n, self.max_batch)
+        self.ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slots[:n].copy_(slots, non_blocking=True)
+        self.slots[n:bucket].fill_(-1)
+        self.context_lens[:n].copy_(context_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        kind = self.runner.device.type
+        key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, key[1])
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:n]
+
+    def _forward(self, bucket: int, autocast_dtype):
+        from rlcu.engine.model_runner import PagedAttention
+
+        runner, hkv = self.runner, self.runner.model.config.num_key_value_heads
+        attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
+                                   self.block_tables[:bucket], decode_only=True,
+                                   num_splits=default_num_splits(bucket, hkv, self.block_tables.shape[1]))
+        # the autocast cache would keep casts made during capture alive outside the graph's memory
+        with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None, cache_enabled=False):
+            hidden = runner.model(self.ids[None, :bucket], self.positions[None, :bucket], attention)
+            return runner.model.lm_head(hidden[0]).float()
+
+    def _capture(self, bucket: int, autocast_dtype):
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, cuBLAS picks kernels
+            self._forward(bucket, autocast_dtype)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket, autocast_dtype)
+        return graph, logits

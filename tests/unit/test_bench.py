@@ -1,0 +1,44 @@
+"""`rlcu bench` end to end on the CPU with a tiny model (its speed is measured on the H200, never here)."""
+import json
+
+import pytest
+
+from rlcu.bench import QWEN3_06B, word_tokenizer
+from rlcu.cli import main
+from tests.helpers import tiny_hf_folder
+
+
+def last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_rollout_generates_full_length(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "6",
+          "--generations", "3", "--prompt_len", "5", "--new_tokens", "7", "--repeats", "1"])
+    out = last_json(capsys)
+    assert out["bench"] == "rollout" and out["sequences"] == 6 and out["tok_per_s"] > 0
+    assert out["tokens"] == 6 * 7  # no early stop
+
+
+def test_bench_step_reports_each_phase(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "llama")
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "5", "--steps", "2", "--micro_batch_size", "2"])
+    out = last_json(capsys)
+    assert len(out["step_seconds"]) == 2
+    assert set(out["steady"]) == {"total", "generate", "score", "train"}
+    assert out["steady"]["generate"] + out["steady"]["train"] <= out["steady"]["total"] * 1.01
+
+
+def test_standard_tokenizer_round_trips_every_id():
+    tok = word_tokenizer(1000)
+    ids = [0, 5, 997, 123]
+    assert tok(tok.decode(ids), add_special_tokens=False).input_ids == ids
+    assert QWEN3_06B["vocab_size"] == 151936 and QWEN3_06B["num_hidden_layers"] == 28
+
+
+def test_bench_rejects_bad_lengths(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "rollout", "--model", "x", "--new_tokens", "0"])
+    assert e.value.code == 2
