@@ -8,9 +8,22 @@ they live exactly as long as the pool (the model runner) and parameters must be 
 which optimizers do."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rlcu.kernels.decode_attention import default_num_splits
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every warm-up and capture: cuBLAS keeps a workspace for each
+    stream it has seen, so a fresh stream per capture would leak tens of MB per rollout."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -25,7 +38,8 @@ def bucket_for(n: int, max_batch: int) -> int:
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, max_blocks_per_seq: int):
         dev = runner.device
-        self.runner, self.max_batch = runner, max_batch
+        # a weak reference: a cycle runner <-> graphs would keep a released KV pool alive until the next gc
+        self.runner, self.max_batch = weakref.proxy(runner), max_batch
         self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
@@ -61,7 +75,7 @@ class DecodeGraphs:
         runner, hkv = self.runner, self.runner.model.config.num_key_value_heads
         attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
                                    self.block_tables[:bucket], decode_only=True,
-                                   num_splits=default_num_splits(bucket, hkv, self.block_tables.shape[1]))
+                                   num_splits=default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2]))
         # the autocast cache would keep casts made during capture alive outside the graph's memory
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):
@@ -69,12 +83,12 @@ class DecodeGraphs:
             return runner.model.lm_head(hidden[0]).float()
 
     def _capture(self, bucket: int, autocast_dtype):
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = capture_stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, cuBLAS picks kernels
             self._forward(bucket, autocast_dtype)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             logits = self._forward(bucket, autocast_dtype)
         return graph, logits

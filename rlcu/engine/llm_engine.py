@@ -87,8 +87,7 @@ class LLMEngine:
         for seq in parents:
             scheduler.add(seq)
         device = self.runner.device
-        gen = torch.Generator(device=device)
-        gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item()))
+        base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item())
         done: dict[int, Sequence] = {}
         steps = 0
         while not scheduler.is_finished():
@@ -110,8 +109,13 @@ class LLMEngine:
                 seq.pending_forks = 0
                 rows += [row] * len(family)
                 owners += family
-            tokens, logprobs = sample(logits[torch.tensor(rows, device=logits.device)], sampling.temperature,
-                                      sampling.top_k, sampling.top_p, sampling.min_p, gen)
+            # each draw is seeded by (run seed, request, token index): reproducible whatever the batching
+            seeds = torch.tensor([hash((base_seed, s.request_index, s.num_completion_tokens)) & (2**62 - 1)
+                                  for s in owners], device=device)
+            if rows != list(range(len(seqs))):
+                logits = logits[torch.tensor(rows, device=device)]
+            tokens, logprobs = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                                      seeds=seeds)
             for seq, tok, lp in zip(owners, tokens.tolist(), logprobs.tolist()):
                 seq.append(tok, lp)
                 if seq.finish_reason is None and stop_strings and stop_strings.hit(seq.completion_token_ids):

@@ -11,7 +11,7 @@ from rlcu.engine.sequence import Sequence
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import decode_attention, triton_supports
 from rlcu.kernels.kv_cache import store_kv
-from rlcu.kernels.prefill_attention import paged_attention
+from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
 from rlcu.models.llama import CausalLM
 
 
@@ -25,9 +25,9 @@ class PagedAttention:
     """The attention context of one step: write this step's K/V into the cache, then attend over it."""
 
     def __init__(self, runner: "ModelRunner", slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
-                 num_splits: int | None = None):
+                 num_splits: int | None = None, tiles=None):
         self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
-        self.decode_only, self.num_splits = decode_only, num_splits
+        self.decode_only, self.num_splits, self.tiles = decode_only, num_splits, tiles
         self.scale = runner.model.config.head_dim ** -0.5
 
     def __call__(self, layer_idx, q, k, v):
@@ -36,7 +36,7 @@ class PagedAttention:
         if self.decode_only:
             out = decode_attention(q[0], kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
         else:
-            out = paged_attention(q[0], kc, vc, self.cu, self.ctx, self.tables, self.scale)
+            out = paged_attention(q[0], kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
         return out[None]
 
 
@@ -95,8 +95,10 @@ class ModelRunner:
                                      torch.tensor(ctx, dtype=torch.int32), table)
             return logits, sampling
         dev = self.device
-        attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, device=dev),
-                                   torch.tensor(ctx, dtype=torch.int32, device=dev), table.to(dev), decode_only)
+        tiles = None if decode_only or not use_triton(self.k_cache) else query_tiles(cu, BLOCK_M, dev)
+        attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+                                   torch.tensor(ctx, dtype=torch.int32, device=dev), table.to(dev), decode_only,
+                                   tiles=tiles)
         hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
         if not sampling:
             return hidden.new_empty(0, self.model.config.vocab_size), []

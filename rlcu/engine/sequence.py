@@ -14,7 +14,7 @@ class Status(Enum):
     FINISHED = auto()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler removes sequences from lists, which compares them
 class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int

@@ -1,10 +1,10 @@
 """Paged decode attention: one new query token per sequence against its whole paged KV context.
 
 Triton: one program per (sequence, KV head, split). It serves every query head of its GQA group at
-once (any group size, padded to a power of two), walks its share of the sequence's blocks with an
-online softmax, and writes a partial output with its log-sum-exp; the splits are then combined. Split-KV
-keeps all SMs busy when there are few sequences with long contexts. Each sequence divides its own blocks
-among the splits, so the launch depends on no host-side length and can be captured in a CUDA graph."""
+once (any group size, padded to a power of two), walks its share of the sequence's tokens in tiles of
+`block_n` (gathered across cache blocks) with an online softmax, and writes a partial output with its
+log-sum-exp; the splits are then combined. Split-KV keeps all SMs busy when there are few sequences
+with long contexts. Each sequence divides its own tokens among the splits, so the launch depends on no host-side length and can be captured in a CUDA graph."""
 from __future__ import annotations
 
 import torch
@@ -34,35 +34,38 @@ if HAS_TRITON:
     def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, scale, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
                        stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, num_splits,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(CTX + s)
-        num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-        per_split = tl.cdiv(num_blocks, num_splits)
+        num_tiles = tl.cdiv(ctx, BLOCK_N)
+        per_split = tl.cdiv(num_tiles, num_splits)
         first = split * per_split
-        last = tl.minimum(first + per_split, num_blocks)
+        last = tl.minimum(first + per_split, num_tiles)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
-        t = tl.arange(0, BLOCK_SIZE)
+        n = tl.arange(0, BLOCK_N)
         heads = kvh * GROUP + g
         gmask = g < GROUP
         q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for b in range(first, last):
-            block = tl.load(BT + s * stride_bts + b)
-            tmask = b * BLOCK_SIZE + t < ctx
-            offs = block * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        for tile in range(first, last):
+            # a tile spans several cache blocks: each token row finds its own block (a gather), so many
+            # loads are in flight at once and the block size need not suit tl.dot
+            token = tile * BLOCK_N + n
+            tmask = token < ctx
+            block = tl.load(BT + s * stride_bts + token // BLOCK_SIZE, mask=tmask, other=0)
+            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
             k = tl.load(KC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
+            v = tl.load(VC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(VC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
@@ -70,37 +73,43 @@ if HAS_TRITON:
         out = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
         o_offs = s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :]
-        tl.store(O + o_offs, out, mask=gmask[:, None])
-        tl.store(LSE + s * stride_ls + heads * stride_lh + split, lse, mask=gmask)
+        tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=gmask[:, None])
+        if WRITE_LSE:
+            tl.store(LSE + s * stride_ls + heads * stride_lh + split, lse, mask=gmask)
 
 
-def default_num_splits(n_seq: int, num_kv_heads: int, max_blocks: int) -> int:
+def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: int = 64) -> int:
     """Enough programs to fill an H100/H200-sized GPU (132 SMs) when sequences are few and long."""
-    return max(1, min(max_blocks, 16, 132 * 4 // max(1, n_seq * num_kv_heads)))
+    return max(1, min(-(-max_tokens // block_n), 16, 132 * 4 // max(1, n_seq * num_kv_heads)))
 
 
-def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):
+def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
+                            block_n: int = 64):
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    assert triton_supports(d, bs), f"head_dim {d} / block_size {bs}: powers of two >= 16 only"
+    assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
     if num_splits is None:
-        num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1])
+        num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
     group = hq // hkv
-    partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    # one split: the kernel writes the final output; several: fp32 partials, combined below
+    partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32 if num_splits > 1 else q.dtype, device=q.device)
     lse = torch.empty(n_seq, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(n_seq, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
         partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), num_splits,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays fp32 (tl.dot defaults to tf32)
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
+        WRITE_LSE=num_splits > 1)
+    if num_splits == 1:
+        return partial[:, :, 0]
     weights = torch.softmax(lse, dim=-1)  # exp(lse_i - logsumexp(lse)): each split's share of the softmax mass
     return (partial * weights[..., None]).sum(2).to(q.dtype)
 
 
 def triton_supports(head_dim: int, block_size: int) -> bool:
-    """tl.dot needs power-of-two tiles of at least 16."""
-    return head_dim == next_pow2(head_dim) >= 16 and block_size == next_pow2(block_size) >= 16
+    """tl.dot needs power-of-two tiles of at least 16 (a tile gathers whole tokens, so any block size works)."""
+    return head_dim == next_pow2(head_dim) >= 16 and block_size >= 1
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):

@@ -1,10 +1,19 @@
 """Attention of variable-length query chunks over the paged KV cache, causal, after any cached prefix:
 query i of a sequence with context length L and q_len n sits at position L - n + i and sees keys
-0 .. L - n + i. Prefill chunks and decode tokens of one engine step go through here together."""
+0 .. L - n + i. Prefill chunks and decode tokens of one engine step go through here together.
+
+Triton: flash attention over the paged cache. One program per (tile of `block_m` queries of one
+sequence, query head); the host lists the tiles once per step. Keys are gathered across cache blocks
+in tiles of `block_n` and only up to the tile's last query position (causal skipping)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from rlcu.kernels.decode_attention import triton_supports
+
+BLOCK_M = 32  # queries per program
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -32,5 +41,81 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+if HAS_TRITON:
+    @triton.jit
+    def _prefill_kernel(Q, KC, VC, BT, CU, CTX, TILE_SEQ, TILE_START, O, scale, stride_qt, stride_qh, stride_kb,
+                        stride_kt, stride_kh, stride_bts, stride_ot, stride_oh, GROUP: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // GROUP
+        s = tl.load(TILE_SEQ + tile)
+        first_row = tl.load(TILE_START + tile)
+        start = tl.load(CU + s)
+        n_q = tl.load(CU + s + 1) - start
+        ctx = tl.load(CTX + s)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        rmask = rows < n_q
+        q_pos = ctx - n_q + rows
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        key_end = tl.minimum(ctx - n_q + first_row + BLOCK_M, ctx)  # the tile's last query sees no further
+        for k0 in range(0, key_end, BLOCK_N):
+            token = k0 + n
+            kmask = token < key_end
+            block = tl.load(BT + s * stride_bts + token // BLOCK_SIZE, mask=kmask, other=0)
+            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+            k = tl.load(KC + offs, mask=kmask[:, None], other=0.0).to(q.dtype)
+            v = tl.load(VC + offs, mask=kmask[:, None], other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(kmask[None, :] & (token[None, :] <= q_pos[:, None]), scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+            l = l * alpha + tl.sum(p, 1)
+            m = m_new
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(O + (start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=rmask[:, None])
+
+
+def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, first query row) of every tile of `block_m` queries: what the kernel's grid walks."""
+    seqs, starts = [], []
+    for s in range(len(cu_seqlens_q) - 1):
+        for r in range(0, cu_seqlens_q[s + 1] - cu_seqlens_q[s], block_m):
+            seqs.append(s)
+            starts.append(r)
+    return (torch.tensor(seqs, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
+                           block_m: int = BLOCK_M, block_n: int = 64):
+    """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync)."""
+    t, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
+    if tiles is None:
+        tiles = query_tiles(cu_seqlens_q.tolist(), block_m, q.device)
+    out = torch.empty_like(q)
+    if len(tiles[0]):
+        _prefill_kernel[(len(tiles[0]), hq)](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1), GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
+            BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None):
+    if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)

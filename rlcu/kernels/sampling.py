@@ -1,16 +1,31 @@
 """Token sampling with temperature, top-k, top-p and min-p, returning each sampled token's logprob.
 
-The one sampler of rlcu: the reference rollout uses it and the native engine will too. The returned
-logprob is log softmax(logits / temperature) at the token, over the full vocabulary: exactly what the
-GRPO trainer recomputes, so the two can be compared and the engine's logprobs can stand in for the
-"old" policy. Filters follow transformers' order: temperature, top-k, top-p, min-p."""
+The one sampler of rlcu, used by both rollout backends. The returned logprob is log softmax(logits /
+temperature) at the token, over the full vocabulary: exactly what the GRPO trainer recomputes, so the
+two can be compared and the engine's logprobs can stand in for the "old" policy. Filters follow
+transformers' order: temperature, top-k, top-p, min-p.
+
+Randomness comes from a generator, or from one seed per row (`seeds`): then each row's draw depends
+on its seed alone, so a request's completion does not change with the batch it happens to share.
+
+Triton (per-row seeds, temperature > 0): one program per row streams the vocabulary in chunks, never
+sorting. Top-k and top-p become thresholds on the scaled logits, found by bisection (a kept token is
+one above the threshold; min-p's threshold is max + log(min_p)), and the draw is a Gumbel-max over the
+kept tokens with Philox noise."""
 from __future__ import annotations
+
+import math
 
 import torch
 
+from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
+
+BISECTION_STEPS = 48  # halvings of the logit range: below float32 spacing, so thresholds land on tokens
+
 
 def sample_reference(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     min_p: float = 0.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     min_p: float = 0.0, generator: torch.Generator | None = None,
+                     seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] int64, logprobs [B] float32). temperature 0 is greedy."""
     logits = logits.float()
     if temperature == 0:
@@ -35,10 +50,100 @@ def sample_reference(logits: torch.Tensor, temperature: float = 1.0, top_k: int 
         filtered = filtered.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     probs = torch.softmax(filtered, -1)
     # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) draws from p, and takes a generator.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    if seeds is None:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    else:
+        noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=torch.Generator().manual_seed(int(s)))
+                             for s in seeds.tolist()]).to(probs.device)
     tokens = (probs / noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
-def sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
-    return sample_reference(logits, temperature, top_k, top_p, min_p, generator)
+if HAS_TRITON:
+    @triton.jit
+    def _mass_above(base, V, t, inv_temp, m, floor, BLOCK_V: tl.constexpr, COUNT: tl.constexpr):
+        """Tokens (COUNT) or unnormalised probability mass above t, among tokens above `floor`."""
+        total = 0.0
+        for v0 in range(0, V, BLOCK_V):
+            idx = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temp
+            above = (x > t) & (x > floor)
+            if COUNT:
+                total += tl.sum(above.to(tl.float32))
+            else:
+                total += tl.sum(tl.where(above, tl.exp(x - m), 0.0))
+        return total
+
+    @triton.jit
+    def _sample_kernel(L, stride_l, V, SEEDS, TOK, LP, inv_temp, top_k, top_p, log_min_p,
+                       BLOCK_V: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, STEPS: tl.constexpr):
+        row = tl.program_id(0)
+        base = L + row * stride_l
+        m = float("-inf")
+        lo = float("inf")
+        total = 0.0
+        for v0 in range(0, V, BLOCK_V):  # max, min and sum of exp of the scaled logits
+            idx = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temp
+            m_new = tl.maximum(m, tl.max(x, 0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new))
+            lo = tl.minimum(lo, tl.min(tl.where(idx < V, x, float("inf")), 0))
+            m = m_new
+        lse = m + tl.log(total)
+        floor = lo - 1.0  # below every token: keeps all
+        if TOP_K:  # the smallest t with fewer than k tokens above it is the k-th largest logit
+            a, b = lo - 1.0, m
+            for _ in range(STEPS):
+                mid = (a + b) * 0.5
+                few = _mass_above(base, V, mid, inv_temp, m, floor, BLOCK_V, True) < top_k
+                a = tl.where(few, a, mid)
+                b = tl.where(few, mid, b)
+            floor = a
+        if TOP_P:  # keep a token while the mass strictly above it is below top_p (of the top-k mass)
+            kept_mass = _mass_above(base, V, floor, inv_temp, m, floor, BLOCK_V, False)
+            a, b = floor, m
+            for _ in range(STEPS):
+                mid = (a + b) * 0.5
+                small = _mass_above(base, V, mid, inv_temp, m, floor, BLOCK_V, False) < top_p * kept_mass
+                a = tl.where(small, a, mid)
+                b = tl.where(small, mid, b)
+            floor = a
+        floor = tl.maximum(floor, m + log_min_p - 1e-6 * tl.abs(m))  # min-p (a hair below, so the max stays)
+        seed = tl.load(SEEDS + row)
+        best = float("-inf")
+        best_idx = 0
+        for v0 in range(0, V, BLOCK_V):  # Gumbel-max over the kept tokens
+            idx = v0 + tl.arange(0, BLOCK_V)
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temp
+            u = tl.rand(seed, idx)
+            g = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+            score = tl.where((x > floor) & (idx < V), x + g, float("-inf"))
+            chunk_best = tl.max(score, 0)
+            chunk_idx = v0 + tl.argmax(score, 0)
+            better = chunk_best > best
+            best_idx = tl.where(better, chunk_idx, best_idx)
+            best = tl.where(better, chunk_best, best)
+        x_tok = tl.load(base + best_idx).to(tl.float32) * inv_temp
+        tl.store(TOK + row, best_idx.to(tl.int64))
+        tl.store(LP + row, x_tok - lse)
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds: torch.Tensor, steps: int = BISECTION_STEPS):
+    b, v = logits.shape
+    assert temperature > 0 and logits.stride(-1) == 1
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    top_k_on = 0 < top_k < v
+    _sample_kernel[(b,)](logits, logits.stride(0), v, seeds, tokens, logprobs, 1.0 / temperature,
+                         float(top_k if top_k_on else v), float(top_p), math.log(min_p) if min_p > 0 else float("-inf"),
+                         BLOCK_V=1024 if v >= 1024 else triton.next_power_of_2(v), TOP_K=top_k_on, TOP_P=top_p < 1.0,
+                         STEPS=steps)
+    return tokens, logprobs
+
+
+def sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator=None, seeds=None):
+    """`seeds` (int64 [B], on the logits' device) selects per-row randomness, and the Triton kernel
+    where it runs."""
+    if seeds is not None and temperature > 0 and use_triton(logits):
+        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
+    return sample_reference(logits, temperature, top_k, top_p, min_p, generator, seeds)

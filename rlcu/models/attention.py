@@ -29,8 +29,13 @@ def causal_key_mask(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is not None and k.shape[2] != q.shape[2]:
+        # with a mask, SDPA's GQA support falls back to the math kernel, which keeps [B, H, T, T]
+        # probabilities for backward; repeated K/V heads take the memory-efficient kernel instead
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+                                         attn_mask=mask, is_causal=mask is None, enable_gqa=mask is None)
     return out.transpose(1, 2)
 
 
@@ -38,8 +43,9 @@ class PaddedAttention:
     """Self-attention over a padded batch (prompt left-padded, completion right-padded)."""
 
     def __init__(self, attention_mask: torch.Tensor | None):
-        self.mask = None if attention_mask is None else causal_key_mask(attention_mask.bool(),
-                                                                         attention_mask.shape[1])
+        # no padding at all (equal lengths): plain causal attention, which takes the flash kernel
+        unpadded = attention_mask is None or bool(attention_mask.all())
+        self.mask = None if unpadded else causal_key_mask(attention_mask.bool(), attention_mask.shape[1])
 
     def __call__(self, layer_idx, q, k, v):
         return sdpa(q, k, v, self.mask)

@@ -8,7 +8,7 @@ import torch
 from rlcu.kernels import _triton
 from rlcu.kernels.decode_attention import decode_attention_reference, decode_attention_triton
 from rlcu.kernels.kv_cache import store_kv_reference, store_kv_triton
-from rlcu.kernels.prefill_attention import paged_attention_reference
+from rlcu.kernels.prefill_attention import paged_attention_reference, paged_attention_triton
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,14 +48,15 @@ def float64_attention(q, k, v, table, ctx, q_positions):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 8, 128), (4, 4, 64)])
-@pytest.mark.parametrize("context_lens,block_size", [([1, 17, 40, 100], 16), ([1], 16), ([33, 300], 32)])
+@pytest.mark.parametrize("context_lens,block_size,block_n", [([1, 17, 40, 100], 16, 64), ([1], 16, 16),
+                                                             ([33, 300], 32, 32), ([5, 70, 129], 12, 64)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention(dtype, hq, hkv, d, context_lens, block_size, num_splits):
+def test_decode_attention(dtype, hq, hkv, d, context_lens, block_size, block_n, num_splits):
     k, v, table = paged_cache(context_lens, hkv, d, block_size, dtype)
     ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(context_lens), hq, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
     scale = 1 / math.sqrt(d)
-    got = decode_attention_triton(q, k, v, table, ctx, scale, num_splits=num_splits)
+    got = decode_attention_triton(q, k, v, table, ctx, scale, num_splits=num_splits, block_n=block_n)
     ref = decode_attention_reference(q, k, v, table, ctx, scale)
     exact = float64_attention(q, k, v, table, context_lens, [(s, n - 1) for s, n in enumerate(context_lens)])
     atol, rtol = TOLERANCE[dtype]
@@ -74,6 +75,28 @@ def test_prefill_reference_after_a_cached_prefix(dtype):
     exact = float64_attention(q, k, v, table, context_lens, positions)
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 8, 128), (2, 2, 16)])
+@pytest.mark.parametrize("context_lens,q_lens,block_size", [
+    ([20, 5, 37], [7, 5, 1], 16),  # a chunk after 13 cached tokens, a whole prompt, a decode
+    ([70, 1, 133], [70, 1, 45], 12),  # tiles of several query blocks, a one-token prompt, blocks of 12
+    ([64], [33], 16),
+])
+def test_prefill_attention_triton(dtype, hq, hkv, d, context_lens, q_lens, block_size):
+    k, v, table = paged_cache(context_lens, hkv, d, block_size, dtype, seed=4)
+    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = 1 / math.sqrt(d)
+    got = paged_attention_triton(q, k, v, cu, ctx, table, scale)
+    ref = paged_attention_reference(q, k, v, cu, ctx, table, scale)
+    positions = [(s, n - ql + i) for s, (n, ql) in enumerate(zip(context_lens, q_lens)) for i in range(ql)]
+    exact = float64_attention(q, k, v, table, context_lens, positions)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,78 @@
+"""The Triton sampler against exact float64 distributions and the reference's filters, on the CPU
+under TRITON_INTERPRET=1 and on the GPU as it is."""
+import pytest
+import torch
+
+from rlcu.kernels import _triton
+from rlcu.kernels.sampling import sample_reference, sample_triton
+
+pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROBS = torch.tensor([0.45, 0.3, 0.15, 0.06, 0.04], dtype=torch.float64)  # 5 tokens: an odd vocabulary
+
+
+def seeds(n, start=0):
+    return torch.arange(start, start + n, dtype=torch.int64, device=DEVICE) * 7919 + 11
+
+
+def allowed(logits, temperature, top_k, top_p, min_p):
+    """Which tokens the reference's filters keep (by sampling the reference with every seed it could need)."""
+    keep = torch.zeros(logits.shape, dtype=torch.bool)
+    for seed in range(200):
+        tok, _ = sample_reference(logits.cpu(), temperature, top_k, top_p, min_p, torch.Generator().manual_seed(seed))
+        keep[torch.arange(len(tok)), tok] = True
+    return keep
+
+
+@pytest.mark.parametrize("kw,kept", [
+    (dict(), [0.45, 0.3, 0.15, 0.06, 0.04]),
+    (dict(top_k=2), [0.45, 0.3, 0, 0, 0]),
+    (dict(top_p=0.7), [0.45, 0.3, 0, 0, 0]),   # mass above token 2 is 0.75 >= 0.7: dropped
+    (dict(top_p=0.8), [0.45, 0.3, 0.15, 0, 0]),
+    (dict(min_p=0.3), [0.45, 0.3, 0.15, 0, 0]),  # keeps p >= 0.3 * 0.45
+    (dict(top_k=3, top_p=0.6), [0.45, 0.3, 0, 0, 0]),  # top-p of the renormalised top-3 mass
+    (dict(top_k=1), [1, 0, 0, 0, 0]),
+])
+def test_draws_follow_the_filtered_distribution(kw, kept):
+    n = 400  # the interpreter runs programs one by one
+    logits = PROBS.log().float().expand(n, 5).contiguous().to(DEVICE)
+    # 20 halvings of a range of 3 resolve these logits (0.3 apart at least) and keep the interpreter quick
+    tokens, logps = sample_triton(logits, 1.0, kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0), seeds(n),
+                                  steps=20)
+    freq = torch.bincount(tokens.cpu(), minlength=5).double() / n
+    expected = torch.tensor(kept, dtype=torch.float64)
+    expected /= expected.sum()
+    assert (freq[expected == 0] == 0).all(), f"a filtered token was drawn: {freq}"
+    assert (freq - expected).abs().max() < 0.09, freq  # 3.5 sigma at n = 400
+    assert torch.allclose(logps.double().cpu(), PROBS.log()[tokens.cpu()], atol=1e-6)
+
+
+def test_logprob_is_of_the_scaled_full_distribution_in_float64():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 333, generator=g) * 3).to(DEVICE)
+    tokens, logps = sample_triton(logits, 0.7, 20, 0.9, 0.0, seeds(7))
+    exact = torch.log_softmax(logits.double().cpu() / 0.7, -1)
+    assert torch.allclose(logps.double().cpu(), exact[torch.arange(7), tokens.cpu()], atol=1e-5)
+    assert allowed(logits, 0.7, 20, 0.9, 0.0)[torch.arange(7), tokens.cpu()].all()
+
+
+def test_a_row_draws_the_same_token_whatever_batch_it_is_in():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50, generator=g).to(DEVICE)
+    s = seeds(6, start=100)
+    together, _ = sample_triton(logits, 1.0, 0, 1.0, 0.0, s)
+    alone = torch.stack([sample_triton(logits[i:i + 1], 1.0, 0, 1.0, 0.0, s[i:i + 1])[0][0] for i in range(6)])
+    assert torch.equal(together, alone)
+    other, _ = sample_triton(logits, 1.0, 0, 1.0, 0.0, seeds(6, start=200))
+    assert not torch.equal(together, other)
+
+
+@pytest.mark.gpu
+def test_full_vocabulary_filters_on_the_gpu():
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(64, 151936, generator=g) * 2).cuda()
+    for top_k, top_p, min_p in [(50, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1), (40, 0.8, 0.05)]:
+        tokens, logps = sample_triton(logits, 1.0, top_k, top_p, min_p, seeds(64))
+        assert allowed(logits, 1.0, top_k, top_p, min_p)[torch.arange(64), tokens.cpu()].all()
+        exact = torch.log_softmax(logits.double(), -1)[torch.arange(64), tokens]
+        assert torch.allclose(logps.double(), exact, atol=1e-4)
