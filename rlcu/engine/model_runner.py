@@ -3,6 +3,9 @@ model's own modules and parameters, with attention over the paged KV cache. Deco
 GPU replay a CUDA graph (`cuda_graphs.py`)."""
 from __future__ import annotations
 
+from itertools import zip_longest
+
+import numpy as np
 import torch
 
 from rlcu.engine.block_manager import BlockManager
@@ -73,6 +76,8 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]], bm: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the scheduled tokens; return logits [n, vocab] for the sequences that now sample."""
+        if all(n == 1 and seq.num_computed_tokens + 1 == len(seq) for seq, n in batch):  # not a 1-token chunk
+            return self._decode([seq for seq, _ in batch], bm.block_size)
         ids, positions, slots, cu, ctx, tables, last, sampling = [], [], [], [0], [], [], [], []
         for seq, n in batch:
             start = seq.num_computed_tokens
@@ -85,21 +90,36 @@ class ModelRunner:
             if start + n == len(seq):
                 last.append(cu[-1] - 1)
                 sampling.append(seq)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        for seq, n in batch:
             seq.num_computed_tokens += n
-        decode_only = len(ids) == len(batch)
-        if decode_only and self.graphs is not None and self.graphs.fits(len(ids), width):
-            logits = self.graphs.run(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots),
-                                     torch.tensor(ctx, dtype=torch.int32), table)
-            return logits, sampling
         dev = self.device
-        tiles = None if decode_only or not use_triton(self.k_cache) else query_tiles(cu, BLOCK_M, dev)
+        tiles = None if not use_triton(self.k_cache) else query_tiles(cu, BLOCK_M, dev)
         attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
-                                   torch.tensor(ctx, dtype=torch.int32, device=dev), table.to(dev), decode_only,
-                                   tiles=tiles)
+                                   torch.tensor(ctx, dtype=torch.int32, device=dev), padded_table(tables).to(dev),
+                                   decode_only=False, tiles=tiles)
         hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
         if not sampling:
             return hidden.new_empty(0, self.model.config.vocab_size), []
         return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]).float(), sampling
+
+    def _decode(self, seqs: list[Sequence], bs: int) -> tuple[torch.Tensor, list[Sequence]]:
+        """One new token per sequence: the hot loop of a rollout, kept to a few list comprehensions."""
+        positions = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        ctx = [p + 1 for p in positions]
+        table = padded_table([s.block_table for s in seqs])
+        for s in seqs:
+            s.num_computed_tokens += 1
+        ids_t, pos_t, slots_t = torch.tensor(ids), torch.tensor(positions), torch.tensor(slots)
+        ctx_t = torch.tensor(ctx, dtype=torch.int32)
+        if self.graphs is not None and self.graphs.fits(len(seqs), table.shape[1]):
+            return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table), seqs
+        dev = self.device
+        attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True)
+        hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
+        return self.model.lm_head(hidden[0]).float(), seqs
+
+
+def padded_table(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int32 [n, longest] tensor, padded with block 0 (never read past a context)."""
+    return torch.from_numpy(np.array(list(zip_longest(*tables, fillvalue=0)), dtype=np.int32).T.copy())

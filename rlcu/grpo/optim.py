@@ -23,6 +23,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def load_grads(self) -> None:
         for p, m in zip(self.model_params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None  # one copy of each gradient at a time
         self._grads_loaded = True
 
     @torch.no_grad()

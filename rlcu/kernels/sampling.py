@@ -33,6 +33,19 @@ def sample_reference(logits: torch.Tensor, temperature: float = 1.0, top_k: int 
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     scaled = logits / temperature
     logprobs = torch.log_softmax(scaled, -1)
+    probs = torch.softmax(filter_logits(scaled, top_k, top_p, min_p), -1)
+    # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) draws from p, and takes a generator.
+    if seeds is None:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    else:
+        noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=torch.Generator().manual_seed(int(s)))
+                             for s in seeds.tolist()]).to(probs.device)
+    tokens = (probs / noise).argmax(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def filter_logits(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Temperature-scaled logits with the tokens that top-k, top-p and min-p drop set to -inf."""
     filtered = scaled
     if top_k > 0 and top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
@@ -48,15 +61,7 @@ def sample_reference(logits: torch.Tensor, temperature: float = 1.0, top_k: int 
     if min_p > 0.0:
         probs = torch.softmax(filtered, -1)
         filtered = filtered.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    probs = torch.softmax(filtered, -1)
-    # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) draws from p, and takes a generator.
-    if seeds is None:
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-    else:
-        noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=torch.Generator().manual_seed(int(s)))
-                             for s in seeds.tolist()]).to(probs.device)
-    tokens = (probs / noise).argmax(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    return filtered
 
 
 if HAS_TRITON:
