@@ -1,0 +1,37 @@
+"""Plot a benchmark results file's GRPO step times by phase, beside the peer's step time.
+    python3 benchmarks/plot.py benchmarks/results/2026-11-29-h200.json docs/benchmarks-step.png"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str) -> None:
+    runs = json.load(open(src))["runs"]
+    bars = []
+    for workload in ("GRPO step 8 x 8 x 512", "GRPO step 32 x 8 x 512"):
+        ours = next(r for r in runs if r["what"] == workload and r["tool"] == "rlcu")
+        peer = next(r for r in runs if r["what"] == workload and r["tool"] != "rlcu")
+        steady = peer["step_seconds"][1:]
+        bars.append((workload.replace("GRPO step ", ""), ours["steady"], sum(steady) / len(steady)))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (name, phases, trl) in enumerate(bars):
+        left = 0.0
+        for phase, colour in (("generate", "#4c72b0"), ("score", "#dd8452"), ("train", "#55a868")):
+            ax.barh(2 * i, phases[phase], left=left, color=colour, label=phase if i == 0 else None)
+            left += phases[phase]
+        ax.barh(2 * i + 0.8, trl, color="#8c8c8c", label="TRL 1.16 (whole step)" if i == 0 else None)
+        ax.text(left + 0.3, 2 * i, f"rlcu {phases['total']:.2f} s", va="center", fontsize=8)
+        ax.text(trl + 0.3, 2 * i + 0.8, f"TRL {trl:.1f} s", va="center", fontsize=8)
+    ax.set_yticks([0.4, 2.4], [b[0] for b in bars])
+    ax.set_xlabel("seconds per GRPO step (steady state), one H200, Qwen3-0.6B shape")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=120)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
