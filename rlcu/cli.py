@@ -1,6 +1,7 @@
 """The `rlcu` command, on LightningCLI (jsonargparse).
 
     rlcu run RECIPE [--section.key=value ...]   run a recipe by name (rlcu recipes) or YAML path
+    rlcu eval RECIPE [--ckpt_path CKPT | --model.model=HF_FOLDER]   held-out evaluation (data.val_size rows)
     rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
     rlcu generate --input P.jsonl --output O.jsonl [--model M --rollout native --temperature 0 ...]
     rlcu bench rollout|step [--sequences N | --prompts P --generations G] [--new_tokens L ...]
@@ -112,12 +113,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def expand_run(argv: list[str]) -> list[str]:
-    """`run RECIPE ARGS...` is `fit --config RECIPE_YAML ARGS...`; anything else passes through."""
-    if not argv or argv[0] != "run":
+    """`run RECIPE ARGS...` is `fit --config RECIPE_YAML ARGS...` and `eval RECIPE ARGS...` is LightningCLI's
+    `validate` on the same config; anything else passes through."""
+    subcommands = {"run": "fit", "eval": "validate"}
+    if not argv or argv[0] not in subcommands:
         return argv
     if len(argv) < 2 or argv[1].startswith("-"):
-        raise ValueError(f"usage: rlcu run RECIPE [--section.key=value ...]; recipes: {', '.join(sorted(recipes()))}")
-    return ["fit", "--config", str(find_recipe(argv[1]))] + argv[2:]
+        raise ValueError(f"usage: rlcu {argv[0]} RECIPE [--section.key=value ...]; recipes: "
+                         f"{', '.join(sorted(recipes()))}")
+    return [subcommands[argv[0]], "--config", str(find_recipe(argv[1]))] + argv[2:]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ bad data fails before any training step.
 local files with a 'prompt' column, or rows given directly (a list of dicts or a `datasets.Dataset`)."""
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import lightning.pytorch as L
@@ -18,13 +19,15 @@ from rlcu.hparams import not_plain
 class PromptDataModule(L.LightningDataModule):
     def __init__(self, dataset: Any = "arithmetic", dataset_args: dict[str, Any] | None = None, split: str = "train",
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
-                 required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None):
+                 required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None,
+                 val_size: int = 0):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(dataset=dataset))
         self.dataset, self.dataset_args, self.split = dataset, dataset_args, split
         self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
         self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt
-        self.train_set = None
+        self.val_size = val_size
+        self.train_set, self.val_set = None, None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -49,7 +52,20 @@ class PromptDataModule(L.LightningDataModule):
                            "Rename a column to 'prompt', or use a loader such as 'gsm8k' that builds it.")
         if self.as_chat or self.system_prompt:
             rows = [self._to_chat(dict(r)) for r in rows]
-        self.train_set = rows
+        self.train_set, self.val_set = self._hold_out(rows)
+
+    def _hold_out(self, rows):
+        """The last `val_size` rows are the held-out split; training never sees a prompt that is in it."""
+        if self.val_size < 0 or self.val_size >= len(rows):
+            raise ValueError(f"val_size must be in [0, {len(rows)}) for {len(rows)} rows, got {self.val_size}")
+        if not self.val_size:
+            return rows, None
+        val = [dict(r) for r in list(rows)[len(rows) - self.val_size:]]
+        held = {json.dumps(r[PROMPT], sort_keys=True) for r in val}
+        train = [r for r in list(rows)[:len(rows) - self.val_size] if json.dumps(r[PROMPT], sort_keys=True) not in held]
+        if not train:
+            raise ValueError("no training rows are left once the held-out prompts are removed; lower val_size")
+        return train, val
 
     def _to_chat(self, row: dict) -> dict:
         prompt = row[PROMPT]
@@ -63,3 +79,12 @@ class PromptDataModule(L.LightningDataModule):
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
                           collate_fn=collate_rows)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """The held-out rows in order; none (no evaluation during fit) when val_size is 0."""
+        self.setup()
+        if self.val_set is None:
+            if self.trainer is not None and self.trainer.state.fn == "validate":
+                raise ValueError("evaluation needs a held-out split: set data.val_size (e.g. --data.val_size=200)")
+            return []
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=collate_rows)

@@ -63,8 +63,13 @@ class LLMEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        # never inference tensors, even when called from Lightning's validation loop: a kept pool is
+        # written again by later rollouts outside inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            return self._generate(prompt_token_ids, sampling)
+
+    def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         stops = frozenset(sampling.stop_token_ids)

@@ -67,3 +67,16 @@ class LossStats:
         if self.sums:
             out["clip_ratio/low_min"], out["clip_ratio/high_max"] = self.low_min, self.high_max
         return out
+
+
+def eval_metrics(greedy_correct: torch.Tensor, greedy_reward: torch.Tensor, greedy_lengths: torch.Tensor,
+                 sampled_correct: torch.Tensor | None) -> dict[str, float]:
+    """Held-out evaluation, per prompt then averaged: accuracy of the greedy completion, its reward
+    and length; with k samples per prompt ([prompts, k]), pass@k (any sample correct) and mean@k."""
+    out = {"eval/accuracy": _item(greedy_correct.float().mean()), "eval/reward": _item(torch.nanmean(greedy_reward)),
+           "eval/mean_length": _item(greedy_lengths.float().mean())}
+    if sampled_correct is not None and sampled_correct.numel():
+        k = sampled_correct.shape[1]
+        out[f"eval/pass@{k}"] = _item(sampled_correct.any(1).float().mean())
+        out[f"eval/mean@{k}"] = _item(sampled_correct.float().mean())
+    return out

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as L
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch import nn
 
@@ -23,7 +24,7 @@ from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.hparams import not_plain
-from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
+from rlcu.grpo.metrics import LossStats, completion_metrics, eval_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW
 from rlcu.models import CausalLM, load_model
 from rlcu.rewards.base import resolve_rewards, score
@@ -79,6 +80,9 @@ class GRPOModule(L.LightningModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         seed: int = 0,
+        eval_num_samples: int = 4,
+        accuracy_reward: str | None = None,
+        eval_at_start: bool = True,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
@@ -105,6 +109,12 @@ class GRPOModule(L.LightningModule):
         self.rollout = resolve_rollout(rollout)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        names = [r.name for r in self.rewards]
+        if eval_num_samples < 0:
+            raise ValueError(f"eval_num_samples must be >= 0 (0 or 1: greedy only), got {eval_num_samples}")
+        if accuracy_reward is not None and accuracy_reward not in names:
+            raise ValueError(f"accuracy_reward {accuracy_reward!r} is not one of this run's rewards {names}")
+        self.accuracy_index = names.index(accuracy_reward) if accuracy_reward else 0
 
     @staticmethod
     def _check_options(loss_type, level, scale, schedule, g, mb, iters, eps, max_len):
@@ -129,6 +139,20 @@ class GRPOModule(L.LightningModule):
         if rows is not None:
             for i, row in enumerate(rows):
                 self._encode(row["prompt"], i)
+        held_out = getattr(dm, "val_set", None)
+        if held_out and self.hparams.eval_at_start:  # the curve's first point: the model before any update
+            self._log_eval_at_start(held_out, dm.batch_size)
+
+    def _log_eval_at_start(self, rows: list[dict], batch_size: int) -> None:
+        totals: dict[str, float] = {}
+        for start in range(0, len(rows), batch_size):
+            part = rows[start:start + batch_size]
+            for name, value in self.evaluate(part).items():
+                totals[name] = totals.get(name, 0.0) + value * len(part)
+        metrics = {name: value / len(rows) for name, value in totals.items()}
+        rank_zero_info("held-out evaluation before training: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=0)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -195,6 +219,41 @@ class GRPOModule(L.LightningModule):
                                  rewards=rewards_per_func, advantages=advantages)
         return None
 
+    # ---- held-out evaluation --------------------------------------------------------------------
+    def validation_step(self, batch, batch_idx):
+        """Greedy accuracy, reward and length, and pass@k / mean@k over `eval_num_samples` samples at the
+        training temperature. A completion is correct when the accuracy reward (`accuracy_reward`, else
+        the first reward) gives it at least 1."""
+        rows = as_rows(batch)
+        metrics = self.evaluate(rows)
+        for name, value in metrics.items():
+            self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy")
+
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict]) -> dict[str, float]:
+        hp = self.hparams
+        prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
+        greedy = SamplingParams(max_tokens=hp.max_completion_length, temperature=0.0,
+                                stop_token_ids=self.stop_token_ids, stop=list(hp.stop or []))
+        was_training = self.policy.training
+        self.policy.eval()
+        out = self.rollout.generate(prompt_ids, greedy)
+        per_func, _ = self._score(rows, out, 1)
+        sampled = None
+        k = hp.eval_num_samples
+        if k > 1:
+            sp = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
+                                top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
+                                stop=list(hp.stop or []), seed=hp.seed)
+            samples = self.rollout.generate([p for p in prompt_ids for _ in range(k)], sp)
+            sampled = (self._score(rows, samples, k)[0][:, self.accuracy_index] >= 1.0).view(len(rows), k)
+        self.rollout.release()
+        self.policy.train(was_training)
+        weights = torch.tensor([r.weight for r in self.rewards])
+        lengths = torch.tensor([len(c) for c in out.completion_ids])
+        return eval_metrics(per_func[:, self.accuracy_index] >= 1.0, grpo_loss.combine_rewards(per_func, weights),
+                            lengths, sampled)
+
     def _encode(self, prompt, index: int) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
         if not ids:
@@ -204,8 +263,8 @@ class GRPOModule(L.LightningModule):
                              f"{self.hparams.max_prompt_length}; raise max_prompt_length or shorten the prompt")
         return ids
 
-    def _score(self, rows: list[dict], rollout: RolloutBatch):
-        g = self.hparams.num_generations
+    def _score(self, rows: list[dict], rollout: RolloutBatch, g: int | None = None):
+        g = self.hparams.num_generations if g is None else g
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         prompts = [r["prompt"] for r in rows for _ in range(g)]
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t

@@ -1,0 +1,94 @@
+"""Held-out evaluation: the metric maths by hand, the module's greedy accuracy against a direct
+computation, the held-out split, and `rlcu eval` reproducing a run's final accuracy from its checkpoint."""
+import csv
+
+import pytest
+import torch
+
+from rlcu import cli
+from rlcu.data.module import PromptDataModule
+from rlcu.grpo.metrics import eval_metrics
+from rlcu.grpo.module import GRPOModule
+from rlcu.models import load_model
+from rlcu.rollout import SamplingParams
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder, toy_rows
+
+
+def test_eval_metrics_by_hand():
+    greedy = torch.tensor([True, False, True, False])
+    sampled = torch.tensor([[False, False, True], [False, False, False], [True, True, True], [False, True, False]])
+    m = eval_metrics(greedy, torch.tensor([1.0, 0.0, 0.5, float("nan")]), torch.tensor([3, 5, 2, 6]), sampled)
+    assert m["eval/accuracy"] == 0.5
+    assert m["eval/reward"] == pytest.approx(0.5)  # the unscorable row is left out, not counted as 0
+    assert m["eval/mean_length"] == 4.0
+    assert m["eval/pass@3"] == 0.75
+    assert m["eval/mean@3"] == pytest.approx(5 / 12)
+
+
+def exact_target(prompts, completions, completion_ids, target, **kwargs):
+    """1 when the first completion token is the row's target token."""
+    return [float(bool(ids) and ids[0] == t) for ids, t in zip(completion_ids, target)]
+
+
+def first_token_value(prompts, completions, completion_ids, **kwargs):
+    """Higher token ids score higher: training moves the greedy completions for sure."""
+    return [ids[0] / 32 if ids else 0.0 for ids in completion_ids]
+
+
+def test_module_accuracy_is_the_greedy_accuracy(tmp_path):
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    rows = toy_rows(24, seed=5)
+    module = GRPOModule(model, tokenizer=tok, rewards=[exact_target], num_generations=2, max_completion_length=3,
+                        eval_num_samples=3)
+    module.setup("validate")
+    metrics = module.evaluate(rows)
+    ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
+    greedy = module.rollout.generate(ids, SamplingParams(max_tokens=3, temperature=0, stop_token_ids=module.stop_token_ids))
+    expected = sum(c[0] == r["target"] for c, r in zip(greedy.completion_ids, rows) if c) / len(rows)
+    assert metrics["eval/accuracy"] == pytest.approx(expected)
+    assert 0 <= metrics["eval/mean@3"] <= metrics["eval/pass@3"] <= 1
+
+
+def test_held_out_split_never_reaches_training():
+    rows = [{"prompt": f"p{i % 30}", "answer": str(i)} for i in range(60)]  # every prompt twice
+    dm = PromptDataModule(rows, val_size=10)
+    dm.setup()
+    held = {r["prompt"] for r in dm.val_set}
+    assert len(dm.val_set) == 10 and not held & {r["prompt"] for r in dm.train_set}
+    assert len(dm.train_set) == 60 - 10 - 10  # the earlier copies of the held-out prompts are dropped too
+    with pytest.raises(ValueError, match="val_size"):
+        PromptDataModule(rows, val_size=60).setup()
+
+
+def test_rlcu_eval_reproduces_the_final_metrics_from_the_checkpoint(tmp_path, monkeypatch, capsys):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                           chat_template=CHAT_TEMPLATE)
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in toy_rows(64, seed=1)))
+    common = [f"--model.model={model}", "--model.max_completion_length=4", "--model.max_prompt_length=64",
+              "--model.rewards=[tests.grpo.test_evaluation.first_token_value]", "--model.eval_num_samples=2", f"--data.dataset={data}",
+              "--data.dataset_args=null", "--data.val_size=8", "--data.batch_size=4",
+              "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
+              "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]"]
+    cli.main(["run", "quickstart", *common, "--model.learning_rate=5e-2", "--model.num_generations=8",
+              "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.check_val_every_n_epoch=null",
+              "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true"])
+    logged = [r for r in csv.DictReader(open(next(tmp_path.glob("lightning_logs/version_0/metrics.csv"))))
+              if r.get("eval/reward")]
+    assert len(logged) == 3, logged  # before training (step 0), after steps 3 and 6
+    start, final = float(logged[0]["eval/reward"]), float(logged[-1]["eval/reward"])
+    assert start != final, "training did not change the greedy completions: the check below would prove nothing"
+
+    def evaluated(*extra) -> float:
+        capsys.readouterr()
+        cli.main(["eval", "quickstart", *common, *extra])
+        line = next(x for x in capsys.readouterr().out.splitlines() if "eval/reward" in x)
+        return float(line.replace("│", " ").split()[-1])
+
+    assert evaluated(f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}") == pytest.approx(final, abs=1e-6)
+    assert evaluated() == pytest.approx(start, abs=1e-6)  # no checkpoint: the model as it started

@@ -1,0 +1,24 @@
+"""The arithmetic recipe's TRL script runs (one step, tiny model, CPU) and writes its CSV."""
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "arithmetic" / "trl_baseline.py"
+
+
+@pytest.mark.slow
+def test_trl_baseline_runs_one_step(tmp_path):
+    pytest.importorskip("trl")
+    model = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=64, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                           chat_template=CHAT_TEMPLATE)
+    spec = importlib.util.spec_from_file_location("trl_baseline", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "trl.csv"
+    rows = script.main(["--out", str(out), "--max_steps", "1", "--model", str(model)])
+    assert len(rows) == 1 and rows[0]["step"] == 1
+    assert list(csv.DictReader(open(out)))[0]["reward"] == str(rows[0]["reward"])
