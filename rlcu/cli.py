@@ -4,6 +4,7 @@
     rlcu eval RECIPE [--ckpt_path CKPT | --model.model=HF_FOLDER]   held-out evaluation (data.val_size rows)
     rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
     rlcu generate --input P.jsonl --output O.jsonl [--model M --rollout native --temperature 0 ...]
+    rlcu export CKPT DIR                        a checkpoint's policy as an HF folder (safetensors, tokenizer)
     rlcu bench rollout|step [--sequences N | --prompts P --generations G] [--new_tokens L ...]
     rlcu plugins                                rewards and rollout backends found through entry points
     rlcu recipes                                the shipped recipes
@@ -138,6 +139,11 @@ def main(argv: list[str] | None = None) -> None:
             from rlcu.generate import run
 
             run(argv[1:])
+            return
+        if argv[0] == "export":
+            from rlcu.export import run as export
+
+            export(argv[1:])
             return
         if argv[0] == "bench":
             from rlcu.bench import run as bench

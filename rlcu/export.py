@@ -1,0 +1,45 @@
+"""`rlcu export CKPT DIR`: the policy of a Lightning checkpoint as a Hugging Face folder (safetensors,
+config.json, tokenizer) that transformers and vLLM load."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    from rlcu.models.loading import load_model, save_pretrained
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+    try:  # a Lightning checkpoint holds hyper-parameters beside tensors, so it is not weights-only
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{checkpoint} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ValueError(f"{checkpoint} is not a Lightning checkpoint (no state_dict)")
+    hp = state.get("hyper_parameters", {})
+    source = hp.get("model")
+    if not isinstance(source, str):
+        raise ValueError(f"{checkpoint} does not record where its model came from (the module was built around a "
+                         "model object); save it with rlcu.models.save_pretrained(module.policy, tokenizer, DIR)")
+    model, tokenizer = load_model(source, dtype=hp.get("dtype", "float32"))
+    policy = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
+    missing, unexpected = model.load_state_dict(policy, strict=False)
+    if unexpected or [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]:
+        raise ValueError(f"{checkpoint}'s policy does not fit {source}: missing {missing}, unexpected {unexpected}")
+    folder = save_pretrained(model, tokenizer, out)
+    print(f"rlcu export: {checkpoint} (step {state.get('global_step', '?')}) -> {folder}", file=sys.stderr)
+    return folder
+
+
+def run(argv: list[str]) -> Path:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="rlcu export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a Lightning .ckpt written by rlcu run / rlcu fit")
+    p.add_argument("out", help="folder to write")
+    args = p.parse_args(argv)
+    return export(args.checkpoint, args.out)

@@ -1,0 +1,44 @@
+"""`rlcu export`: a trained checkpoint becomes an HF folder that transformers loads, with our logits."""
+import pytest
+import torch
+
+from rlcu import cli
+from rlcu.models import load_model
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_exported_checkpoint_loads_in_transformers_with_matching_logits(tmp_path, monkeypatch, family):
+    import transformers
+
+    monkeypatch.chdir(tmp_path)
+    start = tiny_hf_folder(tmp_path / "tiny", family, vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                           chat_template=CHAT_TEMPLATE, **({"tie_word_embeddings": True} if family == "qwen3" else {}))
+    cli.main(["run", "quickstart", f"--model.model={start}", "--model.max_completion_length=4",
+              "--model.max_prompt_length=64", "--model.learning_rate=1e-2", "--model.rewards=[tests.grpo.test_evaluation.first_token_value]",
+              "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+              "--trainer.callbacks=[]", "--trainer.enable_checkpointing=true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true"])
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    cli.main(["export", str(ckpt), str(tmp_path / "out")])
+
+    trained = {k.removeprefix("policy."): v for k, v in torch.load(ckpt, weights_only=False)["state_dict"].items()}
+    ours, _ = load_model(start)
+    before = ours.model.embed_tokens.weight.detach().clone()
+    ours.load_state_dict(trained, strict=False)
+    assert not torch.equal(before, ours.model.embed_tokens.weight), "training changed nothing: a weak test"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ids = torch.randint(0, 30, (2, 11))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, ours.logits(ids), atol=1e-4)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("t1 t2").input_ids
+
+
+def test_export_errors_name_the_problem(tmp_path, capsys):
+    bad = tmp_path / "x.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    for argv, needle in ([str(tmp_path / "missing.ckpt"), "does not exist"], [str(bad), "not a readable checkpoint"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", argv, str(tmp_path / "out")])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
