@@ -10,10 +10,36 @@ from typing import Any, Sequence
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from rlcu.data.prompts import PROMPT, collate_rows, is_conversational
 from rlcu.hparams import not_plain
+
+
+class EpochSampler(Sampler[int]):
+    """Row order from the seed and the epoch alone, so any epoch's order can be rebuilt; a resumed run
+    starts its epoch after the batches it had already trained on (Lightning calls `set_epoch`)."""
+
+    def __init__(self, num_rows: int, shuffle: bool, seed: int):
+        self.num_rows, self.shuffle, self.seed = num_rows, shuffle, seed
+        self.epoch, self._resume = 0, None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, rows_done: int) -> None:
+        self._resume = (epoch, rows_done)
+
+    def __iter__(self):
+        order = (torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+                 if self.shuffle else torch.arange(self.num_rows))
+        skip = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            skip, self._resume = self._resume[1], None
+        return iter(order[skip:].tolist())
+
+    def __len__(self) -> int:
+        return self.num_rows
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -76,9 +102,12 @@ class PromptDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=generator,
-                          collate_fn=collate_rows)
+        sampler = EpochSampler(len(self.train_set), self.shuffle, self.seed)
+        loop = self.trainer.fit_loop if self.trainer is not None else None
+        if loop is not None and loop.epoch_loop.batch_progress.current.processed:  # resuming inside an epoch
+            done = loop.epoch_loop.batch_progress.current.processed
+            sampler.resume_at(loop.epoch_progress.current.processed, done * self.batch_size)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_rows)
 
     def val_dataloader(self) -> DataLoader | list:
         """The held-out rows in order; none (no evaluation during fit) when val_size is 0."""
