@@ -10,18 +10,21 @@ from typing import Any, Sequence
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from rlcu.data.prompts import PROMPT, collate_rows, is_conversational
 from rlcu.hparams import not_plain
 
 
-class EpochSampler(Sampler[int]):
+class EpochSampler(DistributedSampler):
     """Row order from the seed and the epoch alone, so any epoch's order can be rebuilt; a resumed run
-    starts its epoch after the batches it had already trained on (Lightning calls `set_epoch`)."""
+    starts its epoch after the batches it had already trained on (Lightning calls `set_epoch`).
 
-    def __init__(self, num_rows: int, shuffle: bool, seed: int):
-        self.num_rows, self.shuffle, self.seed = num_rows, shuffle, seed
+    Under DDP each rank takes every `world`-th row of that one order, so the ranks' batches together are
+    the batch a single process would train on. It is a DistributedSampler so that Lightning keeps it."""
+
+    def __init__(self, num_rows: int, shuffle: bool, seed: int, rank: int = 0, world: int = 1):
+        self.num_rows, self.shuffle, self.seed, self.rank, self.num_replicas = num_rows, shuffle, seed, rank, world
         self.epoch, self._resume = 0, None
 
     def set_epoch(self, epoch: int) -> None:
@@ -32,14 +35,16 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self):
         order = (torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
-                 if self.shuffle else torch.arange(self.num_rows))
+                 if self.shuffle else torch.arange(self.num_rows)).tolist()
+        order += order[:len(self) * self.num_replicas - len(order)]  # every rank gets as many rows
+        mine = order[self.rank::self.num_replicas]
         skip = 0
         if self._resume is not None and self._resume[0] == self.epoch:
             skip, self._resume = self._resume[1], None
-        return iter(order[skip:].tolist())
+        return iter(mine[skip:])
 
     def __len__(self) -> int:
-        return self.num_rows
+        return -(-self.num_rows // self.num_replicas)
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -56,6 +61,8 @@ class PromptDataModule(L.LightningDataModule):
         self.train_set, self.val_set = None, None
 
     def setup(self, stage: str | None = None) -> None:
+        if not self.val_size and stage == "fit" and self.trainer is not None:
+            self.trainer.limit_val_batches = 0  # nothing held out: no evaluation during training
         if self.train_set is not None:
             return
         if self.batch_size < 1:
@@ -102,18 +109,18 @@ class PromptDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        sampler = EpochSampler(len(self.train_set), self.shuffle, self.seed)
-        loop = self.trainer.fit_loop if self.trainer is not None else None
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        sampler = EpochSampler(len(self.train_set), self.shuffle, self.seed, rank, world)
+        loop = trainer.fit_loop if trainer is not None else None
         if loop is not None and loop.epoch_loop.batch_progress.current.processed:  # resuming inside an epoch
             done = loop.epoch_loop.batch_progress.current.processed
             sampler.resume_at(loop.epoch_progress.current.processed, done * self.batch_size)
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_rows)
 
-    def val_dataloader(self) -> DataLoader | list:
-        """The held-out rows in order; none (no evaluation during fit) when val_size is 0."""
+    def val_dataloader(self) -> DataLoader:
+        """The held-out rows in order."""
         self.setup()
         if self.val_set is None:
-            if self.trainer is not None and self.trainer.state.fn == "validate":
-                raise ValueError("evaluation needs a held-out split: set data.val_size (e.g. --data.val_size=200)")
-            return []
+            raise ValueError("evaluation needs a held-out split: set data.val_size (e.g. --data.val_size=200)")
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=collate_rows)

@@ -129,6 +129,10 @@ class GRPOModule(L.LightningModule):
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        if self._trainer is not None and self.trainer.world_size > 1 and self.hparams.filter_zero_std_groups:
+            # ranks would train on different numbers of micro-batches, and DDP needs every rank's backward
+            raise ValueError("filter_zero_std_groups is not supported with several processes (DDP) yet; set it to "
+                             "false")
         self.rollout.setup(self)
 
     def on_fit_start(self) -> None:
@@ -326,6 +330,10 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None:
             ref = torch.cat([self._logps(self.ref_model, b, r, grad=False)[0] for r in mbs])
         num_items = b["loss_mask"][idx].sum().float()
+        loss_items = num_items  # dapo's normaliser: the step's completion tokens over every rank
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1:  # DDP averages gradients, so each rank divides by the global count / world size
+            loss_items = self.trainer.strategy.reduce(num_items.to(self.device), reduce_op="sum").cpu() / world
         opt, sched = self.optimizers(), self.lr_schedulers()
         stats, losses, grad_norms = LossStats(), [], []
         gap_sum, gap_max = 0.0, 0.0
@@ -342,7 +350,7 @@ class GRPOModule(L.LightningModule):
                 old_lp = old[sl] if old is not None else logps.detach()
                 ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
                                                   hp.importance_sampling_level, ref[sl] if ref is not None else None, hp.beta)
-                loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), num_items)
+                loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), loss_items)
                 self.manual_backward(loss)
                 total += float(loss.detach())
                 if it == 0:  # sampler vs trainer logprobs of the same tokens under the same weights
@@ -368,10 +376,14 @@ class GRPOModule(L.LightningModule):
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
         shown = {"reward", "tokens_per_second"}
-        clean = {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
-        self.log_dict({k: v for k, v in clean.items() if k not in shown}, on_step=True, prog_bar=False,
+        sync = self._trainer is not None and self.trainer.world_size > 1  # mean over ranks
+        # NaN (e.g. the std of one sample) is dropped, except under sync, where every rank must log every key
+        clean = {k: v for k, v in metrics.items()
+                 if v is not None and (sync or not (isinstance(v, float) and math.isnan(v)))}
+        self.log_dict({k: v for k, v in clean.items() if k not in shown}, on_step=True, prog_bar=False, sync_dist=sync,
                       batch_size=1)
-        self.log_dict({k: clean[k] for k in shown if k in clean}, on_step=True, prog_bar=True, batch_size=1)
+        self.log_dict({k: clean[k] for k in shown if k in clean}, on_step=True, prog_bar=True, batch_size=1,
+                      sync_dist=sync)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
