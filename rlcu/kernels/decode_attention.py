@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlcu.kernels._paged_kv import load_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 
@@ -53,14 +54,11 @@ if HAS_TRITON:
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for tile in range(first, last):
-            # a tile spans several cache blocks: each token row finds its own block (a gather), so many
-            # loads are in flight at once and the block size need not suit tl.dot
             token = tile * BLOCK_N + n
             tmask = token < ctx
-            block = tl.load(BT + s * stride_bts + token // BLOCK_SIZE, mask=tmask, other=0)
-            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-            k = tl.load(KC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
-            v = tl.load(VC + offs, mask=tmask[:, None], other=0.0).to(q.dtype)
+            k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, tmask, stride_kb, stride_kt, kvh * stride_kh, d,
+                                BLOCK_SIZE)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))

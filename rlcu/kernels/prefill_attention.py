@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlcu.kernels._paged_kv import load_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 from rlcu.kernels.decode_attention import triton_supports
 
@@ -68,10 +69,9 @@ if HAS_TRITON:
         for k0 in range(0, key_end, BLOCK_N):
             token = k0 + n
             kmask = token < key_end
-            block = tl.load(BT + s * stride_bts + token // BLOCK_SIZE, mask=kmask, other=0)
-            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-            k = tl.load(KC + offs, mask=kmask[:, None], other=0.0).to(q.dtype)
-            v = tl.load(VC + offs, mask=kmask[:, None], other=0.0).to(q.dtype)
+            k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, kmask, stride_kb, stride_kt, kvh * stride_kh, d,
+                                BLOCK_SIZE)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(kmask[None, :] & (token[None, :] <= q_pos[:, None]), scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
