@@ -88,6 +88,25 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
             if not parse_only:
                 super()._run_subcommand(subcommand)
 
+        def _parse_ckpt_path(self) -> None:
+            from rlcu.checkpoint import CorruptCheckpointError
+
+            try:  # LightningCLI reads the checkpoint's hyper-parameters here, before rlcu's CheckpointIO sees it
+                super()._parse_ckpt_path()
+            except (FileNotFoundError, PermissionError):
+                raise
+            except Exception as e:
+                path = self.config[self.config.subcommand].get("ckpt_path")
+                raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupted ({type(e).__name__}: {e}); "
+                                             "resume from an earlier checkpoint") from None
+
+        def _instantiate_trainer(self, config, callbacks):
+            from rlcu.checkpoint import AtomicCheckpointIO
+
+            if not config.get("plugins"):  # atomic saves and clear errors for corrupt checkpoints, by default
+                config["plugins"] = [AtomicCheckpointIO()]
+            return super()._instantiate_trainer(config, callbacks)
+
         def before_instantiate_classes(self) -> None:
             from rlcu.loggers import wandb_available
 

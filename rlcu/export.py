@@ -5,19 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
-
 def export(checkpoint: str | Path, out: str | Path) -> Path:
+    from rlcu.checkpoint import load
     from rlcu.models.loading import load_model, save_pretrained
 
     checkpoint = Path(checkpoint)
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
-    try:  # a Lightning checkpoint holds hyper-parameters beside tensors, so it is not weights-only
-        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ValueError(f"{checkpoint} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+    state = load(checkpoint)
     if not isinstance(state, dict) or "state_dict" not in state:
         raise ValueError(f"{checkpoint} is not a Lightning checkpoint (no state_dict)")
     hp = state.get("hyper_parameters", {})

@@ -3,8 +3,12 @@ rewards and losses exactly: weights, optimizer, LR schedule, data position (mid-
 epoch boundary) and sampling seeds all come back."""
 import csv
 import json
+import os
+import signal
 
 import lightning.pytorch as L
+import pytest
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlcu import cli
 from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder, toy_rows
@@ -26,7 +30,20 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, monkeypatch):
+class SignalAt(L.Callback):
+    """A scheduler's SIGTERM, or a user's Ctrl-C, arriving during step `step`."""
+
+    def __init__(self, step: int, name: str):
+        self.step, self.signum, self.sent = step, getattr(signal, name), False
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("interruption", ["stop", "SIGTERM", "SIGINT"])
+def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, monkeypatch, interruption):
     monkeypatch.chdir(tmp_path)
     model = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
                            chat_template=CHAT_TEMPLATE)
@@ -43,12 +60,18 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
                   "--trainer.callbacks=[]", *extra])
 
     run("whole", 8)
-    run("first", 8, "--trainer.callbacks+=tests.integration.test_resume.StopAt", "--trainer.callbacks.step=3",
-        "--trainer.enable_checkpointing=true",
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true",
-        "--trainer.callbacks.every_n_train_steps=1")
-    run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}")
+    checkpoints = ["--trainer.enable_checkpointing=true", "--trainer.callbacks+=rlcu.callbacks.SaveOnInterrupt",
+                   f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}"]
+    if interruption == "stop":
+        run("first", 8, "--trainer.callbacks+=tests.integration.test_resume.StopAt", "--trainer.callbacks.step=3",
+            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.filename=interrupted",
+            "--trainer.callbacks.every_n_train_steps=1")
+    else:  # the step in progress finishes, a checkpoint is saved, the run stops
+        with pytest.raises(SIGTERMException):
+            run("first", 8, *checkpoints, "--trainer.callbacks+=tests.integration.test_resume.SignalAt",
+                "--trainer.callbacks.step=3", f"--trainer.callbacks.name={interruption}")
+    run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / 'interrupted.ckpt'}")
     whole, first, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "first"), metrics(tmp_path / "resumed")
     assert sorted(first) == sorted(whole)[:3] and sorted(resumed) == sorted(whole)[3:], (sorted(first), sorted(resumed))
     for step, row in {**first, **resumed}.items():

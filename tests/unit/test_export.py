@@ -38,7 +38,7 @@ def test_exported_checkpoint_loads_in_transformers_with_matching_logits(tmp_path
 def test_export_errors_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "x.ckpt"
     bad.write_bytes(b"not a checkpoint")
-    for argv, needle in ([str(tmp_path / "missing.ckpt"), "does not exist"], [str(bad), "not a readable checkpoint"]):
+    for argv, needle in ([str(tmp_path / "missing.ckpt"), "does not exist"], [str(bad), "truncated or corrupted"]):
         with pytest.raises(SystemExit) as e:
             cli.main(["export", argv, str(tmp_path / "out")])
         assert e.value.code == 2 and needle in capsys.readouterr().err

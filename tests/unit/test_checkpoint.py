@@ -1,0 +1,45 @@
+"""Checkpoint files: a failed save (a full disk) leaves the previous checkpoint intact, and a truncated
+file is an error that names it."""
+import errno
+
+import pytest
+import torch
+
+from rlcu import cli
+from rlcu.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, load
+
+
+def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "ckpt" / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.arange(1000)}, path)
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def disk_full(obj, f, *a, **kw):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        io.save_checkpoint({"step": 2, "w": torch.arange(2000)}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert path.read_bytes() == before and load(path)["step"] == 1
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"], "a temporary file was left behind"
+
+
+def test_truncated_checkpoint_is_named(tmp_path, capsys, monkeypatch):
+    from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(10_000)}}, path)
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(CorruptCheckpointError, match="last.ckpt is truncated or corrupted"):
+        AtomicCheckpointIO().load_checkpoint(path)
+    model = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                           chat_template=CHAT_TEMPLATE)
+    with pytest.raises(SystemExit) as e:  # resuming through the rlcu command: its default CheckpointIO names the file
+        cli.main(["run", "quickstart", f"--ckpt_path={path}", "--trainer.logger=false", "--trainer.callbacks=[]",
+                  f"--model.model={model}", "--model.max_prompt_length=64", "--model.max_completion_length=4"])
+    assert e.value.code == 2 and "last.ckpt is truncated or corrupted" in capsys.readouterr().err
