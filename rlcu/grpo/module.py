@@ -27,7 +27,7 @@ from rlcu.hparams import not_plain
 from rlcu.grpo.metrics import LossStats, completion_metrics, eval_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW
 from rlcu.models import CausalLM, load_model
-from rlcu.rewards.base import resolve_rewards, score
+from rlcu.rewards.base import NonFiniteReward, resolve_rewards, score
 from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
 from rlcu.rollout.stops import eos_token_ids
 
@@ -83,6 +83,7 @@ class GRPOModule(L.LightningModule):
         eval_num_samples: int = 4,
         accuracy_reward: str | None = None,
         eval_at_start: bool = True,
+        max_consecutive_faults: int = 3,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
@@ -201,7 +202,11 @@ class GRPOModule(L.LightningModule):
         self.policy.train(was_training)
         t1 = self._now()
 
-        rewards_per_func, completions = self._score(rows, rollout)
+        try:
+            rewards_per_func, completions = self._score(rows, rollout)
+        except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
+            self._log_metrics(self._fault(str(e)))
+            return None
         weights = torch.tensor([r.weight for r in self.rewards])
         rewards = grpo_loss.combine_rewards(rewards_per_func, weights)
         advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, g, hp.scale_rewards)
@@ -361,6 +366,11 @@ class GRPOModule(L.LightningModule):
                 opt.optimizer.load_grads()  # clip and measure the fp32 copies
             grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
             grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
+            if not math.isfinite(grad_norms[-1]):
+                # NaN/Inf in the logits or the loss reached the gradients (under DDP every rank sees the same
+                # averaged gradients, so all ranks skip together): no step, the weights stay as they were
+                opt.zero_grad()
+                return self._fault(f"non-finite gradients (norm {grad_norms[-1]}): NaN or Inf in the logits or loss")
             if hp.max_grad_norm:
                 self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
             opt.step()
@@ -372,7 +382,25 @@ class GRPOModule(L.LightningModule):
                    learning_rate=sched.get_last_lr()[0])
         out["logprob_mismatch/mean"] = gap_sum / max(float(num_items), 1.0)
         out["logprob_mismatch/max"] = gap_max
+        self._consecutive_faults = 0
+        out["faults/skipped_updates"] = float(self._num_faults)
         return out
+
+    @property
+    def _num_faults(self) -> int:
+        return getattr(self, "_faults_total", 0)
+
+    def _fault(self, what: str) -> dict[str, float]:
+        """Skip this update, say why, count it; too many in a row stop the run."""
+        self._faults_total = self._num_faults + 1
+        self._consecutive_faults = getattr(self, "_consecutive_faults", 0) + 1
+        limit = self.hparams.max_consecutive_faults
+        if self._consecutive_faults >= limit:
+            raise RuntimeError(f"{self._consecutive_faults} updates in a row were skipped for numerical faults, the "
+                               f"last: {what}. Lower the learning rate, check the rewards, or train in a wider dtype "
+                               f"(max_consecutive_faults={limit})")
+        log.warning("step %d: update skipped: %s", self.global_step, what)
+        return {"faults/skipped_updates": float(self._faults_total)}
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
         shown = {"reward", "tokens_per_second"}

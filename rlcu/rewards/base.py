@@ -30,6 +30,10 @@ class RewardError(RuntimeError):
     pass
 
 
+class NonFiniteReward(RewardError):
+    """A reward returned NaN or Inf: a numerical fault; the GRPO module skips that update."""
+
+
 @dataclass
 class BoundReward:
     fn: Callable
@@ -110,7 +114,7 @@ def score(rewards: list[BoundReward], prompts: list, completions: list, completi
             except (TypeError, ValueError):
                 raise RewardError(f"reward {r.name!r} returned {v!r} for sample {i}; expected a float or None") from None
             if not math.isfinite(f):
-                raise RewardError(f"reward {r.name!r} returned {f} for sample {i} (completion "
+                raise NonFiniteReward(f"reward {r.name!r} returned {f} for sample {i} (completion "
                                   f"{_preview(completions[i])!r}); return None when a reward does not apply")
             out[i, j] = f
     return out

@@ -1,0 +1,83 @@
+"""Numerical faults: NaN from a reward or in the logits skips that update (no NaN reaches the weights),
+is counted in the logs, and too many in a row stop the run with a clear error."""
+import lightning.pytorch as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from rlcu.data.prompts import collate_rows
+from rlcu.grpo.module import GRPOModule
+from rlcu.models import load_model
+from tests.helpers import match_target, tiny_hf_folder, toy_rows
+
+
+class Snapshots(L.Callback):
+    def __init__(self):
+        self.weights, self.metrics = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.weights.append([p.detach().clone() for p in pl_module.policy.parameters()])
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def train(tmp_path, rewards, steps=4, hook=None):
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    module = GRPOModule(model, tokenizer=tok, rewards=rewards, num_generations=4, max_completion_length=4,
+                        learning_rate=1e-2, rollout="reference")
+    if hook:
+        module.policy.model.norm.register_forward_hook(hook(module))
+    snaps = Snapshots()
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[snaps])
+    trainer.fit(module, DataLoader(toy_rows(4 * steps), batch_size=4, collate_fn=collate_rows))
+    return snaps
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def nan_reward_on_call(call):
+    calls = {"n": 0}
+
+    def reward(prompts, completions, completion_ids, **kw):
+        calls["n"] += 1
+        values = match_target(prompts, completions, completion_ids, **kw)
+        return [float("nan")] + values[1:] if calls["n"] == call else values
+    return reward
+
+
+def test_a_nan_reward_skips_that_update(tmp_path):
+    snaps = train(tmp_path, [nan_reward_on_call(2)])  # the second batch
+    assert len(snaps.weights) == 5  # a skipped update is no optimizer step: max_steps=4 takes one batch more
+    assert not same(snaps.weights[0], snaps.weights[2]), "the steps around the fault still train"
+    assert same(snaps.weights[0], snaps.weights[1]), "the faulty batch changed the weights"
+    assert snaps.metrics[1]["faults/skipped_updates"] == 1 and snaps.metrics[3]["faults/skipped_updates"] == 1
+
+
+def test_nan_in_the_logits_never_reaches_the_weights(tmp_path):
+    done = []
+
+    def poison(module):
+        def hook(mod, args, out):
+            if torch.is_grad_enabled() and module.global_step == 1 and not done:  # the second batch's training
+                done.append(True)
+                normed = out[0].clone()
+                normed[0] = float("nan")
+                return (normed, *out[1:])
+            return out
+        return hook
+
+    snaps = train(tmp_path, [match_target], hook=poison)
+    assert same(snaps.weights[0], snaps.weights[1])
+    assert all(torch.isfinite(p).all() for p in snaps.weights[-1])
+    assert snaps.metrics[1]["faults/skipped_updates"] == 1
+
+
+def test_repeated_faults_stop_the_run(tmp_path):
+    def always_nan(completions, **kw):
+        return [float("nan")] * len(completions)
+
+    with pytest.raises(RuntimeError, match="3 updates in a row were skipped for numerical faults"):
+        train(tmp_path, [always_nan], steps=6)
