@@ -27,7 +27,8 @@ from rlcu.hparams import not_plain
 from rlcu.grpo.metrics import LossStats, completion_metrics, eval_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW
 from rlcu.models import CausalLM, load_model
-from rlcu.rewards.base import NonFiniteReward, resolve_rewards, score
+from rlcu.rewards.base import NonFiniteReward, resolve_rewards
+from rlcu.rewards.scoring import ON_ERROR, score
 from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
 from rlcu.rollout.stops import eos_token_ids
 
@@ -84,6 +85,8 @@ class GRPOModule(L.LightningModule):
         accuracy_reward: str | None = None,
         eval_at_start: bool = True,
         max_consecutive_faults: int = 3,
+        reward_timeout: float | None = None,
+        on_reward_error: str = "raise",
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
@@ -111,6 +114,12 @@ class GRPOModule(L.LightningModule):
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         names = [r.name for r in self.rewards]
+        if on_reward_error not in ON_ERROR:
+            raise ValueError(f"on_reward_error must be one of {ON_ERROR}, got {on_reward_error!r}")
+        if reward_timeout is not None and reward_timeout <= 0:
+            raise ValueError(f"reward_timeout must be a positive number of seconds or null, got {reward_timeout}")
+        if max_consecutive_faults < 1:
+            raise ValueError(f"max_consecutive_faults must be >= 1, got {max_consecutive_faults}")
         if eval_num_samples < 0:
             raise ValueError(f"eval_num_samples must be >= 0 (0 or 1: greedy only), got {eval_num_samples}")
         if accuracy_reward is not None and accuracy_reward not in names:
@@ -281,6 +290,7 @@ class GRPOModule(L.LightningModule):
         keys = [k for k in rows[0] if k != "prompt"]
         columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in keys}
         return score(self.rewards, prompts, completions, rollout.completion_ids, columns,
+                     timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
                      trainer_state=self.trainer_state()), completions
 
     def _tensors(self, rollout: RolloutBatch, advantages: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -5,14 +5,11 @@
 `columns` are the dataset's other columns, one value per completion, plus `trainer_state`. `None`
 means "not applicable to this sample". Class-style rewards subclass `Reward` to carry a name, a
 weight and constructor arguments. Scoring validates every output and names the reward and the
-sample when something is wrong."""
+sample when something is wrong (`scoring.py` calls them)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
-
-import torch
 
 from rlcu import plugins
 
@@ -86,49 +83,6 @@ def _preview(x, n=80) -> str:
     except TypeError:
         s = str(x)
     return (s[:n] + "...") if len(s) > n else s
-
-
-def score(rewards: list[BoundReward], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], **context) -> torch.Tensor:
-    """[N, R] float32 rewards, NaN where a reward returned None."""
-    n = len(completions)
-    out = torch.empty(n, len(rewards), dtype=torch.float32)
-    for j, r in enumerate(rewards):
-        kwargs = dict(columns, **context)
-        try:
-            values = r.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        except Exception as e:
-            raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e}"
-                              f"{_locate_failure(r, prompts, completions, completion_ids, kwargs)}") from e
-        values = list(values) if values is not None else None
-        if values is None or len(values) != n:
-            got = "None" if values is None else f"{len(values)} values"
-            raise RewardError(f"reward {r.name!r} returned {got} for {n} completions; it must return one "
-                              "float (or None for 'not applicable') per completion")
-        for i, v in enumerate(values):
-            if v is None:
-                out[i, j] = float("nan")
-                continue
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise RewardError(f"reward {r.name!r} returned {v!r} for sample {i}; expected a float or None") from None
-            if not math.isfinite(f):
-                raise NonFiniteReward(f"reward {r.name!r} returned {f} for sample {i} (completion "
-                                  f"{_preview(completions[i])!r}); return None when a reward does not apply")
-            out[i, j] = f
-    return out
-
-
-def _locate_failure(r: BoundReward, prompts, completions, completion_ids, kwargs) -> str:
-    """Re-run one sample at a time to name the first one that fails (rewards are batch functions)."""
-    for i in range(len(completions)):
-        one = {k: (v[i:i + 1] if isinstance(v, list) and len(v) == len(completions) else v) for k, v in kwargs.items()}
-        try:
-            r.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=completion_ids[i:i + 1], **one)
-        except Exception:
-            return f" on sample {i} (prompt {_preview(prompts[i])!r}, completion {_preview(completions[i])!r})"
-    return " (no single sample fails alone: the failure depends on the whole batch)"
 
 
 def require_column(reward: str, name: str, kwargs: dict) -> list:

@@ -1,6 +1,7 @@
 import pytest
 
-from rlcu.rewards.base import RewardError, resolve_rewards, score
+from rlcu.rewards.base import RewardError, resolve_rewards
+from rlcu.rewards.scoring import score
 from rlcu.rewards.countdown import CountdownEquation
 from rlcu.rewards.format import FormatTags
 from rlcu.rewards.length import OverlongPenalty

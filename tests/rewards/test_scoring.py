@@ -1,0 +1,69 @@
+"""Reward faults: a reward that raises or hangs stops with an error naming it and the sample, or (on
+request) scores None for that sample; async rewards run concurrently; timeouts bound every call."""
+import asyncio
+import time
+
+import pytest
+import torch
+
+from rlcu.rewards.base import RewardError, resolve_rewards
+from rlcu.rewards.scoring import score
+
+COMPLETIONS = ["fine", "hang", "boom", "fine too"]
+
+
+def run(fns, **kw):
+    return score(resolve_rewards(fns), ["p"] * 4, COMPLETIONS, [[1]] * 4, {}, **kw)
+
+
+def hangs(completions, **kw):
+    if "hang" in completions:
+        time.sleep(1.5)
+    return [1.0] * len(completions)
+
+
+def raises(completions, **kw):
+    if "boom" in completions:
+        raise ZeroDivisionError("boom")
+    return [float(len(c)) for c in completions]
+
+
+def test_a_hanging_reward_is_named_with_its_sample():
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"'hangs' did not return within 0.2 s on sample 1 .*'hang'"):
+        run([hangs], timeout=0.2)
+    assert time.perf_counter() - start < 1.0, "the timeout did not bound the call"
+
+
+def test_a_hanging_sample_scores_none_on_request():
+    out = run([hangs], timeout=0.2, on_error="none")
+    assert torch.isnan(out[1, 0]) and (out[[0, 2, 3], 0] == 1.0).all()
+
+
+def test_a_raising_reward_is_named_or_scores_none():
+    with pytest.raises(RewardError, match=r"'raises' raised ZeroDivisionError: boom on sample 2"):
+        run([raises])
+    out = run([raises], on_error="none")
+    assert torch.isnan(out[2, 0]) and out[0, 0] == 4.0 and out[3, 0] == 8.0
+
+
+def test_async_rewards_run_concurrently_and_time_out():
+    async def slow_a(completions, **kw):
+        await asyncio.sleep(0.4)
+        return [1.0] * len(completions)
+
+    async def slow_b(completions, **kw):
+        await asyncio.sleep(0.4)
+        return [2.0] * len(completions)
+
+    start = time.perf_counter()
+    out = run([slow_a, slow_b])
+    assert time.perf_counter() - start < 0.75, "the two async rewards ran one after the other"
+    assert (out[:, 0] == 1.0).all() and (out[:, 1] == 2.0).all()
+    with pytest.raises(RewardError, match="'slow_a' did not return within 0.1 s"):
+        run([slow_a], timeout=0.1)
+
+
+def test_unknown_policy_is_an_error():
+    with pytest.raises(ValueError, match="on_reward_error must be one of"):
+        run([raises], on_error="ignore")
