@@ -34,6 +34,7 @@ from rlcu.rollout.stops import eos_token_ids
 
 log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear", "cosine")
+LONG_PROMPTS = ("error", "truncate_left")  # a prompt over max_prompt_length: stop at set-up, or keep its end
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
 
 
@@ -87,6 +88,7 @@ class GRPOModule(L.LightningModule):
         max_consecutive_faults: int = 3,
         reward_timeout: float | None = None,
         on_reward_error: str = "raise",
+        long_prompts: str = "error",
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
@@ -114,6 +116,8 @@ class GRPOModule(L.LightningModule):
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         names = [r.name for r in self.rewards]
+        if long_prompts not in LONG_PROMPTS:
+            raise ValueError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
         if on_reward_error not in ON_ERROR:
             raise ValueError(f"on_reward_error must be one of {ON_ERROR}, got {on_reward_error!r}")
         if reward_timeout is not None and reward_timeout <= 0:
@@ -151,8 +155,11 @@ class GRPOModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         rows = getattr(dm, "train_set", None)
         if rows is not None:
-            for i, row in enumerate(rows):
-                self._encode(row["prompt"], i)
+            long = sum(len(self._encode(row["prompt"], i, truncate=False)) > self.hparams.max_prompt_length
+                       for i, row in enumerate(rows))
+            if long:
+                log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
+                            "(long_prompts=truncate_left)", long, len(rows), self.hparams.max_prompt_length)
         held_out = getattr(dm, "val_set", None)
         if held_out and self.hparams.eval_at_start:  # the curve's first point: the model before any update
             self._log_eval_at_start(held_out, dm.batch_size)
@@ -272,13 +279,17 @@ class GRPOModule(L.LightningModule):
         return eval_metrics(per_func[:, self.accuracy_index] >= 1.0, grpo_loss.combine_rewards(per_func, weights),
                             lengths, sampled)
 
-    def _encode(self, prompt, index: int) -> list[int]:
+    def _encode(self, prompt, index: int, truncate: bool = True) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
         if not ids:
             raise ValueError(f"prompt {index} encodes to no tokens")
-        if len(ids) > self.hparams.max_prompt_length:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_length="
-                             f"{self.hparams.max_prompt_length}; raise max_prompt_length or shorten the prompt")
+        limit = self.hparams.max_prompt_length
+        if len(ids) > limit:
+            if self.hparams.long_prompts == "error":
+                raise ValueError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_length={limit}; raise "
+                                 "max_prompt_length, shorten the prompt, or set long_prompts=truncate_left")
+            if truncate:
+                ids = ids[-limit:]  # the end holds the question and the generation prompt
         return ids
 
     def _score(self, rows: list[dict], rollout: RolloutBatch, g: int | None = None):

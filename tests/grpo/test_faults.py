@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from rlcu.data.module import PromptDataModule
 from rlcu.data.prompts import collate_rows
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
@@ -81,3 +82,23 @@ def test_repeated_faults_stop_the_run(tmp_path):
 
     with pytest.raises(RuntimeError, match="3 updates in a row were skipped for numerical faults"):
         train(tmp_path, [always_nan], steps=6)
+
+
+def test_long_prompts_are_an_error_or_lose_their_start(tmp_path, caplog):
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    long_prompt = " ".join(f"t{i % 20}" for i in range(30))
+    strict = GRPOModule(model, tokenizer=tok, rewards=[match_target], max_prompt_length=8, max_completion_length=4)
+    with pytest.raises(ValueError, match="prompt 0 has 30 tokens, more than max_prompt_length=8.*truncate_left"):
+        strict._encode(long_prompt, 0)
+    lenient = GRPOModule(model, tokenizer=tok, rewards=[match_target], max_prompt_length=8, max_completion_length=4,
+                         long_prompts="truncate_left")
+    assert lenient._encode(long_prompt, 0) == tok(long_prompt, add_special_tokens=False).input_ids[-8:]
+    rows = [{"prompt": long_prompt, "target": 9}] * 4
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level("WARNING"):
+        trainer.fit(lenient, PromptDataModule(rows, batch_size=4))
+    assert "4 of 4 training prompts are longer than max_prompt_length=8" in caplog.text
+    with pytest.raises(ValueError, match="long_prompts must be one of"):
+        GRPOModule(model, tokenizer=tok, rewards=[match_target], long_prompts="cut")
