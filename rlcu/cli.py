@@ -111,6 +111,12 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
             from rlcu.loggers import wandb_available
 
             cfg = self.config[self.subcommand] if self.subcommand else self.config
+            from jsonargparse import Namespace
+
+            for section in ("trainer", "model", "data"):
+                if section in cfg and not isinstance(cfg[section], Namespace):
+                    raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
+                                     f"{cfg[section]!r}; leave it out for the defaults")
             loggers = cfg.trainer.logger
             if isinstance(loggers, list) and not wandb_available():
                 kept = [lg for lg in loggers if "WandbLogger" not in str(getattr(lg, "class_path", ""))]
