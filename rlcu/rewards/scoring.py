@@ -20,6 +20,7 @@ from rlcu.rewards.base import BoundReward, NonFiniteReward, RewardError, _previe
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "none")
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class RewardTimeout(TimeoutError):
@@ -64,7 +65,7 @@ def _validate(r: BoundReward, values, completions) -> list[float]:
             f = float(v)
         except (TypeError, ValueError):
             raise RewardError(f"reward {r.name!r} returned {v!r} for sample {i}; expected a float or None") from None
-        if not math.isfinite(f):
+        if not math.isfinite(f) or abs(f) > FLOAT32_MAX:  # rewards are float32 tensors: 1e39 would be inf
             raise NonFiniteReward(f"reward {r.name!r} returned {f} for sample {i} (completion "
                                   f"{_preview(completions[i])!r}); return None when a reward does not apply")
         floats.append(f)
