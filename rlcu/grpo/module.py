@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import lightning.pytorch as L
-from lightning.pytorch.utilities import rank_zero_info
 import torch
 from torch import nn
 
@@ -24,7 +23,8 @@ from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.hparams import not_plain
-from rlcu.grpo.metrics import LossStats, completion_metrics, eval_metrics, reward_metrics
+from rlcu.grpo.evaluation import HeldOutEvaluation
+from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW
 from rlcu.models import CausalLM, load_model
 from rlcu.rewards.base import NonFiniteReward, resolve_rewards
@@ -47,7 +47,7 @@ def resolve_rollout(spec) -> RolloutBackend:
     return backend
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(HeldOutEvaluation, L.LightningModule):
     def __init__(
         self,
         model: str | CausalLM = "smollm2-135m-instruct",
@@ -164,17 +164,6 @@ class GRPOModule(L.LightningModule):
         if held_out and self.hparams.eval_at_start:  # the curve's first point: the model before any update
             self._log_eval_at_start(held_out, dm.batch_size)
 
-    def _log_eval_at_start(self, rows: list[dict], batch_size: int) -> None:
-        totals: dict[str, float] = {}
-        for start in range(0, len(rows), batch_size):
-            part = rows[start:start + batch_size]
-            for name, value in self.evaluate(part).items():
-                totals[name] = totals.get(name, 0.0) + value * len(part)
-        metrics = {name: value / len(rows) for name, value in totals.items()}
-        rank_zero_info("held-out evaluation before training: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-        for logger in self.loggers:
-            logger.log_metrics(metrics, step=0)
-
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -243,41 +232,6 @@ class GRPOModule(L.LightningModule):
         self.last_rollout = dict(prompts=[r["prompt"] for r in rows for _ in range(g)], completions=completions,
                                  rewards=rewards_per_func, advantages=advantages)
         return None
-
-    # ---- held-out evaluation --------------------------------------------------------------------
-    def validation_step(self, batch, batch_idx):
-        """Greedy accuracy, reward and length, and pass@k / mean@k over `eval_num_samples` samples at the
-        training temperature. A completion is correct when the accuracy reward (`accuracy_reward`, else
-        the first reward) gives it at least 1."""
-        rows = as_rows(batch)
-        metrics = self.evaluate(rows)
-        for name, value in metrics.items():
-            self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy")
-
-    @torch.no_grad()
-    def evaluate(self, rows: list[dict]) -> dict[str, float]:
-        hp = self.hparams
-        prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
-        greedy = SamplingParams(max_tokens=hp.max_completion_length, temperature=0.0,
-                                stop_token_ids=self.stop_token_ids, stop=list(hp.stop or []))
-        was_training = self.policy.training
-        self.policy.eval()
-        out = self.rollout.generate(prompt_ids, greedy)
-        per_func, _ = self._score(rows, out, 1)
-        sampled = None
-        k = hp.eval_num_samples
-        if k > 1:
-            sp = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
-                                top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
-                                stop=list(hp.stop or []), seed=hp.seed)
-            samples = self.rollout.generate([p for p in prompt_ids for _ in range(k)], sp)
-            sampled = (self._score(rows, samples, k)[0][:, self.accuracy_index] >= 1.0).view(len(rows), k)
-        self.rollout.release()
-        self.policy.train(was_training)
-        weights = torch.tensor([r.weight for r in self.rewards])
-        lengths = torch.tensor([len(c) for c in out.completion_ids])
-        return eval_metrics(per_func[:, self.accuracy_index] >= 1.0, grpo_loss.combine_rewards(per_func, weights),
-                            lengths, sampled)
 
     def _encode(self, prompt, index: int, truncate: bool = True) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)
