@@ -34,7 +34,10 @@ from rlcu.rollout.stops import eos_token_ids
 
 log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear", "cosine")
-LONG_PROMPTS = ("error", "truncate_left")  # a prompt over max_prompt_length: stop at set-up, or keep its end
+LONG_PROMPTS = ("error", "truncate_left")
+# num_iterations > 1 needs the sampling-time logprobs: recomputed by a forward pass ("trainer"), or the ones
+# the engine returned with its samples ("engine": no extra pass; logprob_mismatch/* says how far they are)
+OLD_LOGPROBS = ("trainer", "engine")  # a prompt over max_prompt_length: stop at set-up, or keep its end
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
 
 
@@ -89,6 +92,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         reward_timeout: float | None = None,
         on_reward_error: str = "raise",
         long_prompts: str = "error",
+        old_logprobs: str = "trainer",
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
@@ -116,6 +120,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         names = [r.name for r in self.rewards]
+        if old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
         if long_prompts not in LONG_PROMPTS:
             raise ValueError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
         if on_reward_error not in ON_ERROR:
@@ -305,7 +311,9 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         idx = keep.nonzero()[:, 0]
         mbs = self._micro_batches(idx)
         old = ref = None
-        if hp.num_iterations > 1:  # the policy moves between iterations: freeze the sampling-time logprobs
+        if hp.num_iterations > 1 and hp.old_logprobs == "engine":
+            old = b["sampler_logps"][idx].to(self.device)
+        elif hp.num_iterations > 1:  # the policy moves between iterations: freeze the sampling-time logprobs
             old = torch.cat([self._logps(self.policy, b, r, grad=False)[0] for r in mbs])
         if self.ref_model is not None:
             ref = torch.cat([self._logps(self.ref_model, b, r, grad=False)[0] for r in mbs])
