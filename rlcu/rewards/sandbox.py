@@ -9,6 +9,7 @@ namespace: when the program ends or is killed, the kernel ends everything it sta
 the process limit (counted per uid, which is why the uid is dropped: root is exempt)."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -70,13 +71,18 @@ class Result:
         return self.returncode == 0 and not self.timed_out
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> str | None:
-    """None when programs can be isolated here, else why not."""
+    """None when programs can be isolated here (tried once with a harmless program), else why not."""
     if not sys.platform.startswith("linux"):
         return "the code sandbox needs Linux (namespaces and resource limits)"
     if os.geteuid() != 0:
         return ("the code sandbox needs root to isolate programs (network and mount namespaces, dropping to an "
                 "unprivileged uid); run training as root, as in a container")
+    probe = _run("print('ok')", timeout=10.0, memory_mb=512, max_processes=32)
+    if not probe.passed or probe.stdout.strip() != "ok":
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"this machine does not allow the sandbox's isolation ({last}); a container may need CAP_SYS_ADMIN"
     return None
 
 
@@ -84,6 +90,10 @@ def run(source: str, timeout: float = 5.0, memory_mb: int = 512, max_processes: 
     why = available()
     if why:
         raise RuntimeError(why)
+    return _run(source, timeout, memory_mb, max_processes)
+
+
+def _run(source: str, timeout: float, memory_mb: int, max_processes: int) -> Result:
     workdir = tempfile.mkdtemp(prefix="rlcu-sandbox-")
     try:
         with open(os.path.join(workdir, "program.py"), "w") as f:
