@@ -102,3 +102,44 @@ def test_long_prompts_are_an_error_or_lose_their_start(tmp_path, caplog):
     assert "4 of 4 training prompts are longer than max_prompt_length=8" in caplog.text
     with pytest.raises(ValueError, match="long_prompts must be one of"):
         GRPOModule(model, tokenizer=tok, rewards=[match_target], long_prompts="cut")
+
+
+class EdgeRollout:
+    """Half the samples are only the end-of-sequence token (empty text), half never stop (cut at max_tokens)."""
+
+    def setup(self, module):
+        self.eos = module.stop_token_ids[0]
+
+    def generate(self, prompt_ids, sampling):
+        from rlcu.rollout.base import RolloutBatch
+
+        done = [[self.eos] if i % 2 == 0 else [5] * sampling.max_tokens for i in range(len(prompt_ids))]
+        return RolloutBatch([list(p) for p in prompt_ids], done, [[-1.0] * len(c) for c in done],
+                            ["stop" if i % 2 == 0 else "length" for i in range(len(prompt_ids))])
+
+    def release(self):
+        pass
+
+    def on_weights_updated(self):
+        pass
+
+
+def test_empty_completions_and_ones_that_never_stop(tmp_path):
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    seen = []
+
+    def text_length(completions, **kw):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    module = GRPOModule(model, tokenizer=tok, rewards=[text_length], num_generations=4, max_completion_length=6,
+                        rollout=EdgeRollout(), learning_rate=1e-2, mask_truncated_completions=True)
+    snaps = Snapshots()
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[snaps])
+    trainer.fit(module, DataLoader(toy_rows(4), batch_size=4, collate_fn=collate_rows))
+    assert "" in seen  # the EOS-only completions reached the reward as empty text
+    m = snaps.metrics[0]
+    assert m["completions/min_length"] == 1 and m["completions/max_length"] == 6 and m["completions/clipped_ratio"] == 0.5
+    assert all(torch.isfinite(p).all() for p in snaps.weights[0])
