@@ -158,6 +158,9 @@ def bench_step(args) -> dict:
             m = trainer.callback_metrics
             steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"])
                                                                        for k in ("generate", "score", "train")}))
+            for phase in ("generate", "train"):  # the module's per-phase peaks (CUDA only)
+                if f"memory/{phase}_GB" in m:
+                    steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
             print(f"  step {batch_idx}: {steps[-1]['total']:.2f} s (generate {steps[-1]['generate']:.2f}, score "
                   f"{steps[-1]['score']:.2f}, train {steps[-1]['train']:.2f})", file=sys.stderr)
 
@@ -167,10 +170,12 @@ def bench_step(args) -> dict:
     trainer.fit(module, DataLoader(rows, batch_size=args.prompts, collate_fn=collate_rows))
     steady = steps[1:] or steps
     mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", "generate", "score", "train")}
+    peaks = {k: round(max(s.get(k, float("nan")) for s in steps), 1) for k in ("peak_generate_GB", "peak_train_GB")}
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
-                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
+                peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
+                device=_device_name(args.device))
 
 
 def _sync(device: str) -> None:

@@ -201,6 +201,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         rows = as_rows(batch)
         g = hp.num_generations
         t0 = self._now()
+        self._peak_memory_gb()  # starts the generate phase's window
         prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
         sampling = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
                                   top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
@@ -212,6 +213,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         self.rollout.release()
         self.policy.train(was_training)
         t1 = self._now()
+        memory = {"memory/generate_GB": self._peak_memory_gb()}
 
         try:
             rewards_per_func, completions = self._score(rows, rollout)
@@ -231,6 +233,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         metrics.update(completion_metrics(batch_t["lengths"], batch_t["truncated"]))
         metrics.update(self._update(batch_t, keep) if keep.any() else self._skip())
         t3 = self._now()
+        memory["memory/train_GB"] = self._peak_memory_gb()  # scoring and training
+        metrics.update({k: v for k, v in memory.items() if v is not None})
         gen_tokens = int(batch_t["lengths"].sum())
         metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
                         "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens)})
@@ -395,6 +399,14 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
                       batch_size=1)
         self.log_dict({k: clean[k] for k in shown if k in clean}, on_step=True, prog_bar=True, batch_size=1,
                       sync_dist=sync)
+
+    def _peak_memory_gb(self) -> float | None:
+        """Peak GPU memory since the previous call, in GB (then the window restarts); None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
 
     def _now(self) -> float:
         if self.device.type == "cuda":
