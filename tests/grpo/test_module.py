@@ -114,3 +114,23 @@ def test_clear_errors(tiny, tmp_path):
         fit(make(tiny, rewards=[broken]), toy_rows(4), 1, tmp_path)
     with pytest.raises(RewardError, match="'math_answer' needs the dataset column 'answer'; the batch has \\['target'\\]"):
         fit(make(tiny, rewards=["math_answer"]), toy_rows(4), 1, tmp_path)
+
+
+def test_gradients_are_clipped_to_max_grad_norm(tmp_path):
+    from tests.helpers import fit, match_target, toy_rows
+
+    norms = []
+
+    class Recording(GRPOModule):
+        def on_before_optimizer_step(self, optimizer):
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    module = Recording(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
+                       learning_rate=1e-3, max_grad_norm=1e-3)
+    metrics = fit(module, toy_rows(8), 2, tmp_path / "logs")
+    raw = [m["grad_norm"] for m in metrics if "grad_norm" in m]
+    assert len(norms) == 2 and all(r > 1e-3 for r in raw), raw  # the raw norms were above the limit...
+    assert norms == pytest.approx([1e-3, 1e-3], rel=1e-3)  # ...and the optimizer saw them clipped to it
