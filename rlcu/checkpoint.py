@@ -18,7 +18,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 
 class CorruptCheckpointError(ValueError):
-    pass
+    def __init__(self, path, cause: BaseException):
+        super().__init__(f"checkpoint {path} is truncated or corrupted ({type(cause).__name__}: {cause}); "
+                         "resume from an earlier checkpoint")
 
 
 def load(path: str | Path, map_location: Any = "cpu") -> dict:
@@ -30,8 +32,7 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict:
     except PermissionError:
         raise
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
-        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupted ({type(e).__name__}: {e}); "
-                                     "resume from an earlier checkpoint") from None
+        raise CorruptCheckpointError(path, e) from None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

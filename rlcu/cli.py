@@ -96,9 +96,7 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
             except (FileNotFoundError, PermissionError):
                 raise
             except Exception as e:
-                path = self.config[self.config.subcommand].get("ckpt_path")
-                raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupted ({type(e).__name__}: {e}); "
-                                             "resume from an earlier checkpoint") from None
+                raise CorruptCheckpointError(self.config[self.config.subcommand].get("ckpt_path"), e) from None
 
         def _instantiate_trainer(self, config, callbacks):
             from rlcu.checkpoint import AtomicCheckpointIO

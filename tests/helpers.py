@@ -6,28 +6,14 @@ from pathlib import Path
 
 import torch
 
+from rlcu.bench import word_tokenizer
+
 FAMILIES = {
     "llama": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True)),
     "llama-untied-bias": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=False, attention_bias=True)),
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=False)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=True)),
 }
-
-
-def word_tokenizer(vocab_size: int, path: Path | None = None):
-    """Tokens t0..t{V-3}, <pad>, <eos>; whitespace-split, so text and ids map one to one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size - 2)}
-    vocab["<pad>"], vocab["<eos>"] = vocab_size - 2, vocab_size - 1
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
-    if path is not None:
-        tok.save_pretrained(path)
-    return tok
 
 
 def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidden: int = 48, layers: int = 2,

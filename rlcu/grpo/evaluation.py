@@ -8,11 +8,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from rlcu.data.prompts import as_rows
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.metrics import eval_metrics
-from rlcu.rollout.base import SamplingParams
 
 
 class HeldOutEvaluation:
-    """Mixed into GRPOModule; uses its hparams, policy, rollout, rewards, `_encode` and `_score`."""
+    """Mixed into GRPOModule; uses its hparams, rewards, `_encode`, `_sampling`, `_generate` and `_score`."""
 
     def validation_step(self, batch, batch_idx):
         """Greedy accuracy, reward and length, and pass@k / mean@k over `eval_num_samples` samples at the
@@ -27,22 +26,13 @@ class HeldOutEvaluation:
     def evaluate(self, rows: list[dict]) -> dict[str, float]:
         hp = self.hparams
         prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
-        greedy = SamplingParams(max_tokens=hp.max_completion_length, temperature=0.0,
-                                stop_token_ids=self.stop_token_ids, stop=list(hp.stop or []))
-        was_training = self.policy.training
-        self.policy.eval()
-        out = self.rollout.generate(prompt_ids, greedy)
+        out = self._generate(prompt_ids, self._sampling(greedy=True))
         per_func, _ = self._score(rows, out, 1)
         sampled = None
         k = hp.eval_num_samples
         if k > 1:
-            sp = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
-                                top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
-                                stop=list(hp.stop or []), seed=hp.seed)
-            samples = self.rollout.generate([p for p in prompt_ids for _ in range(k)], sp)
+            samples = self._generate([p for p in prompt_ids for _ in range(k)], self._sampling(seed=hp.seed))
             sampled = (self._score(rows, samples, k)[0][:, self.accuracy_index] >= 1.0).view(len(rows), k)
-        self.rollout.release()
-        self.policy.train(was_training)
         weights = torch.tensor([r.weight for r in self.rewards])
         lengths = torch.tensor([len(c) for c in out.completion_ids])
         return eval_metrics(per_func[:, self.accuracy_index] >= 1.0, grpo_loss.combine_rewards(per_func, weights),

@@ -206,15 +206,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
         prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
-        sampling = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
-                                  top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
-                                  stop=list(hp.stop or []),
-                                  seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
-        was_training = self.policy.training
-        self.policy.eval()
-        rollout = self.rollout.generate([ids for ids in prompt_ids for _ in range(g)], sampling)
-        self.rollout.release()
-        self.policy.train(was_training)
+        sampling = self._sampling(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
+        rollout = self._generate([ids for ids in prompt_ids for _ in range(g)], sampling)
         t1 = self._now()
         memory = {"memory/generate_GB": self._peak_memory_gb()}
 
@@ -245,6 +238,23 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         self.last_rollout = dict(prompts=[r["prompt"] for r in rows for _ in range(g)], completions=completions,
                                  rewards=rewards_per_func, advantages=advantages)
         return None
+
+    def _sampling(self, seed: int | None = None, greedy: bool = False) -> SamplingParams:
+        """The run's sampling settings (greedy: temperature 0, for evaluation)."""
+        hp = self.hparams
+        return SamplingParams(max_tokens=hp.max_completion_length, temperature=0.0 if greedy else hp.temperature,
+                              top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
+                              stop=list(hp.stop or []), seed=seed)
+
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """A rollout on the policy in eval mode; the backend's memory is given back for training after."""
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            return self.rollout.generate(prompt_ids, sampling)
+        finally:
+            self.rollout.release()
+            self.policy.train(was_training)
 
     def _encode(self, prompt, index: int, truncate: bool = True) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt)

@@ -135,7 +135,7 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
 
 
 def test_stop_strings_end_completions_in_both_backends(tmp_path):
-    from tests.helpers import word_tokenizer
+    from rlcu.bench import word_tokenizer
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen2"))
     tok = word_tokenizer(64)
