@@ -86,8 +86,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--generations", type=int, default=8)
     s.add_argument("--steps", type=int, default=4, help="GRPO steps; the first is reported apart as warm-up")
     s.add_argument("--micro_batch_size", type=int, default=16)
-    s.add_argument("--gradient_checkpointing", action="store_true")
-    s.add_argument("--release_memory", action="store_true", help="free the KV pool after every rollout")
+    # the defaults are the peer's (TRL's GRPOConfig checkpoints activations) and the library's (the pool is freed)
+    s.add_argument("--no_gradient_checkpointing", action="store_true", help="keep activations: faster, more memory")
+    s.add_argument("--keep_memory", action="store_true", help="keep the KV pool and CUDA graphs between rollouts")
     return p
 
 
@@ -133,7 +134,7 @@ def bench_step(args) -> dict:
     from rlcu.rollout.native import NativeRollout
 
     model, tok = build_model(args.model, args.device, args.dtype)
-    model.gradient_checkpointing = args.gradient_checkpointing
+    model.gradient_checkpointing = not args.no_gradient_checkpointing
     prompts = random_prompt_ids(args.prompts * args.steps, args.prompt_len, model.config.vocab_size)
     rows = [{"prompt": tok.decode(p)} for p in prompts]
 
@@ -141,7 +142,7 @@ def bench_step(args) -> dict:
         return [float(len(c)) for c in completions]
 
     rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
-                            release_memory=args.release_memory, max_num_seqs=max(256, args.prompts * args.generations))
+                            release_memory=not args.keep_memory, max_num_seqs=max(256, args.prompts * args.generations))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo")
@@ -173,6 +174,7 @@ def bench_step(args) -> dict:
     peaks = {k: round(max(s.get(k, float("nan")) for s in steps), 1) for k in ("peak_generate_GB", "peak_train_GB")}
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
+                gradient_checkpointing=not args.no_gradient_checkpointing, keep_memory=args.keep_memory,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device))

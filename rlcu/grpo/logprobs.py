@@ -1,41 +1,76 @@
-"""Per-token log-probabilities and entropies of completion tokens, computed in chunks over the LM head
-so the [tokens x vocab] fp32 logits never exist at once (each chunk is recomputed in backward)."""
+"""Per-token log-probabilities and entropies of completion tokens, computed over the LM head in chunks
+of rows, so the [tokens x vocab] fp32 logits never exist at once. Each chunk keeps only its inputs and
+its log-sum-exp for backward, which recomputes the chunk's logits and forms the gradient
+d logp / d logits = onehot(target) - softmax in place: one fp32 [rows x vocab] buffer at a time."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+CHUNK_BYTES = 512 * 2**20  # fp32 logits per chunk: small enough to fit beside training, big enough for full GEMMs
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = F.linear(hidden, weight)
     if logits.dtype in (torch.float16, torch.bfloat16):  # softmax statistics in fp32 at least
         logits = logits.float()
-    logits = logits / temperature
-    lse = torch.logsumexp(logits, -1)
-    logps = logits.gather(-1, targets[:, None])[:, 0] - lse
-    with torch.no_grad():  # entropy is a metric, never trained on
-        entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)
-    return logps, entropy
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+class _LinearLogprob(torch.autograd.Function):
+    """(log softmax(hidden @ weight.T / T)[target], entropy) per row; the entropy is a metric, never trained on."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature):
+        device_type = hidden.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        logits = _scaled_logits(hidden, weight, temperature)
+        lse = torch.logsumexp(logits, -1)
+        logps = logits.gather(-1, targets[:, None])[:, 0] - lse
+        logits.sub_(lse[:, None])  # now log softmax
+        plogp = logits.exp().mul_(logits)
+        entropy = -plogp.sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
+            grad = _scaled_logits(hidden, weight, ctx.temperature).sub_(lse[:, None]).exp_()  # softmax
+            grad.mul_(-grad_logps[:, None]).scatter_add_(1, targets[:, None], grad_logps[:, None].to(grad.dtype))
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
+            grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+            grad_weight = (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logps, entropy), each [N], of `targets` [N] under softmax(hidden [N, H] @ weight.T / temperature)."""
+    if chunk_tokens is None:
+        chunk_tokens = max(64, CHUNK_BYTES // (4 * weight.shape[0]))
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        lp, ent = _LinearLogprob.apply(hidden[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps), torch.cat(ents)
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, entropy), each [B, C]: log softmax(logits / temperature) of the last C tokens of each row,
     given everything before them. Dividing by the sampling temperature makes these comparable with the
     sampler's logprobs (TRL does the same)."""
     c = num_completion_tokens
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
-    flat, targets = hidden.reshape(b * c, h), input_ids[:, -c:].reshape(b * c)
-    weight = model.lm_head.weight
-    logps, ents = [], []
-    for s in range(0, b * c, chunk_tokens):
-        args = (flat[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps).view(b, c), torch.cat(ents).view(b, c)
+    logps, ents = linear_logprobs(hidden.reshape(b * c, h), model.lm_head.weight, input_ids[:, -c:].reshape(b * c),
+                                  temperature, chunk_tokens)
+    return logps.view(b, c), ents.view(b, c)

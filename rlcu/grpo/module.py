@@ -375,6 +375,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             if hp.max_grad_norm:  # with the norm measured above: no second pass over the gradients
                 torch.nn.utils.clip_grads_with_norm_(with_grads, hp.max_grad_norm, norm)
             opt.step()
+            opt.zero_grad()  # the fp32 gradients would otherwise sit through the next rollout
             sched.step()
             self.rollout.on_weights_updated()
             losses.append(total)

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.grpo.logprobs import completion_logprobs, linear_logprobs
 from rlcu.models import load_model
 from tests.helpers import tiny_hf_folder
 
@@ -12,13 +13,44 @@ def test_chunked_logprobs_equal_full_log_softmax_with_gradients(tmp_path):
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding in one row
     c, temp = 5, 0.7
+    upstream = torch.randn(3, c, dtype=torch.float64)  # any weighting of the tokens, as the loss gives
     logps, ent = completion_logprobs(model, ids, mask, c, temp, chunk_tokens=4)  # chunks cross rows
-    logps.sum().backward()
+    (logps * upstream).sum().backward()
     chunked = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     full = torch.log_softmax(model.logits(ids, mask)[:, -c - 1:-1] / temp, -1)
     expected = full.gather(-1, ids[:, -c:, None])[..., 0]
-    expected.sum().backward()
+    (expected * upstream).sum().backward()
     assert torch.allclose(logps, expected, atol=1e-12)
     assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-12)
     assert all(torch.allclose(a, p.grad, atol=1e-12) for a, p in zip(chunked, model.parameters()))
+
+
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # against float64, relative to the largest value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast):
+    """The hand-written backward against float64 autograd, for bf16 weights and for fp32 weights under
+    bf16 autocast (the bf16-mixed recipes); odd sizes, a temperature, a chunk that splits the rows."""
+    if autocast and dtype != torch.float32:
+        pytest.skip("autocast runs fp32 weights in bf16")
+    g = torch.Generator().manual_seed(0)
+    hidden64 = torch.randn(37, 24, generator=g, dtype=torch.float64)
+    weight64 = torch.randn(101, 24, generator=g, dtype=torch.float64) * 0.3
+    targets = torch.randint(0, 101, (37,), generator=g)
+    upstream = torch.randn(37, generator=g, dtype=torch.float64)
+    h64, w64 = hidden64.clone().requires_grad_(), weight64.clone().requires_grad_()
+    full = torch.log_softmax(h64 @ w64.t() / 0.8, -1)
+    (full.gather(-1, targets[:, None])[:, 0] * upstream).sum().backward()
+    h, w = hidden64.to(dtype).requires_grad_(), weight64.to(dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logps, ent = linear_logprobs(h, w, targets, 0.8, chunk_tokens=10)
+    (logps * upstream.to(logps.dtype)).sum().backward()
+    tol = TOLERANCES[torch.bfloat16 if autocast else dtype]
+    assert logps.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype
+    for ours, ref in ((logps, full.gather(-1, targets[:, None])[:, 0]), (ent, -(full.exp() * full).sum(-1)),
+                      (h.grad, h64.grad), (w.grad, w64.grad)):
+        err = (ours.double() - ref.detach()).abs().max() / ref.abs().max()
+        assert err < tol, f"max relative error {err:.2e} over {tol:.0e}"
