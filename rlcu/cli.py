@@ -122,9 +122,11 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
                     print("rlcu: wandb is not installed; logging without it (pip install wandb)", file=sys.stderr)
                     cfg.trainer.logger = kept
 
-    argv, sys.argv = sys.argv, sys.argv[:1]  # the args are passed explicitly; LightningCLI warns if argv has more
+    # LightningCLI reads the args from sys.argv, and so does the DDP launcher when it starts the other ranks
+    # (`python -m rlcu.cli fit --config ...`): both must see the expanded command, not `run RECIPE`
+    argv, sys.argv = sys.argv, [sys.argv[0], *args]
     try:
-        return RLCUCLI(GRPOModule, PromptDataModule, args=args, run=run, save_config_kwargs={"overwrite": True},
+        return RLCUCLI(GRPOModule, PromptDataModule, run=run, save_config_kwargs={"overwrite": True},
                        parser_kwargs={"default_env": False}, auto_configure_optimizers=False)
     finally:
         sys.argv = argv

@@ -1,5 +1,5 @@
 """The arithmetic recipe through TRL's GRPOTrainer, for a side-by-side curve: same model, data (the same
-held-out rows removed), reward, group size, lengths, learning rate and seed. Writes one CSV row per
+held-out rows removed), rewards and their weights, group size, lengths, learning rate and seed. Writes one CSV row per
 step (step, seconds since start, mean reward). trl is imported only when this runs.
 
     python recipes/arithmetic/trl_baseline.py --out runs/arithmetic-trl.csv [--max_steps 200] [--model PATH]"""
@@ -29,24 +29,33 @@ def main(argv=None):
 
     from rlcu.data.module import PromptDataModule
     from rlcu.models.loading import resolve_source
-    from rlcu.rewards.math import MathAnswer
+    from rlcu.rewards.base import resolve_rewards
 
     dm = PromptDataModule(d["dataset"], d["dataset_args"], val_size=d["val_size"], batch_size=d["batch_size"])
     dm.setup()  # the same split as rlcu's: training never sees a held-out prompt
     train = Dataset.from_list([dict(r) for r in dm.train_set])
-    math_answer = MathAnswer()
+    rewards = resolve_rewards(m["rewards"], m.get("reward_weights"))  # the recipe's rewards and weights
 
-    def reward(prompts, completions, completion_ids, **kwargs):
-        return math_answer(prompts, completions, completion_ids, **kwargs)
+    def as_trl(bound):  # TRL names a reward function's metrics after its __name__
+        def fn(prompts, completions, completion_ids, **kwargs):
+            return bound.fn(prompts, completions, completion_ids, **kwargs)
 
-    reward.__name__ = "math_answer"
+        fn.__name__ = bound.name
+        return fn
+
+    columns = [f"rewards/{r.name}/mean" for r in rewards]
     start, rows = time.perf_counter(), []
+    out = open(args.out, "w", newline="")  # a row per step as it comes, so a stopped run keeps its curve
+    writer = csv.DictWriter(out, fieldnames=["step", "seconds", "reward", *columns])
+    writer.writeheader()
 
     class Log(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 rows.append({"step": state.global_step, "seconds": round(time.perf_counter() - start, 2),
-                             "reward": logs["reward"], "rewards/math_answer/mean": logs.get("rewards/math_answer/mean")})
+                             "reward": logs["reward"], **{k: logs.get(k) for k in columns}})
+                writer.writerow(rows[-1])
+                out.flush()
 
         def on_step_end(self, a, state, control, **kw):
             if time.perf_counter() - start > args.max_minutes * 60:
@@ -59,14 +68,14 @@ def main(argv=None):
                      learning_rate=m["learning_rate"], warmup_steps=m.get("warmup_steps", 0), loss_type=m["loss_type"],
                      temperature=m["temperature"], max_steps=args.max_steps or recipe["trainer"]["max_steps"],
                      seed=recipe["seed_everything"], bf16=torch.cuda.is_available(), logging_steps=1, report_to="none",
-                     save_strategy="no", use_cpu=not torch.cuda.is_available())
+                     save_strategy="no", use_cpu=not torch.cuda.is_available(),
+                     reward_weights=[r.weight for r in rewards])
     model = args.model or str(resolve_source(m["model"]))
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=train, callbacks=[Log()])
-    trainer.train()
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "seconds", "reward", "rewards/math_answer/mean"])
-        writer.writeheader()
-        writer.writerows(rows)
+    trainer = GRPOTrainer(model=model, reward_funcs=[as_trl(r) for r in rewards], args=cfg, train_dataset=train, callbacks=[Log()])
+    try:
+        trainer.train()
+    finally:
+        out.close()
     return rows
 
 

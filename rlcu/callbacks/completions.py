@@ -20,7 +20,11 @@ class CompletionsTable(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         rollout = getattr(pl_module, "last_rollout", None)
-        if rollout is None or step == self._done_step or (step - 1) % self.every_n_steps or not trainer.is_global_zero:
+        if rollout is None or step == self._done_step or (step - 1) % self.every_n_steps:
+            return
+        # trainer.log_dir is a broadcast under DDP: every rank asks, or the ranks' collectives fall out of step
+        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        if not trainer.is_global_zero:
             return
         self._done_step = step
         names = [r.name for r in pl_module.rewards]
@@ -33,7 +37,6 @@ class CompletionsTable(L.Callback):
                 v = float(rollout["rewards"][i, j])
                 row[name] = None if v != v else v
             rows.append(row)
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "completions.jsonl", "a") as f:
             for row in rows:

@@ -22,6 +22,7 @@ class RewardPlot(L.Callback):
                 self.history[key].append((trainer.global_step, float(trainer.callback_metrics[key])))
 
     def on_train_end(self, trainer, pl_module):
+        path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename  # a broadcast: every rank asks
         if not trainer.is_global_zero or not self.history["reward"]:
             return
         try:
@@ -40,7 +41,6 @@ class RewardPlot(L.Callback):
             ax.set_title(label)
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)
         plt.close(fig)

@@ -170,6 +170,9 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         if held_out and self.hparams.eval_at_start:  # the curve's first point: the model before any update
             self._log_eval_at_start(held_out, dm.batch_size)
 
+    def on_train_start(self) -> None:
+        self._train_start = time.perf_counter()  # for timing/elapsed: curves against wall time, evaluation included
+
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -233,7 +236,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         metrics.update({k: v for k, v in memory.items() if v is not None})
         gen_tokens = int(batch_t["lengths"].sum())
         metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
-                        "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens)})
+                        "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens),
+                        "timing/elapsed": t3 - getattr(self, "_train_start", t0)})
         self._log_metrics(metrics)
         self.last_rollout = dict(prompts=[r["prompt"] for r in rows for _ in range(g)], completions=completions,
                                  rewards=rewards_per_func, advantages=advantages)

@@ -8,8 +8,10 @@ transformers' order: temperature, top-k, top-p, min-p.
 Randomness comes from a generator, or from one seed per row (`seeds`): then each row's draw depends
 on its seed alone, so a request's completion does not change with the batch it happens to share.
 
-Triton (per-row seeds, temperature > 0): one program per row streams the vocabulary in chunks, never
-sorting. Top-k and top-p become thresholds on the scaled logits, found by bisection (a kept token is
+Triton (per-row seeds, temperature > 0): without filters, each row's vocabulary is shared among
+several programs whose partial maxima, sums and Gumbel-max winners a second kernel merges (a GRPO
+rollout's usual case, kept short so that few rows still fill the GPU). With filters, one program per
+row streams the vocabulary in chunks, never sorting. Top-k and top-p become thresholds on the scaled logits, found by bisection (a kept token is
 one above the threshold; min-p's threshold is max + log(min_p)), and the draw is a Gumbel-max over the
 kept tokens with Philox noise."""
 from __future__ import annotations
@@ -133,15 +135,83 @@ if HAS_TRITON:
         tl.store(LP + row, x_tok - lse)
 
 
+    @triton.jit
+    def _split_kernel(L, stride_l, V, SEEDS, M, S, BEST, IDX, inv_temp, span, num_splits, BLOCK_V: tl.constexpr):
+        """No filter: one program per (row, share of the vocabulary) finds its share's max, sum of exp and
+        Gumbel-max winner; `_combine_kernel` merges the shares. The noise is the same function of (seed,
+        token) as in `_sample_kernel`, so the draw does not depend on how the vocabulary is split."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        base = L + row * stride_l
+        seed = tl.load(SEEDS + row)
+        start = split * span
+        end = tl.minimum(start + span, V)
+        m = float("-inf")
+        total = 0.0
+        best = float("-inf")
+        best_idx = 0
+        for v0 in range(start, end, BLOCK_V):
+            idx = v0 + tl.arange(0, BLOCK_V)
+            inside = idx < end
+            x = tl.load(base + idx, mask=inside, other=float("-inf")).to(tl.float32) * inv_temp
+            m_new = tl.maximum(m, tl.max(x, 0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new))
+            m = m_new
+            u = tl.rand(seed, idx)
+            score = tl.where(inside, x - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
+            chunk_best = tl.max(score, 0)
+            better = chunk_best > best
+            best_idx = tl.where(better, v0 + tl.argmax(score, 0), best_idx)
+            best = tl.where(better, chunk_best, best)
+        out = row * num_splits + split
+        tl.store(M + out, m)
+        tl.store(S + out, total)
+        tl.store(BEST + out, best)
+        tl.store(IDX + out, best_idx)
+
+    @triton.jit
+    def _combine_kernel(L, stride_l, M, S, BEST, IDX, TOK, LP, inv_temp, num_splits, SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        k = tl.arange(0, SPLITS)
+        valid = k < num_splits
+        offs = row * num_splits + k
+        m = tl.load(M + offs, mask=valid, other=float("-inf"))
+        total = tl.load(S + offs, mask=valid, other=0.0)
+        m_all = tl.max(m, 0)
+        lse = m_all + tl.log(tl.sum(total * tl.exp(m - m_all), 0))
+        best = tl.load(BEST + offs, mask=valid, other=float("-inf"))
+        winner = tl.argmax(best, 0)  # the first share on a tie, as the single-program scan keeps the first
+        token = tl.sum(tl.where(k == winner, tl.load(IDX + offs, mask=valid, other=0), 0), 0)
+        x_tok = tl.load(L + row * stride_l + token).to(tl.float32) * inv_temp
+        tl.store(TOK + row, token.to(tl.int64))
+        tl.store(LP + row, x_tok - lse)
+
+
+PROGRAMS = 2048  # unfiltered sampling: rows x vocabulary shares, enough to keep every SM of an H200 busy
+
+
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds: torch.Tensor, steps: int = BISECTION_STEPS):
     b, v = logits.shape
     assert temperature > 0 and logits.stride(-1) == 1
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     top_k_on = 0 < top_k < v
+    block_v = 1024 if v >= 1024 else triton.next_power_of_2(v)
+    if not top_k_on and top_p >= 1.0 and min_p <= 0.0:
+        chunks = -(-v // block_v)
+        splits = max(1, min(chunks, PROGRAMS // max(1, b), 64))
+        span = -(-chunks // splits) * block_v
+        splits = -(-v // span)
+        parts = torch.empty(4, b, splits, dtype=torch.float32, device=logits.device)
+        idx = torch.empty(b, splits, dtype=torch.int32, device=logits.device)
+        _split_kernel[(b, splits)](logits, logits.stride(0), v, seeds, parts[0], parts[1], parts[2], idx,
+                                   1.0 / temperature, span, splits, BLOCK_V=block_v)
+        _combine_kernel[(b,)](logits, logits.stride(0), parts[0], parts[1], parts[2], idx, tokens, logprobs,
+                              1.0 / temperature, splits, SPLITS=max(2, triton.next_power_of_2(splits)))
+        return tokens, logprobs
     _sample_kernel[(b,)](logits, logits.stride(0), v, seeds, tokens, logprobs, 1.0 / temperature,
                          float(top_k if top_k_on else v), float(top_p), math.log(min_p) if min_p > 0 else float("-inf"),
-                         BLOCK_V=1024 if v >= 1024 else triton.next_power_of_2(v), TOP_K=top_k_on, TOP_P=top_p < 1.0,
+                         BLOCK_V=block_v, TOP_K=top_k_on, TOP_P=top_p < 1.0,
                          STEPS=steps)
     return tokens, logprobs
 

@@ -21,4 +21,6 @@ def test_trl_baseline_runs_one_step(tmp_path):
     out = tmp_path / "trl.csv"
     rows = script.main(["--out", str(out), "--max_steps", "1", "--model", str(model)])
     assert len(rows) == 1 and rows[0]["step"] == 1
-    assert list(csv.DictReader(open(out)))[0]["reward"] == str(rows[0]["reward"])
+    written = list(csv.DictReader(open(out)))[0]
+    assert written["reward"] == str(rows[0]["reward"])
+    assert written["rewards/math_answer/mean"] and written["rewards/overlong_penalty/mean"]  # the recipe's two rewards

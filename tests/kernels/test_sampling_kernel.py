@@ -73,3 +73,33 @@ def test_filters_over_a_chunked_vocabulary(rows, vocab):
         assert keep[torch.arange(rows), tokens.cpu()].all(), (top_k, top_p, min_p)
         exact = torch.log_softmax(logits.double().cpu(), -1)[torch.arange(rows), tokens.cpu()]
         assert torch.allclose(logps.double().cpu(), exact, atol=1e-4)
+
+
+def test_unfiltered_draws_over_a_vocabulary_shared_among_programs():
+    """No filter: each row's vocabulary is split among programs; the merged draw follows the distribution
+    and its logprob is of the whole vocabulary."""
+    from rlcu.kernels import sampling
+
+    n, vocab = 400, 3001
+    where = torch.tensor([2990, 10, 1500, 1100, 2047])  # the five tokens, in different shares
+    logits = torch.full((n, vocab), -40.0, dtype=torch.float64)
+    logits[:, where] = PROBS.log()
+    tokens, logps = sample_triton(logits.float().to(DEVICE), 1.0, 0, 1.0, 0.0, seeds(n))
+    assert -(-vocab // 1024) > 1 and sampling.PROGRAMS // n > 1  # several shares per row
+    freq = torch.stack([(tokens.cpu() == w).double().mean() for w in where])
+    assert freq.sum() == 1 and (freq - PROBS).abs().max() < 0.09, freq
+    assert torch.allclose(logps.double().cpu(), torch.log_softmax(logits, -1)[torch.arange(n), tokens.cpu()], atol=1e-5)
+
+
+def test_splitting_the_vocabulary_does_not_change_the_draw(monkeypatch):
+    from rlcu.kernels import sampling
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4, 5000, generator=g) * 2).to(DEVICE)
+    split, split_lp = sample_triton(logits, 0.9, 0, 1.0, 0.0, seeds(4))
+    monkeypatch.setattr(sampling, "PROGRAMS", 1)  # one program per row scans the whole vocabulary
+    whole, whole_lp = sample_triton(logits, 0.9, 0, 1.0, 0.0, seeds(4))
+    assert torch.equal(split, whole)
+    assert torch.allclose(split_lp, whole_lp, atol=1e-5)
+    exact = torch.log_softmax(logits.double().cpu() / 0.9, -1)[torch.arange(4), split.cpu()]
+    assert torch.allclose(split_lp.double().cpu(), exact, atol=1e-5)

@@ -151,3 +151,23 @@ def test_quickstart_recipe_end_to_end(smollm2_folder, tmp_path, monkeypatch):
     table = [json.loads(line) for line in open(run / "completions.jsonl")]
     assert {"prompt", "completion", "math_answer", "overlong_penalty", "advantage"} <= set(table[0])
     assert list((tmp_path / "runs" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_lightning_sees_the_expanded_command_in_sys_argv(monkeypatch):
+    """Lightning's DDP launcher starts ranks 1..N-1 by re-running sys.argv, so while the CLI runs sys.argv
+    must be the expanded `fit --config RECIPE ...` (a bare `rlcu` would only print the usage there)."""
+    import sys
+
+    from lightning.pytorch.cli import LightningCLI
+
+    seen, parse_arguments = [], LightningCLI.parse_arguments
+
+    def spy(self, parser, args):
+        seen.append(list(sys.argv))
+        return parse_arguments(self, parser, args)
+
+    monkeypatch.setattr(LightningCLI, "parse_arguments", spy)
+    before = list(sys.argv)
+    config = parse(["run", "quickstart", "--trainer.max_steps=3"])
+    assert seen[0][1:] == ["fit", "--config", str(cli.find_recipe("quickstart")), "--trainer.max_steps=3"]
+    assert config.trainer.max_steps == 3 and sys.argv == before
