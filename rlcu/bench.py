@@ -134,7 +134,6 @@ def bench_step(args) -> dict:
     from rlcu.rollout.native import NativeRollout
 
     model, tok = build_model(args.model, args.device, args.dtype)
-    model.gradient_checkpointing = not args.no_gradient_checkpointing
     prompts = random_prompt_ids(args.prompts * args.steps, args.prompt_len, model.config.vocab_size)
     rows = [{"prompt": tok.decode(p)} for p in prompts]
 
@@ -145,7 +144,8 @@ def bench_step(args) -> dict:
                             release_memory=not args.keep_memory, max_num_seqs=max(256, args.prompts * args.generations))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
-                        micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo")
+                        micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
+                        gradient_checkpointing=not args.no_gradient_checkpointing)
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
 
@@ -174,7 +174,7 @@ def bench_step(args) -> dict:
     peaks = {k: round(max(s.get(k, float("nan")) for s in steps), 1) for k in ("peak_generate_GB", "peak_train_GB")}
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
-                gradient_checkpointing=not args.no_gradient_checkpointing, keep_memory=args.keep_memory,
+                gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device))

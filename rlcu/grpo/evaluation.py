@@ -19,8 +19,9 @@ class HeldOutEvaluation:
         the first reward) gives it at least 1."""
         rows = as_rows(batch)
         metrics = self.evaluate(rows)
+        sync = self._trainer is not None and self.trainer.world_size > 1  # each rank holds a share of the rows
         for name, value in metrics.items():
-            self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy")
+            self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy", sync_dist=sync)
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict]) -> dict[str, float]:

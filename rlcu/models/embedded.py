@@ -12,7 +12,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from rlcu.models.loading import cache_dir, gguf_to_folder
+from rlcu.models.loading import cache_dir, gguf_to_folder, name_architecture
 
 log = logging.getLogger(__name__)
 
@@ -67,5 +67,6 @@ def fetch_embedded(name: str) -> Path:
     """HF folder of an embedded model, fetching and converting it on first use."""
     out = cache_dir() / "models" / name
     if (out / "model.safetensors").exists():
+        name_architecture(out)
         return out
     return gguf_to_folder(fetch_gguf(name), out)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlcu.models.config import ModelConfig
+from rlcu.models.config import ARCHITECTURES, ModelConfig
 from rlcu.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ def gguf_to_folder(gguf: Path, out: Path | None = None) -> Path:
         key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
         out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "model.safetensors").exists():
+        name_architecture(out)  # folders converted before rlcu wrote it
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,6 +90,7 @@ def gguf_to_folder(gguf: Path, out: Path | None = None) -> Path:
     # A GGUF-loaded transformers model refuses save_pretrained, so write its config and weights directly.
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = [type(hf).__name__]  # a GGUF-loaded config has none; TRL and vLLM need it
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -139,6 +141,15 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32") 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model, load_tokenizer(folder)
+
+
+def name_architecture(folder: Path) -> None:
+    """Caches converted before the conversion wrote `architectures` get it now."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if not config.get("architectures"):
+        config["architectures"] = [ARCHITECTURES[config["model_type"]][0]]
+        path.write_text(json.dumps(config, indent=2))
 
 
 def save_pretrained(model: CausalLM, tokenizer, folder: str | os.PathLike) -> Path:

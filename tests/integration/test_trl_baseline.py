@@ -24,3 +24,14 @@ def test_trl_baseline_runs_one_step(tmp_path):
     written = list(csv.DictReader(open(out)))[0]
     assert written["reward"] == str(rows[0]["reward"])
     assert written["rewards/math_answer/mean"] and written["rewards/overlong_penalty/mean"]  # the recipe's two rewards
+
+
+@pytest.mark.slow
+def test_trl_baseline_loads_the_recipes_embedded_model(tmp_path, smollm2_folder):
+    """The recipe's own model (SmolLM2 converted from GGUF) through TRL's GRPOTrainer, one step on the CPU."""
+    pytest.importorskip("trl")
+    spec = importlib.util.spec_from_file_location("trl_baseline", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.main(["--out", str(tmp_path / "trl.csv"), "--max_steps", "1"])
+    assert len(rows) == 1 and rows[0]["rewards/math_answer/mean"] is not None

@@ -1,4 +1,5 @@
 """Our Llama-family modules against transformers' own implementation (fp32)."""
+import json
 import pytest
 import torch
 import transformers
@@ -108,6 +109,8 @@ def test_unknown_source_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2_folder):
     ours, tok = load_model(smollm2_folder)
+    # TRL builds the model class from `architectures` (vLLM too): a GGUF-converted config must name it
+    assert json.loads((smollm2_folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert ours.config.num_attention_heads == 9 and ours.config.num_key_value_heads == 3
     ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
     enc = tok(["What is 17 + 25?", "Hi"], return_tensors="pt", padding=True, padding_side="left")

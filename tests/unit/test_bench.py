@@ -28,6 +28,10 @@ def test_bench_step_reports_each_phase(tmp_path, capsys):
     out = last_json(capsys)
     assert len(out["step_seconds"]) == 2
     assert set(out["steady"]) == {"total", "generate", "score", "train"}
+    assert out["gradient_checkpointing"] is True  # what the module ran with: TRL's default
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--no_gradient_checkpointing"])
+    assert last_json(capsys)["gradient_checkpointing"] is False
     assert out["steady"]["generate"] + out["steady"]["train"] <= out["steady"]["total"] * 1.01
 
 
