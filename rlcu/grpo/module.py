@@ -149,10 +149,13 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self._trainer is not None and self.trainer.world_size > 1 and self.hparams.filter_zero_std_groups:
-            # ranks would train on different numbers of micro-batches, and DDP needs every rank's backward
-            raise ValueError("filter_zero_std_groups is not supported with several processes (DDP) yet; set it to "
-                             "false")
+        hp = self.hparams
+        if self._trainer is not None and self.trainer.world_size > 1 and hp.filter_zero_std_groups \
+                and hp.loss_type != "dapo":
+            # every rank must run the same backward passes, so filtered rows are masked, not removed; only
+            # dapo's loss (a token sum over the global token count) is then the same as removing them
+            raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
+                             f"own pairing), got {hp.loss_type!r}; use dapo or turn the filter off")
         self.rollout.setup(self)
 
     def on_fit_start(self) -> None:
@@ -230,6 +233,12 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             keep = ~is_std_zero
         metrics = reward_metrics(rewards_per_func, [r.name for r in self.rewards], rewards, is_std_zero)
         metrics.update(completion_metrics(batch_t["lengths"], batch_t["truncated"]))
+        if self._world_size > 1 and hp.filter_zero_std_groups:
+            # DDP: every rank runs the same micro-batches (each backward is a collective), so the filtered
+            # rows stay and lose their loss mask; the step is skipped only when no rank kept anything
+            batch_t["loss_mask"][~keep] = 0
+            kept = self.trainer.strategy.reduce(keep.sum().to(self.device), reduce_op="sum")
+            keep = torch.full_like(keep, bool(kept > 0))
         metrics.update(self._update(batch_t, keep) if keep.any() else self._skip())
         t3 = self._now()
         memory["memory/train_GB"] = self._peak_memory_gb()  # scoring and training
@@ -340,7 +349,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             ref = torch.cat([self._logps(self.ref_model, b, r, grad=False)[0] for r in mbs])
         num_items = b["loss_mask"][idx].sum().float()
         loss_items = num_items  # dapo's normaliser: the step's completion tokens over every rank
-        world = self.trainer.world_size if self._trainer is not None else 1
+        world = self._world_size
         if world > 1:  # DDP averages gradients, so each rank divides by the global count / world size
             loss_items = self.trainer.strategy.reduce(num_items.to(self.device), reduce_op="sum").cpu() / world
         opt, sched = self.optimizers(), self.lr_schedulers()
@@ -391,6 +400,10 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         self._consecutive_faults = 0
         out["faults/skipped_updates"] = float(self._num_faults)
         return out
+
+    @property
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self._trainer is not None else 1
 
     @property
     def _num_faults(self) -> int:

@@ -45,12 +45,19 @@ def token_value(prompts, completions, completion_ids, **kwargs):
     return [sum(ids) / (8 * len(ids)) for ids in completion_ids]
 
 
-def train(folder, devices, batch_size, loss_type):
+def flat_for_some_prompts(prompts, completions, completion_ids, **kwargs):
+    """Zero variance (one value for the whole group) for prompts with an odd digit, token_value for the rest."""
+    return [0.5 if p.endswith(("1", "3", "5", "7")) else v
+            for p, v in zip(prompts, token_value(prompts, completions, completion_ids))]
+
+
+def train(folder, devices, batch_size, loss_type, reward=token_value, filter_zero_std_groups=False):
     import lightning.pytorch as L
 
     torch.manual_seed(0)
-    module = GRPOModule(str(folder), rewards=[token_value], rollout=FixedRollout(), num_generations=G,
-                        max_completion_length=4, learning_rate=1e-2, loss_type=loss_type, micro_batch_size=4)
+    module = GRPOModule(str(folder), rewards=[reward], rollout=FixedRollout(), num_generations=G,
+                        max_completion_length=4, learning_rate=1e-2, loss_type=loss_type, micro_batch_size=4,
+                        filter_zero_std_groups=filter_zero_std_groups)
     data = PromptDataModule(toy_rows(16, seed=3), batch_size=batch_size, seed=1)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -72,6 +79,34 @@ def test_two_ddp_processes_update_like_one(tmp_path, loss_type):
     assert moved > 1e-3, "the update is too small for the comparison to mean anything"
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst < 1e-6, f"DDP update differs from one process by {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_filtering_zero_std_groups_under_ddp_updates_like_one_process(tmp_path):
+    """DAPO's dynamic sampling: groups whose rewards are all equal teach nothing and are dropped. Under DDP
+    the ranks keep the rows (masked) so that they run the same backward passes; with dapo's global token
+    normaliser the update equals one process dropping them."""
+    folder = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    one = train(folder, 1, 4, "dapo", flat_for_some_prompts, True)
+    two = train(folder, 2, 2, "dapo", flat_for_some_prompts, True)
+    unfiltered = train(folder, 1, 4, "dapo", flat_for_some_prompts, False)
+    # float32 reduction order, grown by Adam's division by small gradients' RMS (seen: 1.2e-6); the filter's
+    # own effect on the weights is 1e-2
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
+    assert max((one[k] - unfiltered[k]).abs().max().item() for k in one) > 1e-3, "the filter changed nothing"
+
+
+def test_filtering_under_ddp_needs_dapo(tmp_path):
+    folder = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    module = GRPOModule(str(folder), rewards=[token_value], rollout=FixedRollout(), num_generations=G,
+                        max_completion_length=4, loss_type="grpo", filter_zero_std_groups=True)
+
+    class TwoRanks:
+        world_size = 2
+
+    module._trainer = TwoRanks()
+    with pytest.raises(ValueError, match="needs loss_type='dapo'"):
+        module.setup("fit")
 
 
 @pytest.mark.slow
