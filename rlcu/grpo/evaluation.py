@@ -11,7 +11,8 @@ from rlcu.grpo.metrics import eval_metrics
 
 
 class HeldOutEvaluation:
-    """Mixed into GRPOModule; uses its hparams, rewards, `_encode`, `_sampling`, `_generate` and `_score`."""
+    """Mixed into GRPOModule; uses its hparams, rewards, `_encode`, `_sampling`, `_generate`, `_score` and
+    `_world_size`."""
 
     def validation_step(self, batch, batch_idx):
         """Greedy accuracy, reward and length, and pass@k / mean@k over `eval_num_samples` samples at the
@@ -19,7 +20,7 @@ class HeldOutEvaluation:
         the first reward) gives it at least 1."""
         rows = as_rows(batch)
         metrics = self.evaluate(rows)
-        sync = self._trainer is not None and self.trainer.world_size > 1  # each rank holds a share of the rows
+        sync = self._world_size > 1  # each rank holds a share of the rows
         for name, value in metrics.items():
             self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy", sync_dist=sync)
 

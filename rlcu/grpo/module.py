@@ -150,8 +150,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         hp = self.hparams
-        if self._trainer is not None and self.trainer.world_size > 1 and hp.filter_zero_std_groups \
-                and hp.loss_type != "dapo":
+        if self._world_size > 1 and hp.filter_zero_std_groups and hp.loss_type != "dapo":
             # every rank must run the same backward passes, so filtered rows are masked, not removed; only
             # dapo's loss (a token sum over the global token count) is then the same as removing them
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
@@ -423,7 +422,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
         shown = {"reward", "tokens_per_second"}
-        sync = self._trainer is not None and self.trainer.world_size > 1  # mean over ranks
+        sync = self._world_size > 1  # mean over ranks
         # NaN (e.g. the std of one sample) is dropped, except under sync, where every rank must log every key
         clean = {k: v for k, v in metrics.items()
                  if v is not None and (sync or not (isinstance(v, float) and math.isnan(v)))}
