@@ -82,6 +82,11 @@ if HAS_TRITON:
         return total
 
     @triton.jit
+    def _gumbel(seed, idx):
+        """Gumbel noise of token `idx` for a row's seed: the one definition both sampling kernels draw from."""
+        return -tl.log(-tl.log(tl.maximum(tl.rand(seed, idx), 1e-20)))
+
+    @triton.jit
     def _sample_kernel(L, stride_l, V, SEEDS, TOK, LP, inv_temp, top_k, top_p, log_min_p,
                        BLOCK_V: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, STEPS: tl.constexpr):
         row = tl.program_id(0)
@@ -122,8 +127,7 @@ if HAS_TRITON:
         for v0 in range(0, V, BLOCK_V):  # Gumbel-max over the kept tokens
             idx = v0 + tl.arange(0, BLOCK_V)
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temp
-            u = tl.rand(seed, idx)
-            g = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+            g = _gumbel(seed, idx)
             score = tl.where((x > floor) & (idx < V), x + g, float("-inf"))
             chunk_best = tl.max(score, 0)
             chunk_idx = v0 + tl.argmax(score, 0)
@@ -157,8 +161,7 @@ if HAS_TRITON:
             m_new = tl.maximum(m, tl.max(x, 0))
             total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new))
             m = m_new
-            u = tl.rand(seed, idx)
-            score = tl.where(inside, x - tl.log(-tl.log(tl.maximum(u, 1e-20))), float("-inf"))
+            score = tl.where(inside, x + _gumbel(seed, idx), float("-inf"))
             chunk_best = tl.max(score, 0)
             better = chunk_best > best
             best_idx = tl.where(better, v0 + tl.argmax(score, 0), best_idx)
