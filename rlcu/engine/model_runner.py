@@ -13,8 +13,8 @@ from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import decode_attention, triton_supports
-from rlcu.kernels.kv_cache import store_kv
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
+from rlcu.kernels.rope_store_kv import rope_store_kv
 from rlcu.models.llama import CausalLM
 
 
@@ -33,13 +33,13 @@ class PagedAttention:
         self.decode_only, self.num_splits, self.tiles = decode_only, num_splits, tiles
         self.scale = runner.model.config.head_dim ** -0.5
 
-    def __call__(self, layer_idx, q, k, v):
+    def __call__(self, layer_idx, q, k, v, cos, sin):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
-        store_kv(k[0], v[0], kc, vc, self.slots)
+        q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots)
         if self.decode_only:
-            out = decode_attention(q[0], kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
+            out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
         else:
-            out = paged_attention(q[0], kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
+            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
         return out[None]
 
 
@@ -55,6 +55,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=p.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=p.device)
         self.device = p.device
+        self.param_addresses: list[int] = []  # where the parameters were when this runner's graphs were made
         self.graphs = None
         if cuda_graphs and p.is_cuda and use_triton(p) and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))

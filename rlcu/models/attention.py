@@ -8,10 +8,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from rlcu.kernels.rope import rope
+
 
 class AttentionContext(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] (RoPE applied) -> [B, T, Hq, D]."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D], before RoPE; cos/sin: [B, T, 1, D] -> [B, T, Hq, D].
+        The context applies RoPE, so that the engine can fuse it with its KV-cache write."""
 
 
 def causal_key_mask(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:
@@ -47,8 +51,8 @@ class PaddedAttention:
         unpadded = attention_mask is None or bool(attention_mask.all())
         self.mask = None if unpadded else causal_key_mask(attention_mask.bool(), attention_mask.shape[1])
 
-    def __call__(self, layer_idx, q, k, v):
-        return sdpa(q, k, v, self.mask)
+    def __call__(self, layer_idx, q, k, v, cos, sin):
+        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.mask)
 
 
 class DenseKVCache:
@@ -77,8 +81,9 @@ class DenseCacheAttention:
         self.cache, self.start, self.end = cache, start, start + t
         self.mask = causal_key_mask(cache.key_valid[:, :self.end], t)
 
-    def __call__(self, layer_idx, q, k, v):
+    def __call__(self, layer_idx, q, k, v, cos, sin):
         c = self.cache
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         c.k[layer_idx][:, self.start:self.end] = k
         c.v[layer_idx][:, self.start:self.end] = v
         return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.mask)

@@ -2,7 +2,8 @@
 Hugging Face parameter names, so that state dicts load from and save to HF folders unchanged.
 
 Attention is delegated to an `AttentionContext`, which is how training, the reference rollout and the
-paged engine all run these same modules and parameters."""
+paged engine all run these same modules and parameters. The q/k/v and gate/up projections are each
+one GEMM (`FusedLinear`); HF folders name their parts, and loading.py converts at the boundary."""
 from __future__ import annotations
 
 import math
@@ -11,10 +12,10 @@ import torch
 from torch import nn
 
 from rlcu.kernels.rmsnorm import rms_norm
-from rlcu.kernels.rope import rope
 from rlcu.kernels.silu_mul import silu_mul
 from rlcu.models.attention import AttentionContext, PaddedAttention
 from rlcu.models.config import ModelConfig
+from rlcu.models.fused_linear import FusedLinear
 
 
 class RMSNorm(nn.Module):
@@ -51,9 +52,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        kv = self.num_kv_heads * d
+        self.qkv_proj = FusedLinear(h, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -61,25 +61,24 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attention: AttentionContext):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        out = attention(self.layer_idx, q, k, v)
+        out = attention(self.layer_idx, q, k, v, cos, sin)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        i = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": i, "up_proj": i}, False)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -150,9 +149,9 @@ class CausalLM(nn.Module):
     def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Hidden states of a padded batch; positions count only the real tokens of each row."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        return self.forward(input_ids, position_ids, PaddedAttention(attention_mask))
+        return self(input_ids, position_ids, PaddedAttention(attention_mask))  # __call__: FSDP's hooks run
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is None:
-            return self.lm_head(self.forward(input_ids))
+            return self.lm_head(self(input_ids))
         return self.lm_head(self.forward_padded(input_ids, attention_mask))

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlcu.models.config import ARCHITECTURES, ModelConfig
+from rlcu.models.fused_linear import join_hf_parts, split_hf_parts
 from rlcu.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,10 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32") 
     state = {k: v for k, v in load_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    try:
+        state = join_hf_parts(state, model)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}; the folder's weights are incomplete") from None
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
@@ -156,7 +161,7 @@ def save_pretrained(model: CausalLM, tokenizer, folder: str | os.PathLike) -> Pa
     """Write an HF folder (safetensors + config.json + tokenizer) that transformers loads."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in split_hf_parts(model.state_dict(), model).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})

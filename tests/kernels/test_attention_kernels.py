@@ -7,7 +7,6 @@ import torch
 
 from rlcu.kernels import _triton
 from rlcu.kernels.decode_attention import decode_attention_reference, decode_attention_triton
-from rlcu.kernels.kv_cache import store_kv_reference, store_kv_triton
 from rlcu.kernels.prefill_attention import paged_attention_reference, paged_attention_triton
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
@@ -97,23 +96,6 @@ def test_prefill_attention_triton(dtype, hq, hkv, d, context_lens, q_lens, block
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hkv,d", [(3, 64), (8, 128), (1, 16)])
-def test_store_kv(dtype, hkv, d):
-    cache_shape = (7, 16, hkv, d)
-    slots = torch.tensor([0, 17, 111, -1, 5, 64], device=DEVICE)  # -1: a padding row writes nowhere
-    k = torch.randn(6, hkv, d, device=DEVICE).to(dtype)
-    v = torch.randn(6, hkv, d, device=DEVICE).to(dtype)
-    caches = [torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(4)]
-    store_kv_triton(k, v, caches[0], caches[1], slots)
-    store_kv_reference(k, v, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert torch.equal(caches[0].view(-1, hkv, d)[111], k[2])
-    written = torch.zeros(7 * 16, dtype=torch.bool)
-    written[[0, 17, 111, 5, 64]] = True
-    assert not caches[0].view(7 * 16, -1)[~written.to(DEVICE)].any(), "the -1 row was written somewhere"
 
 
 def test_garbage_past_the_context_never_leaks():

@@ -39,7 +39,9 @@ def test_silu_mul(dtype, shape):
     g = torch.Generator().manual_seed(1)
     gate = (3 * torch.randn(shape, generator=g)).to(dtype).to(DEVICE)
     up = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
-    got, ref = silu_mul_triton(gate, up), silu_mul_reference(gate, up)
+    gate_up = torch.cat([gate, up], -1)
+    got, ref = silu_mul_triton(gate_up), silu_mul_reference(gate_up)
+    assert got.shape == gate.shape
     exact = (F.silu(gate.double()) * up.double()).cpu()
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
@@ -63,3 +65,42 @@ def test_rope(dtype, heads, head_dim):
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=4 * atol, rtol=rtol)  # cos/sin themselves are rounded
     assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (16, 8, 128), (2, 1, 16)])
+def test_rope_store_kv(dtype, hq, hkv, head_dim):
+    """The fused kernel reads q/k/v as strided views of one projection output (as the model hands them
+    over), rotates q, rotates k into its cache slot, copies v, and skips slot -1."""
+    from rlcu.kernels.rope_store_kv import rope_store_kv_reference, rope_store_kv_triton
+
+    g = torch.Generator().manual_seed(3)
+    t, block_size, blocks = 6, 16, 9
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).to(dtype).to(DEVICE)
+    q, k, v = (x.unflatten(-1, (-1, head_dim)) for x in qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1))
+    pos = torch.tensor([0, 3, 17, 400, 5, 4999]).double()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+    slots = torch.tensor([0, 17, 131, -1, 5, 64], device=DEVICE)  # -1: a padding row writes nowhere
+    caches = [torch.zeros(blocks, block_size, hkv, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+    got = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
+    ref = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
+    assert torch.allclose(caches[0].double(), caches[2].double(), atol=atol, rtol=rtol)
+    assert torch.equal(caches[1], caches[3])
+
+    def rotate64(x):
+        x64 = x.double().cpu()
+        half = head_dim // 2
+        return x64 * emb.cos()[:, None] + torch.cat((-x64[..., half:], x64[..., :half]), -1) * emb.sin()[:, None]
+
+    assert torch.allclose(got.double().cpu(), rotate64(q), atol=4 * atol, rtol=rtol)  # cos/sin themselves are rounded
+    flat_k = caches[0].view(-1, hkv, head_dim).double().cpu()
+    keep = slots.cpu() >= 0
+    assert torch.allclose(flat_k[slots.cpu()[keep]], rotate64(k)[keep], atol=4 * atol, rtol=rtol)
+    assert torch.equal(caches[1].view(-1, hkv, head_dim)[slots[keep]], v[keep.to(DEVICE)])
+    written = torch.zeros(blocks * block_size, dtype=torch.bool)
+    written[slots.cpu()[keep]] = True
+    assert not caches[0].view(blocks * block_size, -1)[~written.to(DEVICE)].any(), "the -1 row was written somewhere"

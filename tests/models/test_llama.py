@@ -173,3 +173,28 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
     model, tok = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert asked["repo_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "*.safetensors" in asked["patterns"]
     assert model.config.model_type == "llama" and tok("t1").input_ids == [1]
+
+
+def test_fused_projections_load_and_save_hf_names(tmp_path):
+    """q/k/v and gate/up run as one GEMM each; an HF folder's parts are joined on load and split again on
+    save (transformers loads the result); a folder with some parts of a projection but not all is an
+    error naming the missing ones."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_hf_folder(tmp_path / "hf", "qwen2")  # q/k/v with biases
+    model, tok = load_model(folder)
+    hf = load_file(folder / "model.safetensors")
+    attn = model.model.layers[1].self_attn
+    layer = "model.layers.1."
+    assert torch.equal(attn.qkv_proj.bias, torch.cat([hf[f"{layer}self_attn.{p}_proj.bias"] for p in "qkv"]))
+    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight,
+                       torch.cat([hf[f"{layer}mlp.gate_proj.weight"], hf[f"{layer}mlp.up_proj.weight"]]))
+    assert not [n for n in hf if "qkv_proj" in n or "gate_up_proj" in n]
+
+    saved = load_file(save_pretrained(model, tok, tmp_path / "out") / "model.safetensors")
+    assert saved.keys() == hf.keys() and all(torch.equal(saved[k], hf[k]) for k in hf)
+
+    del hf[f"{layer}self_attn.v_proj.weight"]
+    save_file(hf, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"not \['model.layers.1.self_attn.v_proj.weight'\]"):
+        load_model(folder)

@@ -1,0 +1,60 @@
+"""Several projections of the same input as one GEMM (q/k/v, gate/up), stored as one parameter.
+
+One weight `[sum(sizes), in]` instead of three or two halves the launches of a decode step and gives
+training larger GEMMs. Inside rlcu (parameters, optimizer state, Lightning checkpoints, FSDP shards)
+the fused names are the names; Hugging Face folders name the parts, so `load_model` joins them with
+`join_hf_parts` and `save_pretrained` splits them with `split_hf_parts`."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FusedLinear(nn.Linear):
+    """`parts` maps each HF projection name (a sibling of this module in HF's layout) to its output size."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The output of each part, as views of the fused output."""
+        return y.split(list(self.parts.values()), dim=-1)
+
+
+def _fused_modules(model: nn.Module, prefix: str) -> list[tuple[str, str, FusedLinear]]:
+    """(state-dict prefix of the fused module, prefix of its HF siblings, module) for each FusedLinear."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, FusedLinear):
+            parent = name.rpartition(".")[0]
+            out.append((f"{prefix}{name}.", f"{prefix}{parent}." if parent else prefix, m))
+    return out
+
+
+def split_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A state dict with fused names -> the same with HF's part names (views of the fused tensors)."""
+    state = dict(state)
+    for fused, parent, m in _fused_modules(model, prefix):
+        for kind in ("weight", "bias"):
+            value = state.pop(fused + kind, None)
+            if value is not None:
+                for part, piece in zip(m.parts, value.split(list(m.parts.values()), dim=0)):
+                    state[f"{parent}{part}.{kind}"] = piece
+    return state
+
+
+def join_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A state dict with HF's part names (or already fused: unchanged) -> fused names. Some parts of a
+    projection without the others is an error that names the missing ones."""
+    state = dict(state)
+    for fused, parent, m in _fused_modules(model, prefix):
+        for kind in ("weight", "bias"):
+            keys = [f"{parent}{part}.{kind}" for part in m.parts]
+            present = [k for k in keys if k in state]
+            if not present:
+                continue  # already fused, or absent: the caller's missing-key check reports it
+            if len(present) < len(keys):
+                raise ValueError(f"the weights have {present} but not {sorted(set(keys) - set(present))}")
+            state[fused + kind] = torch.cat([state.pop(k) for k in keys], dim=0)
+    return state
