@@ -2,7 +2,8 @@
 __version__ = "0.1.0"
 
 _LAZY = {"GRPOModule": "rlcu.grpo.module", "PromptDataModule": "rlcu.data.module", "load_model": "rlcu.models",
-         "save_pretrained": "rlcu.models", "Reward": "rlcu.rewards", "SamplingParams": "rlcu.rollout"}
+         "save_pretrained": "rlcu.models", "Reward": "rlcu.rewards", "SamplingParams": "rlcu.rollout",
+         "FSDP2Strategy": "rlcu.strategies"}
 
 
 def __getattr__(name):  # keeps `import rlcu` light: Lightning and transformers load on first use

@@ -13,6 +13,7 @@ from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels.sampling import sample
 from rlcu.models.llama import CausalLM
+from rlcu.models.sharding import is_sharded
 from rlcu.rollout.base import RolloutBatch, SamplingParams
 from rlcu.rollout.stops import StopStrings
 
@@ -82,11 +83,16 @@ class LLMEngine:
             parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i))
         num_blocks = self._pool_size(parents, len(prompt_token_ids))
         runner = self.runner
-        if (runner is None or runner.k_cache.shape[1] < num_blocks
+        addresses = [p.data_ptr() for p in self.model.parameters()]
+        if (runner is None or runner.k_cache.shape[1] < num_blocks or runner.param_addresses != addresses
                 or runner.dtype != cache_dtype(self.model.model.embed_tokens.weight)):
+            # a kept pool's CUDA graphs read the parameters at their captured addresses: parameters that
+            # moved (FSDP gathers them anew for each rollout; a user's model.to()) need new graphs
             self.runner = None  # the old pool goes before the new one is taken
-            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs,
-                                      self.config.cuda_graphs)
+            # FSDP's hooks run inside each layer's forward and cannot be captured in a graph: eager steps
+            graphs = self.config.cuda_graphs and not is_sharded(self.model)
+            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs, graphs)
+            self.runner.param_addresses = addresses
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
         scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         for seq in parents:

@@ -18,7 +18,7 @@ import lightning.pytorch as L
 import torch
 from torch import nn
 
-from rlcu import plugins
+from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
@@ -27,6 +27,7 @@ from rlcu.grpo.evaluation import HeldOutEvaluation
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW
 from rlcu.models import CausalLM, load_model
+from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import NonFiniteReward, resolve_rewards
 from rlcu.rewards.scoring import ON_ERROR, score
 from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
@@ -150,12 +151,30 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         hp = self.hparams
+        strategy = type(getattr(self._trainer, "strategy", None)).__name__
+        if strategy in ("FSDPStrategy", "DeepSpeedStrategy"):
+            raise ValueError(f"{strategy} wraps modules in a way the rollout engine cannot "
+                             "run; for FSDP use rlcu's fsdp2 (Lightning's ModelParallelStrategy with fully_shard): "
+                             "--trainer.strategy=fsdp2 (see docs/scaling.md)")
         if self._world_size > 1 and hp.filter_zero_std_groups and hp.loss_type != "dapo":
             # every rank must run the same backward passes, so filtered rows are masked, not removed; only
             # dapo's loss (a token sum over the global token count) is then the same as removing them
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
                              f"own pairing), got {hp.loss_type!r}; use dapo or turn the filter off")
         self.rollout.setup(self)
+
+    def configure_model(self) -> None:
+        """Under Lightning's ModelParallelStrategy: FSDP over the data-parallel ranks (`sharding.py`)."""
+        mesh = self.device_mesh
+        if mesh is None or is_sharded(self.policy):
+            return
+        if mesh["tensor_parallel"].size() > 1:
+            raise ValueError("rlcu shards its models with FSDP only: set ModelParallelStrategy's "
+                             "tensor_parallel_size=1 (data_parallel_size is the number of ranks)")
+        dtype = next(self.policy.parameters()).dtype  # the compute dtype; the shards become fp32
+        for model in (self.policy, self.ref_model):
+            if model is not None:
+                shard(model, mesh["data_parallel"], dtype)
 
     def on_fit_start(self) -> None:
         """Check every training prompt against the tokenizer before the first step, so data errors
@@ -263,7 +282,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         was_training = self.policy.training
         self.policy.eval()
         try:
-            return self.rollout.generate(prompt_ids, sampling)
+            with full_parameters(self.policy):  # FSDP: the whole model for the rollout, sharded again after
+                return self.rollout.generate(prompt_ids, sampling)
         finally:
             self.rollout.release()
             self.policy.train(was_training)
@@ -378,6 +398,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
                 opt.optimizer.load_grads()  # clip and measure the fp32 copies
             with_grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads]) if with_grads else torch.tensor(0.0)
+            if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
+                norm = norm.full_tensor()
             grad_norms.append(float(norm))
             if not math.isfinite(grad_norms[-1]):
                 # NaN/Inf in the logits or the loss reached the gradients (under DDP every rank sees the same

@@ -134,3 +134,19 @@ def test_gradients_are_clipped_to_max_grad_norm(tmp_path):
     raw = [m["grad_norm"] for m in metrics if "grad_norm" in m]
     assert len(norms) == 2 and all(r > 1e-3 for r in raw), raw  # the raw norms were above the limit...
     assert norms == pytest.approx([1e-3, 1e-3], rel=1e-3)  # ...and the optimizer saw them clipped to it
+
+
+def test_fsdp1_and_deepspeed_are_refused_with_the_way_to_fsdp2(tmp_path):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    folder = tiny_hf_folder(tmp_path / "tiny", "llama")
+    module = GRPOModule(str(folder), rewards=[lambda prompts, completions, completion_ids, **kw: [0.0] * len(prompts)],
+                        num_generations=2, max_completion_length=4)
+
+    class Trainer:
+        strategy = FSDPStrategy()
+        world_size = 2
+
+    module._trainer = Trainer()
+    with pytest.raises(ValueError, match="strategy=fsdp2"):
+        module.setup("fit")

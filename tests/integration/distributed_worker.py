@@ -1,0 +1,55 @@
+"""One rank of the FSDP test (started by torchrun, which Lightning's TorchElasticEnvironment detects):
+a few GRPO steps on a tiny model, rollouts by the native engine on the gathered parameters; rank 0
+saves the final weights. Usage: fsdp_worker.py MODEL_FOLDER OUT_FILE STRATEGY DEVICES BATCH_SIZE [NUM_NODES]"""
+import sys
+from dataclasses import replace
+
+import lightning.pytorch as L
+import torch
+
+from rlcu.data.module import PromptDataModule
+from rlcu.grpo.module import GRPOModule
+from rlcu.rollout.base import RolloutBatch
+from rlcu.rollout.native import NativeRollout
+from tests.helpers import toy_rows
+
+STEPS, G = 2, 4
+
+
+class PromptSeeded(NativeRollout):
+    """The engine, one group at a time, seeded by the prompt: completions depend on the weights and the
+    prompt alone, not on the rank or the batch, so one process and two ranks sample the same tokens."""
+
+    def generate(self, prompt_token_ids, sampling):
+        groups = [prompt_token_ids[i:i + G] for i in range(0, len(prompt_token_ids), G)]
+        parts = [super(PromptSeeded, self).generate(group, replace(sampling, seed=sum(group[0]) * 7919 + len(group[0])))
+                 for group in groups]
+        return RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
+                              ("prompt_ids", "completion_ids", "logprobs", "finish_reasons")))
+
+
+def token_value(prompts, completions, completion_ids, **kwargs):
+    return [sum(ids) / (8 * len(ids)) for ids in completion_ids]
+
+
+def main(folder, out, strategy, devices, batch_size, num_nodes=1):
+    torch.manual_seed(0)
+    module = GRPOModule(folder, rewards=[token_value], rollout=PromptSeeded(), num_generations=G,
+                        max_completion_length=4, learning_rate=1e-2, micro_batch_size=4)
+    data = PromptDataModule(toy_rows(16, seed=3), batch_size=batch_size, seed=1)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if strategy == "fsdp2":
+        state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = module.policy.state_dict()
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in state.items()}, out)
+    trainer.save_checkpoint(out + ".ckpt")  # a collective under FSDP: every rank calls it
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4], *map(int, sys.argv[4:]))

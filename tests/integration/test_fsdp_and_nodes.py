@@ -1,0 +1,75 @@
+"""FSDP (`--trainer.strategy=fsdp2`) and several nodes, each against one process on the same global
+batch. The ranks are started by torchrun, as a cluster would start them (Lightning's
+TorchElasticEnvironment picks them up); rollouts come from the native engine on the gathered
+parameters, seeded by the prompt so that every layout samples the same tokens. Tolerance: 1e-5
+(float32; all-reduce and reduce-scatter order; the update itself moves weights by 2e-2)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import tiny_hf_folder
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+ROOT = Path(__file__).parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run(args, cwd, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs, timeout=300):
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0, out[-4000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny model and one process's weights after the steps (batch of 4 prompts)."""
+    tmp = tmp_path_factory.mktemp("dist")
+    folder = tiny_hf_folder(tmp / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    finish([run([sys.executable, str(WORKER), str(folder), str(tmp / "one.pt"), "auto", "1", "4"], tmp)])
+    from rlcu.models import load_model
+
+    initial = load_model(folder)[0].state_dict()
+    one = torch.load(tmp / "one.pt")
+    assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-3, "too small an update to compare"
+    return tmp, folder, one
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def test_fsdp_two_ranks_update_like_one_process_and_export(reference):
+    tmp, folder, one = reference
+    finish([run(torchrun("--nproc-per-node=2", "--master-port=29541", str(WORKER), str(folder), str(tmp / "fsdp.pt"),
+                         "fsdp2", "2", "2"), tmp)])
+    two = torch.load(tmp / "fsdp.pt")
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-5, f"FSDP update differs from one process by {worst:.2e}"
+    # the checkpoint is one file that rlcu export turns into an HF folder with the trained weights
+    from rlcu.export import export
+    from rlcu.models import load_model
+
+    exported, _ = load_model(export(tmp / "fsdp.pt.ckpt", tmp / "hf"))
+    state = exported.state_dict()
+    assert max((state[k] - two[k]).abs().max().item() for k in two) == 0
+
+
+def test_two_nodes_through_torchrun_update_like_one_process(reference):
+    """`--trainer.num_nodes=2`: two torchrun agents (one per node, here both on localhost) of one process each."""
+    tmp, folder, one = reference
+    nodes = [run(torchrun("--nnodes=2", f"--node-rank={r}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                          "--master-port=29542", str(WORKER), str(folder), str(tmp / "nodes.pt"), "ddp", "1", "2", "2"),
+                 tmp) for r in (0, 1)]
+    finish(nodes)
+    two = torch.load(tmp / "nodes.pt")
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-5, f"two nodes' update differs from one process by {worst:.2e}"
