@@ -50,18 +50,26 @@ def equation_of(text: str) -> str:
 
 
 class CountdownEquation(Reward):
-    """1.0 for a correct equation, else 0.0. Columns: `nums` (list of ints) and `target` (int)."""
+    """1.0 for a correct equation; `format_score` for a wrong one given inside <answer> tags (TinyZero's
+    partial credit, 0.1 there: a small model first learns to answer in the format, which gives GRPO
+    something to compare before any answer is right); else 0.0. Columns: `nums` (list of ints) and
+    `target` (int)."""
     name = "countdown"
 
-    def __init__(self, nums_column: str = "nums", target_column: str = "target", weight: float = 1.0):
+    def __init__(self, nums_column: str = "nums", target_column: str = "target", weight: float = 1.0,
+                 format_score: float = 0.0):
+        if not 0.0 <= format_score < 1.0:
+            raise ValueError(f"format_score must be in [0, 1) (a correct equation scores 1), got {format_score}")
         self.nums_column, self.target_column, self.weight = nums_column, target_column, weight
+        self.format_score = format_score
 
     def __call__(self, prompts, completions, completion_ids, **kwargs):
         nums = require_column(self.name, self.nums_column, kwargs)
         targets = require_column(self.name, self.target_column, kwargs)
         out = []
         for c, ns, t in zip(completions, nums, targets):
-            result = evaluate(equation_of(completion_text(c)))
+            text = completion_text(c)
+            result = evaluate(equation_of(text))
             ok = result is not None and sorted(result[1]) == sorted(int(n) for n in ns) and result[0] == Fraction(int(t))
-            out.append(1.0 if ok else 0.0)
+            out.append(1.0 if ok else self.format_score if _ANSWER.search(text) else 0.0)
         return out

@@ -47,6 +47,15 @@ def test_format_tags():
 ])
 def test_countdown(text, ok):
     assert CountdownEquation()(["p"], [text], [[]], nums=[[25, 5, 2, 3]], target=[43]) == [float(ok)]
+    # TinyZero's partial credit goes to wrong answers inside <answer> tags only
+    partial = 0.1 if "<answer>" in text else 0.0
+    assert CountdownEquation(format_score=0.1)(["p"], [text], [[]], nums=[[25, 5, 2, 3]], target=[43]) == \
+        [1.0 if ok else partial]
+
+
+def test_countdown_format_score_must_stay_below_a_correct_answer():
+    with pytest.raises(ValueError, match="format_score must be in"):
+        CountdownEquation(format_score=1.0)
 
 
 def test_overlong_penalty_matches_trl_formula():
