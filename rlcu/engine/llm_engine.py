@@ -20,6 +20,19 @@ from rlcu.rollout.stops import StopStrings
 log = logging.getLogger(__name__)
 
 
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
+    """Start copying a step's samples to the host; returns (tokens, logprobs, event to wait on). On CUDA the
+    copies go to pinned memory ahead of any later work, so that waiting for them does not wait for a
+    decode step launched after them."""
+    if not tokens.is_cuda:
+        return tokens, logprobs, None
+    t = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+    lp = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True).copy_(logprobs, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return t, lp, ready
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -29,6 +42,7 @@ class EngineConfig:
     num_blocks: int | None = None  # a fixed pool size instead of what the requests need (capped as above)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (GPU with Triton only)
     release_memory: bool = True  # free the pool (and graphs) after each generate(), for the training phase
+    lookahead: bool = True  # launch decode step n+1 on the GPU's tokens while the host finishes step n
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -63,6 +77,24 @@ class LLMEngine:
         self.runner = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor, bm: BlockManager):
+        """Launch the next decode step of `seqs` on the GPU's sampled `tokens` before the host has them,
+        so that the host's bookkeeping of this step overlaps the GPU's next step. Sequences that reach
+        their length now are left out; one that samples a stop token is computed for nothing and dropped.
+        Returns None (the caller schedules normally) when the step would need a block the pool lacks."""
+        keep = [i for i, s in enumerate(seqs) if s.num_completion_tokens + 1 < s.max_tokens]
+        if not keep or sum(bm.blocks_needed(seqs[i], 1) for i in keep) > bm.num_free:
+            return None
+        if len(keep) < len(seqs):
+            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            seqs = [seqs[i] for i in keep]
+        for s in seqs:
+            bm.reserve(s, 1)
+        self.runner.copy_blocks(bm.pending_copies)
+        bm.pending_copies.clear()
+        logits, seqs = self.runner.decode(seqs, bm.block_size, ids=tokens)
+        return seqs, logits
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         # never inference tensors, even when called from Lightning's validation loop: a kept pool is
@@ -100,12 +132,17 @@ class LLMEngine:
         device = self.runner.device
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item())
         done: dict[int, Sequence] = {}
-        steps = 0
+        steps = lookahead_steps = 0
+        ahead = None  # (sequences, logits) of a decode step launched before the host saw the previous tokens
         while not scheduler.is_finished():
-            batch = scheduler.schedule()
-            self.runner.copy_blocks(bm.pending_copies)
-            bm.pending_copies.clear()
-            logits, seqs = self.runner.run(batch, bm)
+            if ahead is not None:
+                (seqs, logits), ahead, decode_only = ahead, None, True
+            else:
+                batch = scheduler.schedule()
+                decode_only = all(n == 1 for _, n in batch) and all(s.pending_forks == 0 for s, _ in batch)
+                self.runner.copy_blocks(bm.pending_copies)
+                bm.pending_copies.clear()
+                logits, seqs = self.runner.run(batch, bm)
             steps += 1
             if not seqs:
                 continue
@@ -127,6 +164,12 @@ class LLMEngine:
                 logits = logits[torch.tensor(rows, device=device)]
             tokens, logprobs = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                       seeds=seeds)
+            tokens, logprobs, ready = to_host(tokens, logprobs)
+            if decode_only and not scheduler.waiting and self.config.lookahead:
+                ahead = self._launch_ahead(owners, tokens, bm)  # the GPU computes it while the host goes on
+                lookahead_steps += ahead is not None
+            if ready is not None:
+                ready.synchronize()
             for seq, tok, lp in zip(owners, tokens.tolist(), logprobs.tolist()):
                 seq.append(tok, lp)
                 if seq.finish_reason is None and stop_strings and stop_strings.hit(seq.completion_token_ids):
@@ -134,7 +177,10 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     scheduler.finish(seq)
                     done[seq.request_index] = seq
-        self.stats = {"steps": steps, "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks}
+            if ahead is not None and any(s.finish_reason for s in ahead[0]):  # their rows were computed for nothing
+                keep = [i for i, s in enumerate(ahead[0]) if s.finish_reason is None]
+                ahead = ([ahead[0][i] for i in keep], ahead[1][torch.tensor(keep, device=device)]) if keep else None
+        self.stats = {"steps": steps, "lookahead_steps": lookahead_steps, "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks}
         if bm.num_free != bm.num_blocks:
             raise AssertionError(f"{bm.num_blocks - bm.num_free} KV blocks leaked")
         ordered = [done[i] for i in range(len(prompt_token_ids))]

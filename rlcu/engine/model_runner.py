@@ -78,7 +78,7 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]], bm: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the scheduled tokens; return logits [n, vocab] for the sequences that now sample."""
         if all(n == 1 and seq.num_computed_tokens + 1 == len(seq) for seq, n in batch):  # not a 1-token chunk
-            return self._decode([seq for seq, _ in batch], bm.block_size)
+            return self.decode([seq for seq, _ in batch], bm.block_size)
         ids, positions, slots, cu, ctx, tables, last, sampling = [], [], [], [0], [], [], [], []
         for seq, n in batch:
             start = seq.num_computed_tokens
@@ -102,16 +102,19 @@ class ModelRunner:
             return hidden.new_empty(0, self.model.config.vocab_size), []
         return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]).float(), sampling
 
-    def _decode(self, seqs: list[Sequence], bs: int) -> tuple[torch.Tensor, list[Sequence]]:
-        """One new token per sequence: the hot loop of a rollout, kept to a few list comprehensions."""
+    def decode(self, seqs: list[Sequence], bs: int, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
+        """One new token per sequence: the hot loop of a rollout, kept to a few list comprehensions.
+        `ids` (on the device): the tokens to compute, when the host has not appended them yet (the
+        engine's look-ahead); by default each sequence's next uncomputed token."""
         positions = [s.num_computed_tokens for s in seqs]
-        ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         ctx = [p + 1 for p in positions]
         table = padded_table([s.block_table for s in seqs])
+        if ids is None:
+            ids = torch.tensor([s.token_ids[p] for s, p in zip(seqs, positions)])
         for s in seqs:
             s.num_computed_tokens += 1
-        ids_t, pos_t, slots_t = torch.tensor(ids), torch.tensor(positions), torch.tensor(slots)
+        ids_t, pos_t, slots_t = ids, torch.tensor(positions), torch.tensor(slots)
         ctx_t = torch.tensor(ctx, dtype=torch.int32)
         if self.graphs is not None and self.graphs.fits(len(seqs), table.shape[1]):
             return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table), seqs

@@ -151,3 +151,20 @@ def test_stop_strings_end_completions_in_both_backends(tmp_path):
     assert native.finish_reasons[1] == "stop" and cut == full[1][:len(cut)] and stop in tok.decode(cut)
     with pytest.raises(ValueError, match="stop strings need the tokenizer"):
         LLMEngine(model).generate(PROMPTS, sp)
+
+
+@pytest.mark.parametrize("config", [dict(), dict(num_blocks=12, max_num_seqs=8, max_num_batched_tokens=32)],
+                         ids=["roomy", "preempting"])
+def test_lookahead_changes_nothing(tmp_path, config):
+    """Launching decode step n+1 before the host has step n's tokens (`lookahead`) samples exactly what the
+    step-by-step loop samples, including sequences that stop while their next step is already running."""
+    model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
+    sp = SamplingParams(max_tokens=20, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=5)  # frequent stops
+    prompts = PROMPTS * 3
+    ahead = LLMEngine(model, EngineConfig(**config))
+    got = ahead.generate(prompts, sp)
+    want = LLMEngine(model, EngineConfig(lookahead=False, **config)).generate(prompts, sp)
+    assert got.completion_ids == want.completion_ids and got.finish_reasons == want.finish_reasons
+    assert max(abs(a - b) for x, y in zip(got.logprobs, want.logprobs) for a, b in zip(x, y)) < 1e-5
+    stopped_early = [len(c) < sp.max_tokens for c, r in zip(got.completion_ids, got.finish_reasons) if r == "stop"]
+    assert ahead.stats["lookahead_steps"] > 0 and sum(stopped_early) >= 3, (ahead.stats, got.finish_reasons)
