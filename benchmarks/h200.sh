@@ -14,7 +14,11 @@ case $part in
     log rollout64 rlcu bench rollout --sequences 64 --new_tokens 512
     log rollout512 rlcu bench rollout --sequences 512 --new_tokens 512
     log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4
-    log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 ;;
+    log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3
+    # the engine's look-ahead (off by default until these rows show it pays)
+    log rollout64la rlcu bench rollout --sequences 64 --new_tokens 512 --lookahead
+    log rollout512la rlcu bench rollout --sequences 512 --new_tokens 512 --lookahead
+    log step8x8la rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --lookahead ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
   hf) (cd "$peers" && log hf_generate python3 hf_generate.py) ;;

@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--dtype", default="bfloat16")
         s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         s.add_argument("--no_cuda_graphs", action="store_true")
+        s.add_argument("--lookahead", action="store_true", help="launch decode step n+1 before the host has step n's tokens")
         s.add_argument("--block_size", type=int, default=16)
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
@@ -106,7 +107,8 @@ def bench_rollout(args) -> dict:
     prompts = random_prompt_ids(n_prompts, args.prompt_len, model.config.vocab_size)
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
-                                           cuda_graphs=not args.no_cuda_graphs, release_memory=False))
+                                           cuda_graphs=not args.no_cuda_graphs, release_memory=False,
+                                           lookahead=args.lookahead))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
     runs = []
     for i in range(1 + args.repeats):
@@ -121,6 +123,7 @@ def bench_rollout(args) -> dict:
     best = min(runs[1:]) if args.repeats else runs[0]
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
+                lookahead=args.lookahead,
                 tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best), ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
 
@@ -140,7 +143,7 @@ def bench_step(args) -> dict:
     def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
         return [float(len(c)) for c in completions]
 
-    rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
+    rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs, lookahead=args.lookahead,
                             release_memory=not args.keep_memory, max_num_seqs=max(256, args.prompts * args.generations))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
@@ -175,6 +178,7 @@ def bench_step(args) -> dict:
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
+                lookahead=args.lookahead,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device))

@@ -20,6 +20,13 @@ from rlcu.rollout.stops import StopStrings
 log = logging.getLogger(__name__)
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 device tensor without waiting for the GPU: `torch.tensor(..., device=cuda)`
+    is a blocking copy, which first drains the stream, and with it a decode step launched ahead."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     """Start copying a step's samples to the host; returns (tokens, logprobs, event to wait on). On CUDA the
     copies go to pinned memory ahead of any later work, so that waiting for them does not wait for a
@@ -42,7 +49,9 @@ class EngineConfig:
     num_blocks: int | None = None  # a fixed pool size instead of what the requests need (capped as above)
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (GPU with Triton only)
     release_memory: bool = True  # free the pool (and graphs) after each generate(), for the training phase
-    lookahead: bool = True  # launch decode step n+1 on the GPU's tokens while the host finishes step n
+    # launch decode step n+1 on the GPU's tokens while the host finishes step n; off until measured on the
+    # H200 since its blocking copies were removed (docs/benchmarks.md, 2026-11-30)
+    lookahead: bool = False
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -83,13 +92,16 @@ class LLMEngine:
         so that the host's bookkeeping of this step overlaps the GPU's next step. Sequences that reach
         their length now are left out; one that samples a stop token is computed for nothing and dropped.
         Returns None (the caller schedules normally) when the step would need a block the pool lacks."""
-        keep = [i for i, s in enumerate(seqs) if s.num_completion_tokens + 1 < s.max_tokens]
-        if not keep or sum(bm.blocks_needed(seqs[i], 1) for i in keep) > bm.num_free:
+        keep = [i for i, s in enumerate(seqs) if len(s.token_ids) - s.num_prompt_tokens + 1 < s.max_tokens]
+        bs, refs = bm.block_size, bm.ref_counts
+        # as the scheduler: a token that fits in a tail block of its own needs nothing reserved
+        grow = [seqs[i] for i in keep if not (seqs[i].num_computed_tokens % bs and refs[seqs[i].block_table[-1]] == 1)]
+        if not keep or sum(bm.blocks_needed(s, 1) for s in grow) > bm.num_free:
             return None
         if len(keep) < len(seqs):
-            tokens = tokens[torch.tensor(keep, device=tokens.device)]
+            tokens = tokens[to_device(keep, tokens.device)]
             seqs = [seqs[i] for i in keep]
-        for s in seqs:
+        for s in grow:
             bm.reserve(s, 1)
         self.runner.copy_blocks(bm.pending_copies)
         bm.pending_copies.clear()
@@ -146,22 +158,24 @@ class LLMEngine:
             steps += 1
             if not seqs:
                 continue
-            rows, owners = [], []
-            for row, seq in enumerate(seqs):
-                family = [seq]
-                for k in range(seq.pending_forks):  # samples 2..G of a prompt share its blocks from here on
-                    child = bm.fork(seq)
-                    child.request_index = seq.request_index + 1 + k
-                    scheduler.running.append(child)
-                    family.append(child)
-                seq.pending_forks = 0
-                rows += [row] * len(family)
-                owners += family
+            owners, rows = seqs, None  # rows: which logits row each owner samples from, when forks share one
+            if not decode_only:  # a prefill that completes forks its prompt's other samples
+                owners, rows = [], []
+                for row, seq in enumerate(seqs):
+                    family = [seq]
+                    for k in range(seq.pending_forks):  # samples 2..G of a prompt share its blocks from here on
+                        child = bm.fork(seq)
+                        child.request_index = seq.request_index + 1 + k
+                        scheduler.running.append(child)
+                        family.append(child)
+                    seq.pending_forks = 0
+                    rows += [row] * len(family)
+                    owners += family
             # each draw is seeded by (run seed, request, token index): reproducible whatever the batching
-            seeds = torch.tensor([hash((base_seed, s.request_index, s.num_completion_tokens)) & (2**62 - 1)
-                                  for s in owners], device=device)
-            if rows != list(range(len(seqs))):
-                logits = logits[torch.tensor(rows, device=device)]
+            seeds = to_device([hash((base_seed, s.request_index, s.num_completion_tokens)) & (2**62 - 1)
+                               for s in owners], device)
+            if rows is not None and rows != list(range(len(seqs))):
+                logits = logits[to_device(rows, device)]
             tokens, logprobs = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                       seeds=seeds)
             tokens, logprobs, ready = to_host(tokens, logprobs)
@@ -179,7 +193,7 @@ class LLMEngine:
                     done[seq.request_index] = seq
             if ahead is not None and any(s.finish_reason for s in ahead[0]):  # their rows were computed for nothing
                 keep = [i for i, s in enumerate(ahead[0]) if s.finish_reason is None]
-                ahead = ([ahead[0][i] for i in keep], ahead[1][torch.tensor(keep, device=device)]) if keep else None
+                ahead = ([ahead[0][i] for i in keep], ahead[1][to_device(keep, device)]) if keep else None
         self.stats = {"steps": steps, "lookahead_steps": lookahead_steps, "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks}
         if bm.num_free != bm.num_blocks:
             raise AssertionError(f"{bm.num_blocks - bm.num_free} KV blocks leaked")

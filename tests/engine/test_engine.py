@@ -161,7 +161,7 @@ def test_lookahead_changes_nothing(tmp_path, config):
     model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
     sp = SamplingParams(max_tokens=20, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=5)  # frequent stops
     prompts = PROMPTS * 3
-    ahead = LLMEngine(model, EngineConfig(**config))
+    ahead = LLMEngine(model, EngineConfig(lookahead=True, **config))
     got = ahead.generate(prompts, sp)
     want = LLMEngine(model, EngineConfig(lookahead=False, **config)).generate(prompts, sp)
     assert got.completion_ids == want.completion_ids and got.finish_reasons == want.finish_reasons

@@ -76,7 +76,7 @@ def test_lookahead_with_cuda_graphs_matches_step_by_step(tmp_path):
     model.cuda()
     prompts = PROMPTS * 3
     sp = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=7)
-    ahead = LLMEngine(model, EngineConfig(cuda_graphs=True))
+    ahead = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=True))
     got = ahead.generate(prompts, sp)
     want = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=False)).generate(prompts, sp)
     assert ahead.stats["lookahead_steps"] > 0 and ahead.runner.graphs.graphs
