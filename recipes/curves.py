@@ -38,10 +38,12 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
 
     rlcu = read(args.metrics)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     steps, acc = series(rlcu, "step", "eval/accuracy")
-    axes[0].plot(steps, acc, marker="o", label="rlcu")
-    axes[0].set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="eval/accuracy")
+    fig, axes = plt.subplots(1, 3 if acc else 2, figsize=(15 if acc else 10, 4))  # a run without held-out evaluation: no panel
+    if acc:
+        axes[0].plot(steps, acc, marker="o", label="rlcu")
+        axes[0].set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="eval/accuracy")
+    axes = [None, *axes] if not acc else list(axes)
     runs = [("rlcu", rlcu, "timing/elapsed")]
     if args.trl:
         runs.append(("TRL", read(args.trl), "seconds"))
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
         axes[2].plot([s / 60 for s in seconds], smooth(reward), label=name)
     axes[1].set(xlabel="optimizer step", ylabel=args.reward, title="reward by step")
     axes[2].set(xlabel="minutes of training", ylabel=args.reward, title="reward by wall time")
-    for ax in axes:
+    for ax in axes[0 if acc else 1:]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
