@@ -90,6 +90,7 @@ def parser() -> argparse.ArgumentParser:
     # the defaults are the peer's (TRL's GRPOConfig checkpoints activations) and the library's (the pool is freed)
     s.add_argument("--no_gradient_checkpointing", action="store_true", help="keep activations: faster, more memory")
     s.add_argument("--keep_memory", action="store_true", help="keep the KV pool and CUDA graphs between rollouts")
+    s.add_argument("--packing", action="store_true", help="padding-free training forward (varlen flash attention)")
     return p
 
 
@@ -148,7 +149,7 @@ def bench_step(args) -> dict:
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
-                        gradient_checkpointing=not args.no_gradient_checkpointing)
+                        gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing)
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
 
@@ -178,7 +179,7 @@ def bench_step(args) -> dict:
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
-                lookahead=args.lookahead,
+                lookahead=args.lookahead, packing=args.packing,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device))

@@ -64,13 +64,31 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                        temperature: float = 1.0, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, chunk_tokens: int | None = None,
+                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, entropy), each [B, C]: log softmax(logits / temperature) of the last C tokens of each row,
     given everything before them. Dividing by the sampling temperature makes these comparable with the
-    sampler's logprobs (TRL does the same)."""
+    sampler's logprobs (TRL does the same). `packed`: the rows' real tokens run as one padding-free
+    sequence, and only real completion tokens go through the LM head (the padded slots are 0)."""
     c = num_completion_tokens
+    if packed:
+        return _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens)
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
     logps, ents = linear_logprobs(hidden.reshape(b * c, h), model.lm_head.weight, input_ids[:, -c:].reshape(b * c),
                                   temperature, chunk_tokens)
     return logps.view(b, c), ents.view(b, c)
+
+
+def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens):
+    mask = attention_mask.bool()
+    lengths = mask.sum(1)
+    cu = F.pad(lengths.cumsum(0), (1, 0))
+    flat = input_ids[mask]  # row by row, so each row's tokens stay together and in order
+    offset = mask.long().cumsum(1) - 1  # a real token's position within its row
+    hidden = model.forward_packed(flat[None], offset[mask][None], cu, int(lengths.max()))[0]
+    real = mask[:, -c:]  # the completion slots that hold a token
+    target = (cu[:-1, None] + offset[:, -c:])[real]  # where each completion token sits in the packed row
+    logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens)
+    zeros = logps.new_zeros(real.shape)
+    return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)

@@ -85,6 +85,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         max_grad_norm: float | None = 1.0,
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
+        packing: bool = False,
         seed: int = 0,
         eval_num_samples: int = 4,
         accuracy_reward: str | None = None,
@@ -352,7 +353,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         dev = self.device
         ids, mask = b["input_ids"][rows].to(dev), b["attention_mask"][rows].to(dev)
         with torch.set_grad_enabled(grad):
-            return completion_logprobs(model, ids, mask, b["loss_mask"].shape[1], self.hparams.temperature)
+            return completion_logprobs(model, ids, mask, b["loss_mask"].shape[1], self.hparams.temperature,
+                                       packed=self.hparams.packing)
 
     def _update(self, b: dict, keep: torch.Tensor) -> dict[str, float]:
         hp = self.hparams

@@ -55,6 +55,56 @@ class PaddedAttention:
         return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.mask)
 
 
+class PackedAttention:
+    """Padding-free training: the batch's sequences one after another in a single row ([1, T]), each
+    attending causally within itself. `cu_seqlens` [n + 1] (int32) marks where each starts. On CUDA in
+    bf16/fp16 this is variable-length flash attention (`torch.nn.attention.varlen`, forward and
+    backward); elsewhere SDPA with a block-diagonal causal mask (the CPU and fp32 path)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_len: int):
+        self.cu, self.max_len = cu_seqlens.to(torch.int32), max_len
+        self._mask = None
+
+    def __call__(self, layer_idx, q, k, v, cos, sin):
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None:
+            return _varlen()(q[0], k[0], v[0], self.cu, self.max_len)[None]
+        if self._mask is None:
+            t = q.shape[1]
+            segment = torch.repeat_interleave(torch.arange(len(self.cu) - 1, device=q.device),
+                                              (self.cu[1:] - self.cu[:-1]).long(), output_size=t)
+            pos = torch.arange(t, device=q.device)
+            self._mask = ((segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
+        return sdpa(q, k, v, self._mask)
+
+
+_VARLEN: list = []
+
+
+def _varlen():
+    """torch's variable-length flash attention as f(q, k, v, cu_seqlens, max_len) (causal, GQA), or None
+    where this torch has none. Its keyword for causality changed between releases."""
+    if not _VARLEN:
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN.append(None)
+            return None
+        params = inspect.signature(varlen_attn).parameters
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        gqa = "enable_gqa" in params
+
+        def attend(q, k, v, cu, max_len):
+            if not gqa and k.shape[1] != q.shape[1]:
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **({"enable_gqa": True} if gqa else {}))
+
+        _VARLEN.append(attend)
+    return _VARLEN[0]
+
+
 class DenseKVCache:
     """A contiguous per-layer KV cache for a left-padded batch that advances in lockstep."""
 

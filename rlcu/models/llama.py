@@ -13,7 +13,7 @@ from torch import nn
 
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.silu_mul import silu_mul
-from rlcu.models.attention import AttentionContext, PaddedAttention
+from rlcu.models.attention import AttentionContext, PackedAttention, PaddedAttention
 from rlcu.models.config import ModelConfig
 from rlcu.models.fused_linear import FusedLinear
 
@@ -150,6 +150,12 @@ class CausalLM(nn.Module):
         """Hidden states of a padded batch; positions count only the real tokens of each row."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return self(input_ids, position_ids, PaddedAttention(attention_mask))  # __call__: FSDP's hooks run
+
+    def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       max_len: int) -> torch.Tensor:
+        """Hidden states [1, T, H] of several sequences packed into one row (no padding); positions restart
+        at 0 at each `cu_seqlens` boundary."""
+        return self(input_ids, position_ids, PackedAttention(cu_seqlens, max_len))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is None:

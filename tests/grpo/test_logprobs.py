@@ -54,3 +54,33 @@ def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast):
                       (h.grad, h64.grad), (w.grad, w64.grad)):
         err = (ours.double() - ref.detach()).abs().max() / ref.abs().max()
         assert err < tol, f"max relative error {err:.2e} over {tol:.0e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_logprobs_equal_padded_with_gradients(tmp_path, family):
+    """Padding-free packing: prompts left-padded and completions right-padded to different lengths run as
+    one sequence; the real completion tokens' logprobs, entropies and the gradients they give match the
+    padded forward's, and padded slots are 0."""
+    model, _ = load_model(tiny_hf_folder(tmp_path, family))
+    model.double()
+    g = torch.Generator().manual_seed(1)
+    prompts, completions = [3, 7, 1, 5], [4, 1, 6, 2]
+    p, c = max(prompts), max(completions)
+    ids = torch.randint(0, 62, (4, p + c), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (n, m) in enumerate(zip(prompts, completions)):
+        mask[i, p - n:p + m] = 1
+    real = mask[:, -c:].bool()
+    upstream = torch.randn(4, c, dtype=torch.float64, generator=g) * real
+    grads = []
+    for packed in (False, True):
+        model.zero_grad()
+        logps, ent = completion_logprobs(model, ids, mask, c, 0.8, chunk_tokens=3, packed=packed)
+        (logps * upstream).sum().backward()
+        grads.append([q.grad.clone() for q in model.parameters()])
+        if packed:
+            assert torch.allclose(logps[real], padded[0][real], atol=1e-10)
+            assert torch.allclose(ent[real], padded[1][real], atol=1e-10)
+            assert not logps[~real].any() and not ent[~real].any()
+        padded = (logps.detach(), ent)
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(*grads))
