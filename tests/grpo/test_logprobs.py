@@ -72,15 +72,15 @@ def test_packed_logprobs_equal_padded_with_gradients(tmp_path, family):
         mask[i, p - n:p + m] = 1
     real = mask[:, -c:].bool()
     upstream = torch.randn(4, c, dtype=torch.float64, generator=g) * real
-    grads = []
+    results, grads = [], []
     for packed in (False, True):
         model.zero_grad()
         logps, ent = completion_logprobs(model, ids, mask, c, 0.8, chunk_tokens=3, packed=packed)
         (logps * upstream).sum().backward()
+        results.append((logps.detach(), ent))
         grads.append([q.grad.clone() for q in model.parameters()])
-        if packed:
-            assert torch.allclose(logps[real], padded[0][real], atol=1e-10)
-            assert torch.allclose(ent[real], padded[1][real], atol=1e-10)
-            assert not logps[~real].any() and not ent[~real].any()
-        padded = (logps.detach(), ent)
+    (padded_lp, padded_ent), (packed_lp, packed_ent) = results
+    assert torch.allclose(packed_lp[real], padded_lp[real], atol=1e-10)
+    assert torch.allclose(packed_ent[real], padded_ent[real], atol=1e-10)
+    assert not packed_lp[~real].any() and not packed_ent[~real].any()
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(*grads))
