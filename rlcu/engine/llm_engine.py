@@ -178,9 +178,10 @@ class LLMEngine:
                 logits = logits[to_device(rows, device)]
             tokens, logprobs = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                       seeds=seeds)
-            tokens, logprobs, ready = to_host(tokens, logprobs)
+            on_device = tokens
+            tokens, logprobs, ready = to_host(tokens, logprobs)  # on CUDA: not yet written until `ready`
             if decode_only and not scheduler.waiting and self.config.lookahead:
-                ahead = self._launch_ahead(owners, tokens, bm)  # the GPU computes it while the host goes on
+                ahead = self._launch_ahead(owners, on_device, bm)  # the GPU computes it while the host goes on
                 lookahead_steps += ahead is not None
             if ready is not None:
                 ready.synchronize()

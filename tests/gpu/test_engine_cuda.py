@@ -69,16 +69,19 @@ def test_cuda_graph_decode_matches_eager(tmp_path, release_memory):
     assert (engine.runner is None) == release_memory
 
 
-def test_lookahead_with_cuda_graphs_matches_step_by_step(tmp_path):
+@pytest.mark.parametrize("max_num_seqs", [256, 8], ids=["all-at-once", "staggered"])
+def test_lookahead_with_cuda_graphs_matches_step_by_step(tmp_path, max_num_seqs):
     """Decode step n+1 launched (as a graph) on the GPU's tokens before the host copied them out: the
-    host waits on the pinned copies only, and sequences that stop meanwhile are dropped."""
+    host waits on the pinned copies only, and sequences that stop meanwhile are dropped. Staggered: 8
+    running at a time, so sequences reach their length at different steps and the look-ahead keeps a
+    subset of the rows."""
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=128, heads=8, kv_heads=2, head_dim=32))
     model.cuda()
     prompts = PROMPTS * 3
     sp = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=7)
-    ahead = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=True))
+    ahead = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=True, max_num_seqs=max_num_seqs))
     got = ahead.generate(prompts, sp)
-    want = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=False)).generate(prompts, sp)
+    want = LLMEngine(model, EngineConfig(cuda_graphs=True, max_num_seqs=max_num_seqs)).generate(prompts, sp)
     assert ahead.stats["lookahead_steps"] > 0 and ahead.runner.graphs.graphs
     # rows computed for sequences that stopped change a step's graph bucket, and with it cuBLAS's
     # summation order: a near-tie may flip one draw
