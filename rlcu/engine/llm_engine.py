@@ -151,10 +151,10 @@ class LLMEngine:
                 (seqs, logits), ahead, decode_only = ahead, None, True
             else:
                 batch = scheduler.schedule()
-                decode_only = all(n == 1 for _, n in batch) and all(s.pending_forks == 0 for s, _ in batch)
+                decode_only = not scheduler.prefilled  # no prefill chunk, so no fork either
                 self.runner.copy_blocks(bm.pending_copies)
                 bm.pending_copies.clear()
-                logits, seqs = self.runner.run(batch, bm)
+                logits, seqs = self.runner.run(batch, bm, decode_only)
             steps += 1
             if not seqs:
                 continue

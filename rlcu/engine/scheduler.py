@@ -19,6 +19,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefilled = False  # whether the last schedule() included a prefill chunk (else: decodes only)
 
     def add(self, seq: Sequence) -> None:
         worst = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.bm.block_size)
@@ -46,6 +47,7 @@ class Scheduler:
         """(sequence, tokens to compute this step), decodes first."""
         batch: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
+        self.prefilled = False
         bs, refs = self.bm.block_size, self.bm.ref_counts
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
@@ -71,6 +73,7 @@ class Scheduler:
             self.bm.reserve(seq, chunk)
             batch.append((seq, chunk))
             budget -= chunk
+            self.prefilled = True
             if chunk == seq.num_uncomputed_tokens:  # prefill completes: it samples this step and then decodes
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
