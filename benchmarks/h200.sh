@@ -2,8 +2,8 @@
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
 # PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8), trl8 / trl32 (TRL's GRPO step),
-# hf (transformers generate), ddp (the countdown recipe, 40 steps on one GPU then two under DDP; needs the
-# SmolLM2 weights, RLCU_SMOLLM2_GGUF). PEERS_DIR holds ../shared/peers (default .peers).
+# hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
+# the SmolLM2 weights, RLCU_SMOLLM2_GGUF). PEERS_DIR holds ../shared/peers (default .peers).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
 mkdir -p "$out"
@@ -25,12 +25,16 @@ case $part in
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
   hf) (cd "$peers" && log hf_generate python3 hf_generate.py) ;;
   ddp)
+    # the countdown recipe on one GPU, under DDP on two, under FSDP on two (docs/benchmarks.md's DDP/FSDP table)
     out=$(cd "$out" && pwd); root=$PWD
-    for n in 1 2; do
-      mkdir -p "$out/ddp$n" && (cd "$out/ddp$n" && log ddp$n python3 -m rlcu.cli run countdown --trainer.devices=$n \
-        --trainer.strategy=ddp --trainer.max_steps=40 --trainer.limit_val_batches=0 --model.eval_at_start=false)
+    common="--trainer.limit_val_batches=0 --model.eval_at_start=false"
+    for run in "one 1 auto 40" "ddp 2 ddp 40" "fsdp 2 fsdp2 15"; do
+      set -- $run
+      mkdir -p "$out/$1" && (cd "$out/$1" && log $1 python3 -m rlcu.cli run countdown --trainer.devices=$2 \
+        --trainer.strategy=$3 --trainer.max_steps=$4 $common)
     done
-    python3 "$root/benchmarks/ddp_throughput.py" "$out/ddp1/runs/countdown/version_0/metrics.csv:1" \
-      "$out/ddp2/runs/countdown/version_0/metrics.csv:2" ;;
+    python3 "$root/benchmarks/ddp_throughput.py" "$out/one/runs/countdown/version_0/metrics.csv:1" \
+      "$out/ddp/runs/countdown/version_0/metrics.csv:2"
+    python3 "$root/benchmarks/ddp_throughput.py" "$out/fsdp/runs/countdown/version_0/metrics.csv:2" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
