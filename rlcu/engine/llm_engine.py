@@ -133,7 +133,7 @@ class LLMEngine:
             # a kept pool's CUDA graphs read the parameters at their captured addresses: parameters that
             # moved (FSDP gathers them anew for each rollout; a user's model.to()) need new graphs
             self.runner = None  # the old pool goes before the new one is taken
-            # FSDP's hooks run inside each layer's forward and cannot be captured in a graph: eager steps
+            # a sharded model decodes eagerly: graphs of its gathered parameters are not yet tested on a GPU
             graphs = self.config.cuda_graphs and not is_sharded(self.model)
             self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs, graphs)
             self.runner.param_addresses = addresses
