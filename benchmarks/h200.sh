@@ -15,10 +15,8 @@ case $part in
     log rollout512 rlcu bench rollout --sequences 512 --new_tokens 512
     log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4
     log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3
-    # the engine's look-ahead (off by default until these rows show it pays)
-    log rollout64la rlcu bench rollout --sequences 64 --new_tokens 512 --lookahead
-    log rollout512la rlcu bench rollout --sequences 512 --new_tokens 512 --lookahead
-    log step8x8la rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --lookahead
+    # without the engine's look-ahead, for its share
+    log rollout512nola rlcu bench rollout --sequences 512 --new_tokens 512 --no_lookahead
     # padding-free training (off by default until this row and the GPU tests show it works and pays)
     log step8x8pack rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --packing ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;

@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--dtype", default="bfloat16")
         s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         s.add_argument("--no_cuda_graphs", action="store_true")
-        s.add_argument("--lookahead", action="store_true", help="launch decode step n+1 before the host has step n's tokens")
+        s.add_argument("--no_lookahead", dest="lookahead", action="store_false",
+                       help="wait for each decode step's tokens on the host before launching the next")
         s.add_argument("--block_size", type=int, default=16)
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)

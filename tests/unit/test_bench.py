@@ -12,14 +12,14 @@ def last_json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("lookahead", [[], ["--lookahead"]])
+@pytest.mark.parametrize("lookahead", [[], ["--no_lookahead"]])
 def test_bench_rollout_generates_full_length(tmp_path, capsys, lookahead):
     folder = tiny_hf_folder(tmp_path, "qwen3")
     main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "6",
           "--generations", "3", "--prompt_len", "5", "--new_tokens", "7", "--repeats", "1", *lookahead])
     out = last_json(capsys)
     assert out["bench"] == "rollout" and out["sequences"] == 6 and out["tok_per_s"] > 0
-    assert out["lookahead"] == bool(lookahead)
+    assert out["lookahead"] == (not lookahead)
     assert out["tokens"] == 6 * 7  # no early stop
 
 
