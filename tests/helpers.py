@@ -94,3 +94,17 @@ def fit(module, rows, steps: int, log_dir, batch_size: int = 4, max_epochs: int 
     assert trainer.strategy.root_device.type == ("cuda" if accelerator == "gpu" else "cpu")
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
         return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+
+
+def grpo_batch(prompt_lengths: list[int], completion_lengths: list[int], seed: int = 0, vocab: int = 62):
+    """Random ids laid out as the GRPO module lays a batch out: prompts left-padded, completions
+    right-padded. Returns (ids, attention mask, number of completion columns)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    p, c = max(prompt_lengths), max(completion_lengths)
+    ids = torch.randint(0, vocab, (len(prompt_lengths), p + c), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (n, m) in enumerate(zip(prompt_lengths, completion_lengths)):
+        mask[i, p - n:p + m] = 1
+    return ids, mask, c

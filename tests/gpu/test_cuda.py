@@ -4,7 +4,7 @@ import torch
 
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
-from tests.helpers import fit, tiny_hf_folder
+from tests.helpers import fit, grpo_batch, tiny_hf_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -81,13 +81,7 @@ def test_packed_varlen_flash_matches_padded_in_bf16(tmp_path, autocast):
         pytest.skip("this torch has no torch.nn.attention.varlen: packing uses SDPA with a block-diagonal mask")
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=128, heads=8, kv_heads=2, head_dim=64))
     model.to("cuda", torch.float32 if autocast else torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    prompts, completions = [9, 30, 4, 17], [12, 3, 20, 7]
-    p, c = max(prompts), max(completions)
-    ids = torch.randint(0, 62, (4, p + c), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, (n, m) in enumerate(zip(prompts, completions)):
-        mask[i, p - n:p + m] = 1
+    ids, mask, c = grpo_batch([9, 30, 4, 17], [12, 3, 20, 7])
     ids, mask = ids.cuda(), mask.cuda()
     real = mask[:, -c:].bool()
     out = []

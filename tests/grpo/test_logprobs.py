@@ -3,7 +3,7 @@ import torch
 
 from rlcu.grpo.logprobs import completion_logprobs, linear_logprobs
 from rlcu.models import load_model
-from tests.helpers import tiny_hf_folder
+from tests.helpers import grpo_batch, tiny_hf_folder
 
 
 def test_chunked_logprobs_equal_full_log_softmax_with_gradients(tmp_path):
@@ -63,15 +63,9 @@ def test_packed_logprobs_equal_padded_with_gradients(tmp_path, family):
     padded forward's, and padded slots are 0."""
     model, _ = load_model(tiny_hf_folder(tmp_path, family))
     model.double()
-    g = torch.Generator().manual_seed(1)
-    prompts, completions = [3, 7, 1, 5], [4, 1, 6, 2]
-    p, c = max(prompts), max(completions)
-    ids = torch.randint(0, 62, (4, p + c), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, (n, m) in enumerate(zip(prompts, completions)):
-        mask[i, p - n:p + m] = 1
+    ids, mask, c = grpo_batch([3, 7, 1, 5], [4, 1, 6, 2], seed=1)
     real = mask[:, -c:].bool()
-    upstream = torch.randn(4, c, dtype=torch.float64, generator=g) * real
+    upstream = torch.randn(4, c, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * real
     results, grads = [], []
     for packed in (False, True):
         model.zero_grad()
