@@ -24,6 +24,10 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.free)
 
+    def tail_has_room(self, seq: Sequence) -> bool:
+        """The next token fits in a tail block that `seq` alone holds: a decode step reserves nothing."""
+        return bool(seq.num_computed_tokens % self.block_size) and self.ref_counts[seq.block_table[-1]] == 1
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks to hold `num_tokens` more tokens of `seq` (counting a copy-on-write)."""
         total = -(-(seq.num_computed_tokens + num_tokens) // self.block_size)

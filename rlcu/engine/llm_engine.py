@@ -93,9 +93,7 @@ class LLMEngine:
         their length now are left out; one that samples a stop token is computed for nothing and dropped.
         Returns None (the caller schedules normally) when the step would need a block the pool lacks."""
         keep = [i for i, s in enumerate(seqs) if len(s.token_ids) - s.num_prompt_tokens + 1 < s.max_tokens]
-        bs, refs = bm.block_size, bm.ref_counts
-        # as the scheduler: a token that fits in a tail block of its own needs nothing reserved
-        grow = [seqs[i] for i in keep if not (seqs[i].num_computed_tokens % bs and refs[seqs[i].block_table[-1]] == 1)]
+        grow = [seqs[i] for i in keep if not bm.tail_has_room(seqs[i])]
         if not keep or sum(bm.blocks_needed(s, 1) for s in grow) > bm.num_free:
             return None
         if len(keep) < len(seqs):

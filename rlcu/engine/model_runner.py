@@ -76,11 +76,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]], bm: BlockManager,
-            decode_only: bool | None = None) -> tuple[torch.Tensor, list[Sequence]]:
+            decode_only: bool) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the scheduled tokens; return logits [n, vocab] for the sequences that now sample.
-        `decode_only`: the scheduler's word that no prefill chunk is in the batch (else checked here)."""
-        if decode_only is None:
-            decode_only = all(n == 1 and seq.num_computed_tokens + 1 == len(seq) for seq, n in batch)
+        `decode_only`: the scheduler's word that no prefill chunk is in the batch."""
         if decode_only:
             return self.decode([seq for seq, _ in batch], bm.block_size)
         ids, positions, slots, cu, ctx, tables, last, sampling = [], [], [], [0], [], [], [], []

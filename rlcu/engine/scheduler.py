@@ -48,12 +48,11 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
         self.prefilled = False
-        bs, refs = self.bm.block_size, self.bm.ref_counts
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
-            if seq.num_computed_tokens % bs and refs[seq.block_table[-1]] == 1:
-                batch.append((seq, 1))  # the next token fits in its own tail block: nothing to reserve
+            if self.bm.tail_has_room(seq):
+                batch.append((seq, 1))  # nothing to reserve
                 budget -= 1
                 continue
             while self.bm.blocks_needed(seq, 1) > self.bm.num_free:

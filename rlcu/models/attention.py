@@ -3,6 +3,8 @@ training uses `PaddedAttention`, the reference rollout `DenseCacheAttention`, an
 attention, all on the same modules and parameters."""
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Protocol
 
 import torch
@@ -78,31 +80,24 @@ class PackedAttention:
         return sdpa(q, k, v, self._mask)
 
 
-_VARLEN: list = []
-
-
+@functools.cache
 def _varlen():
     """torch's variable-length flash attention as f(q, k, v, cu_seqlens, max_len) (causal, GQA), or None
     where this torch has none. Its keyword for causality changed between releases."""
-    if not _VARLEN:
-        try:
-            import inspect
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
 
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:
-            _VARLEN.append(None)
-            return None
-        params = inspect.signature(varlen_attn).parameters
-        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-        gqa = "enable_gqa" in params
+    def attend(q, k, v, cu, max_len):
+        if not gqa and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **gqa)
 
-        def attend(q, k, v, cu, max_len):
-            if not gqa and k.shape[1] != q.shape[1]:
-                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-            return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **({"enable_gqa": True} if gqa else {}))
-
-        _VARLEN.append(attend)
-    return _VARLEN[0]
+    return attend
 
 
 class DenseKVCache:
