@@ -92,6 +92,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no_gradient_checkpointing", action="store_true", help="keep activations: faster, more memory")
     s.add_argument("--keep_memory", action="store_true", help="keep the KV pool and CUDA graphs between rollouts")
     s.add_argument("--packing", action="store_true", help="padding-free training forward (varlen flash attention)")
+    s.add_argument("--profile", metavar="DIR", help="profile the last step: GPU time by phase and kernel, DIR/trace.json")
     return p
 
 
@@ -136,6 +137,7 @@ def bench_step(args) -> dict:
 
     from rlcu.data.prompts import collate_rows
     from rlcu.grpo.module import GRPOModule
+    from rlcu.profiling import phase_kernels, print_phase_kernels, profiler
     from rlcu.rollout.native import NativeRollout
 
     model, tok = build_model(args.model, args.device, args.dtype)
@@ -153,9 +155,12 @@ def bench_step(args) -> dict:
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing)
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
+    profile: dict = {}
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if args.profile and batch_idx == args.steps - 1:
+                self.prof = profiler(args.profile).__enter__()
             _sync(args.device)
             self.start = time.perf_counter()
 
@@ -169,6 +174,13 @@ def bench_step(args) -> dict:
                     steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
             print(f"  step {batch_idx}: {steps[-1]['total']:.2f} s (generate {steps[-1]['generate']:.2f}, score "
                   f"{steps[-1]['score']:.2f}, train {steps[-1]['train']:.2f})", file=sys.stderr)
+            if getattr(self, "prof", None) is not None:
+                self.prof.__exit__(None, None, None)
+                phases = phase_kernels(self.prof)
+                print_phase_kernels(phases, file=sys.stderr)
+                self.prof.export_chrome_trace(f"{args.profile}/trace.json")
+                profile.update({k: dict(wall_ms=round(v["wall_ms"]), busy_ms=round(v["busy_ms"])) for k, v in phases.items()})
+                self.prof = None
 
     trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if args.device.startswith("cuda") else "cpu",
                         devices=1, precision="32-true", logger=False, enable_checkpointing=False,
@@ -183,7 +195,7 @@ def bench_step(args) -> dict:
                 lookahead=args.lookahead, packing=args.packing,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
-                device=_device_name(args.device))
+                device=_device_name(args.device), **({"profile": profile} if profile else {}))
 
 
 def _sync(device: str) -> None:

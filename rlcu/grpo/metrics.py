@@ -35,20 +35,22 @@ def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[s
 
 
 class LossStats:
-    """Token-weighted means over all micro-batches of an update, as TRL reduces them."""
+    """Token-weighted means over all micro-batches of an update, as TRL reduces them. The sums stay on
+    the device until `result()`, so that micro-batches queue on the GPU without waiting for the host."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, float] = {}
-        self.low_min, self.high_max = float("inf"), float("-inf")
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+        self.low_min: torch.Tensor | None = None
+        self.high_max: torch.Tensor | None = None
 
     def _add(self, key: str, x: torch.Tensor, mask: torch.Tensor):
         if x.shape[1] == 1:  # sequence-level (GSPO): one value per sequence
-            s, c = x.sum(), torch.tensor(float(x.shape[0]))
+            s, c = x.sum(), x.new_tensor(float(x.shape[0]))
         else:
             s, c = (x * mask).sum(), mask.sum()
-        self.sums[key] = self.sums.get(key, 0.0) + float(s)
-        self.counts[key] = self.counts.get(key, 0.0) + float(c)
+        self.sums[key] = self.sums[key] + s if key in self.sums else s
+        self.counts[key] = self.counts[key] + c if key in self.counts else c
 
     def add(self, mask, entropy, kl, low, high, region):
         with torch.no_grad():
@@ -60,13 +62,14 @@ class LossStats:
                            ("clip_ratio/region_mean", region)):
                 self._add(key, x.float(), mask)
             seq = lambda x: x.float().squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            self.low_min = min(self.low_min, float(seq(low).min()))
-            self.high_max = max(self.high_max, float(seq(high).max()))
+            low_min, high_max = seq(low).min(), seq(high).max()
+            self.low_min = low_min if self.low_min is None else torch.minimum(self.low_min, low_min)
+            self.high_max = high_max if self.high_max is None else torch.maximum(self.high_max, high_max)
 
     def result(self) -> dict[str, float]:
-        out = {k: self.sums[k] / max(self.counts[k], 1.0) for k in self.sums}
+        out = {k: float(self.sums[k]) / max(float(self.counts[k]), 1.0) for k in self.sums}
         if self.sums:
-            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = self.low_min, self.high_max
+            out["clip_ratio/low_min"], out["clip_ratio/high_max"] = float(self.low_min), float(self.high_max)
         return out
 
 

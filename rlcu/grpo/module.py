@@ -17,6 +17,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
@@ -232,12 +233,14 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         self._peak_memory_gb()  # starts the generate phase's window
         prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
         sampling = self._sampling(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
-        rollout = self._generate([ids for ids in prompt_ids for _ in range(g)], sampling)
+        with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
+            rollout = self._generate([ids for ids in prompt_ids for _ in range(g)], sampling)
         t1 = self._now()
         memory = {"memory/generate_GB": self._peak_memory_gb()}
 
         try:
-            rewards_per_func, completions = self._score(rows, rollout)
+            with record_function("rlcu/score"):
+                rewards_per_func, completions = self._score(rows, rollout)
         except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
             self._log_metrics(self._fault(str(e)))
             return None
@@ -258,7 +261,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             batch_t["loss_mask"][~keep] = 0
             kept = self.trainer.strategy.reduce(keep.sum().to(self.device), reduce_op="sum")
             keep = torch.full_like(keep, bool(kept > 0))
-        metrics.update(self._update(batch_t, keep) if keep.any() else self._skip())
+        with record_function("rlcu/train"):
+            metrics.update(self._update(batch_t, keep) if keep.any() else self._skip())
         t3 = self._now()
         memory["memory/train_GB"] = self._peak_memory_gb()  # scoring and training
         metrics.update({k: v for k, v in memory.items() if v is not None})
@@ -350,8 +354,12 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         return list(idx.split(self.hparams.micro_batch_size))
 
     def _logps(self, model, b: dict, rows: torch.Tensor, grad: bool):
+        """b holds host tensors: the copies are queued without waiting for the GPU (a blocking copy would
+        synchronise the stream at every micro-batch), and padding is detected on the host."""
         dev = self.device
-        ids, mask = b["input_ids"][rows].to(dev), b["attention_mask"][rows].to(dev)
+        ids, mask = b["input_ids"][rows], b["attention_mask"][rows]
+        padded = self.hparams.packing or not bool(mask.all())
+        ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True) if padded else None
         with torch.set_grad_enabled(grad):
             return completion_logprobs(model, ids, mask, b["loss_mask"].shape[1], self.hparams.temperature,
                                        packed=self.hparams.packing)
@@ -363,7 +371,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         mbs = self._micro_batches(idx)
         old = ref = None
         if hp.num_iterations > 1 and hp.old_logprobs == "engine":
-            old = b["sampler_logps"][idx].to(self.device)
+            old = b["sampler_logps"][idx].to(self.device, non_blocking=True)
         elif hp.num_iterations > 1:  # the policy moves between iterations: freeze the sampling-time logprobs
             old = torch.cat([self._logps(self.policy, b, r, grad=False)[0] for r in mbs])
         if self.ref_model is not None:
@@ -375,26 +383,26 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             loss_items = self.trainer.strategy.reduce(num_items.to(self.device), reduce_op="sum").cpu() / world
         opt, sched = self.optimizers(), self.lr_schedulers()
         stats, losses, grad_norms = LossStats(), [], []
-        gap_sum, gap_max = 0.0, 0.0
+        gap_sum = gap_max = torch.zeros((), device=self.device)  # device-side: no host wait per micro-batch
         for it in range(hp.num_iterations):
             opt.zero_grad()
-            total = 0.0
+            total = torch.zeros((), device=self.device)
             start = 0
             for rows in mbs:
                 sl = slice(start, start + len(rows))
                 start += len(rows)
                 logps, entropy = self._logps(self.policy, b, rows, grad=True)
-                mask = b["loss_mask"][rows].to(self.device).float()
-                adv = b["advantages"][rows].to(self.device)
+                mask = b["loss_mask"][rows].to(self.device, non_blocking=True).float()
+                adv = b["advantages"][rows].to(self.device, non_blocking=True)
                 old_lp = old[sl] if old is not None else logps.detach()
                 ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
                                                   hp.importance_sampling_level, ref[sl] if ref is not None else None, hp.beta)
                 loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), loss_items)
                 self.manual_backward(loss)
-                total += float(loss.detach())
+                total += loss.detach()
                 if it == 0:  # sampler vs trainer logprobs of the same tokens under the same weights
-                    gap = (logps.detach() - b["sampler_logps"][rows].to(self.device)).abs() * mask
-                    gap_sum, gap_max = gap_sum + float(gap.sum()), max(gap_max, float(gap.max()))
+                    gap = (logps.detach() - b["sampler_logps"][rows].to(self.device, non_blocking=True)).abs() * mask
+                    gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
                 stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
             if isinstance(opt.optimizer, MasterWeightAdamW):
                 opt.optimizer.load_grads()  # clip and measure the fp32 copies
@@ -414,12 +422,12 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             opt.zero_grad()  # the fp32 gradients would otherwise sit through the next rollout
             sched.step()
             self.rollout.on_weights_updated()
-            losses.append(total)
+            losses.append(float(total))
         out = stats.result()
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
                    learning_rate=sched.get_last_lr()[0])
-        out["logprob_mismatch/mean"] = gap_sum / max(float(num_items), 1.0)
-        out["logprob_mismatch/max"] = gap_max
+        out["logprob_mismatch/mean"] = float(gap_sum) / max(float(num_items), 1.0)
+        out["logprob_mismatch/max"] = float(gap_max)
         self._consecutive_faults = 0
         out["faults/skipped_updates"] = float(self._num_faults)
         return out

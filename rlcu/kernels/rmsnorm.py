@@ -1,5 +1,9 @@
 """RMSNorm with an optional fused residual add: out = weight * norm(x + residual), also returning
-x + residual (the next residual stream), rounded at the same points as the unfused PyTorch code."""
+x + residual (the next residual stream), rounded at the same points as the unfused PyTorch code.
+
+Forward and backward are Triton kernels, so training runs them too (the unfused PyTorch form is eight
+elementwise passes over fp32 copies each way). Rows are addressed as [M, H, N] with any strides for M
+and H, so per-head norms (Qwen3's q/k norm) read straight from the fused q/k/v projection without a copy."""
 from __future__ import annotations
 
 import torch
@@ -19,37 +23,133 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
 
 if HAS_TRITON:
     @triton.jit
-    def _rms_norm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, eps, N: tl.constexpr,
-                         N_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        row = tl.program_id(0)
+    def _row_offsets(rows, H, stride_m, stride_h):
+        return (rows // H) * stride_m + (rows % H) * stride_h
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, eps, N: tl.constexpr,
+                         N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         STORE_RSTD: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, N_PAD)
-        mask = cols < N
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+        dense = rows[:, None] * N + cols[None, :]  # OUT, RES_OUT: contiguous [rows, N]
+        x = tl.load(X + _row_offsets(rows, H, sx_m, sx_h)[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)  # rounded to x's dtype, as torch does
-            tl.store(RES_OUT + row * stride_ro + cols, x, mask=mask)
+            x = x + tl.load(R + _row_offsets(rows, H, sr_m, sr_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+            tl.store(RES_OUT + dense, x, mask=mask)  # rounded to x's dtype, as torch does
         h = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / N + eps)
-        normed = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + row * stride_o + cols, (normed * w).to(OUT.dtype.element_ty), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+        normed = (h * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(OUT + dense, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_backward_kernel(DY, S, W, RSTD, DRES, DX, DW, n_rows, H, ss_m, ss_h, N: tl.constexpr,
+                                  N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DRES: tl.constexpr):
+        """dx = rstd * (dy*w - normed * mean(dy*w*normed)) (+ the residual stream's gradient); each program
+        strides over row blocks and writes its partial sum of dy * normed to its own row of DW."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, N_PAD)
+        col_ok = cols < N
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros([N_PAD], dtype=tl.float32)
+        for block in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
+            rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            mask = (rows < n_rows)[:, None] & col_ok[None, :]
+            dense = rows[:, None] * N + cols[None, :]
+            h = tl.load(S + _row_offsets(rows, H, ss_m, ss_h)[:, None] + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
+            dy = tl.load(DY + dense, mask=mask, other=0.0).to(tl.float32)
+            normed = h * rstd[:, None]
+            dn = dy * w[None, :]
+            dx = rstd[:, None] * (dn - normed * (tl.sum(dn * normed, 1) / N)[:, None])
+            if HAS_DRES:
+                dx += tl.load(DRES + dense, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + dense, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * normed.to(S.dtype.element_ty).to(tl.float32), 0)
+        tl.store(DW + pid * N + cols, dw, mask=col_ok)
 
 
-def rms_norm_triton(x, weight, eps, residual=None):
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [M, H, N] with unit stride along N, a view wherever x's layout allows one."""
+    x3 = x.reshape(-1, x.shape[-2] if x.dim() >= 3 else 1, x.shape[-1])
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
+def _block_rows(n_pad: int) -> int:
+    return max(1, min(64, 8192 // n_pad))
+
+
+def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False):
+    """As rms_norm_reference; with store_rstd, also returns the fp32 1/rms of each row (for backward)."""
     shape, n = x.shape, x.shape[-1]
-    x2 = x.reshape(-1, n)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    r2 = residual.reshape(-1, n) if residual is not None else x2
-    res_out = torch.empty_like(x2) if residual is not None else x2
-    assert x2.stride(-1) == 1 and r2.stride(-1) == 1
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                     res_out.stride(0), eps, N=n, N_PAD=next_pow2(n), HAS_RESIDUAL=residual is not None)
-    out = out.view(shape)
-    return out if residual is None else (out, res_out.view(shape))
+    x3 = _as_rows(x)
+    rows = x3.shape[0] * x3.shape[1]
+    out = torch.empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    r3 = _as_rows(residual) if residual is not None else x3
+    res_out = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    rstd = torch.empty(rows if store_rstd else 1, dtype=torch.float32, device=x.device)
+    n_pad = next_pow2(n)
+    br = _block_rows(n_pad)
+    _rms_norm_kernel[(triton.cdiv(rows, br),)](
+        x3, r3, weight, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
+        r3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br, HAS_RESIDUAL=residual is not None, STORE_RSTD=store_rstd)
+    result = out if residual is None else (out, res_out)
+    return (result, rstd) if store_rstd else result
+
+
+def _backward_programs(device: torch.device, blocks: int) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(blocks, 4 * sms))
+
+
+def rms_norm_backward_triton(dy, s, weight, rstd, dres=None):
+    """(dx, dweight) of rms_norm at the pre-norm input s (x + residual), given the output's gradient dy and,
+    with the residual form, the gradient dres of the returned residual stream (it passes through to dx)."""
+    n = s.shape[-1]
+    s3 = _as_rows(s)
+    rows = s3.shape[0] * s3.shape[1]
+    dy = dy.contiguous()
+    dres = dres.contiguous() if dres is not None else dy
+    dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    n_pad = next_pow2(n)
+    br = _block_rows(n_pad)
+    programs = _backward_programs(s.device, triton.cdiv(rows, br))
+    dw = torch.empty(programs, n, dtype=torch.float32, device=s.device)
+    _rms_norm_backward_kernel[(programs,)](dy, s3, weight, rstd, dres, dx, dw, rows, s3.shape[1], s3.stride(0),
+                                           s3.stride(1), N=n, N_PAD=n_pad, BLOCK_ROWS=br,
+                                           HAS_DRES=dres is not dy)
+    return dx, dw.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True)
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(result[1] if ctx.has_residual else x, weight, rstd)
+        ctx.set_materialize_grads(False)
+        return result
+
+    @staticmethod
+    def backward(ctx, dout, dres=None):
+        s, weight, rstd = ctx.saved_tensors
+        if dout is None:  # only the residual stream was used
+            return dres, None, None, dres
+        dx, dw = rms_norm_backward_triton(dout, s, weight, rstd, dres)
+        return dx, dw if ctx.needs_input_grad[1] else None, None, dx if ctx.has_residual else None
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """Triton for inference on CUDA; the reference (with autograd) when gradients are recorded."""
-    if use_triton(x) and not torch.is_grad_enabled():
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_reference(x, weight, eps, residual)
+    """Triton on CUDA (with its backward when gradients are recorded); the PyTorch reference elsewhere."""
+    if not use_triton(x):
+        return rms_norm_reference(x, weight, eps, residual)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                              (residual is not None and residual.requires_grad))
+    if needs_grad:
+        return RMSNormFunction.apply(x, weight, eps, residual)
+    return rms_norm_triton(x, weight, eps, residual)

@@ -146,8 +146,11 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, cos, sin, attention, residual)
         return self.model.norm(x, residual)[0]
 
-    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a padded batch; positions count only the real tokens of each row."""
+    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states of a padded batch; positions count only the real tokens of each row (None: no
+        padding anywhere, so plain causal attention)."""
+        if attention_mask is None:
+            return self(input_ids)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return self(input_ids, position_ids, PaddedAttention(attention_mask))  # __call__: FSDP's hooks run
 

@@ -104,3 +104,94 @@ def test_rope_store_kv(dtype, hq, hkv, head_dim):
     written = torch.zeros(blocks * block_size, dtype=torch.bool)
     written[slots.cpu()[keep]] = True
     assert not caches[0].view(blocks * block_size, -1)[~written.to(DEVICE)].any(), "the -1 row was written somewhere"
+
+
+def _grads(fn, inputs, upstream):
+    """Gradients of sum(out_i * upstream_i) with respect to each input."""
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, upstream[:len(outs)])
+    return [x.grad for x in inputs]
+
+
+def _close(got, exact, dtype, scale=1.0):
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact.cpu(), atol=scale * atol, rtol=scale * rtol), \
+        (got.double().cpu() - exact.cpu()).abs().max()
+
+
+def _rms64(x, w, residual=None, eps=1e-6):
+    s = x + residual if residual is not None else x
+    out = w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return (out, s) if residual is not None else out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (37, 100), (130, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_backward(dtype, rows, width, with_residual):
+    """dx, dweight (and the residual stream's pass-through gradient) against float64 autograd."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(4)
+    x, r = (torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEVICE)
+    up = [torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    if with_residual:
+        got = _grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r), [x, w, r], up)
+        exact = _grads(_rms64, [x.double(), w.double(), r.double()], [u.double() for u in up])
+    else:
+        got = _grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None), [x, w], up)
+        exact = _grads(_rms64, [x.double(), w.double()], [u.double() for u in up])
+    for name, a, b in zip(("x", "weight", "residual"), got, exact):
+        _close(a, b, dtype, scale=8 if name == "weight" else 2)  # dweight sums over every row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_view_without_copy(dtype):
+    """Qwen3's q-norm: heads of a strided view of the fused q/k/v output, forward and backward."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction, rms_norm_triton
+
+    g = torch.Generator().manual_seed(5)
+    heads, d, t = 3, 32, 5
+    qkv = torch.randn(2, t, (heads + 2) * d, generator=g).to(dtype).to(DEVICE)
+    q = qkv[..., :heads * d].unflatten(-1, (heads, d))
+    assert not q.is_contiguous()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    _close(rms_norm_triton(q, w, 1e-6), _rms64(q.double(), w.double()), dtype)
+    up = [torch.randn(q.shape, generator=g).to(dtype).to(DEVICE)]
+    got = _grads(lambda q, w: RMSNormFunction.apply(q, w, 1e-6, None), [q, w], up)
+    exact = _grads(_rms64, [q.double(), w.double()], [up[0].double()])
+    _close(got[0], exact[0], dtype, scale=2)
+    _close(got[1], exact[1], dtype, scale=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1536), (13, 3072), (2, 3, 1000)])
+def test_silu_mul_backward(dtype, shape):
+    from rlcu.kernels.silu_mul import SiluMulFunction
+
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.cat([3 * torch.randn(shape, generator=g), torch.randn(shape, generator=g)], -1).to(dtype).to(DEVICE)
+    up = [torch.randn(shape, generator=g).to(dtype).to(DEVICE)]
+    got = _grads(SiluMulFunction.apply, [gate_up], up)[0]
+    exact = _grads(lambda x: silu_mul_reference(x), [gate_up.double()], [up[0].double()])[0]
+    _close(got, exact, dtype, scale=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (3, 16)])
+def test_rope_backward(dtype, heads, head_dim):
+    from rlcu.kernels.rope import RoPEFunction, rope_reference
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 7, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    pos = torch.arange(14).view(2, 7).double() * 37
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    emb = torch.cat([pos[..., None] * inv] * 2, -1)[:, :, None]
+    cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+    up = [torch.randn(x.shape, generator=g).to(dtype).to(DEVICE)]
+    got = _grads(lambda x: RoPEFunction.apply(x, cos, sin), [x], up)[0]
+    exact = _grads(lambda x: rope_reference(x, cos.double(), sin.double()), [x.double()], [up[0].double()])[0]
+    _close(got, exact, dtype, scale=4)

@@ -1,0 +1,96 @@
+"""Log-probability and entropy of one target token per row of logits, and the gradient of that
+log-probability with respect to the logits, each in one pass over the row.
+
+The PyTorch form upcasts the [tokens x vocab] logits to fp32 and makes about eight elementwise passes
+over them (log-sum-exp, subtract, exp, multiply, sum; the backward as many again). These kernels read
+the GEMM's logits in their own dtype once, keep an online max / sum-exp / sum-exp-times-logit in fp32,
+and the backward overwrites the recomputed logits with their gradient in place."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels._triton import HAS_TRITON, tl, triton
+
+BLOCK = 2048
+
+
+def token_logprob_reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """(logp of targets, entropy, log-sum-exp), each [N] fp32, of softmax(logits / temperature)."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, -1)
+    logp = z.gather(-1, targets[:, None])[:, 0] - lse
+    p = torch.softmax(z, -1)
+    return logp, lse - (p * z).sum(-1), lse
+
+
+def token_logprob_backward_reference(logits, targets, lse, grad_logp, temperature: float = 1.0):
+    """d(sum grad_logp * logp) / d logits = grad_logp * (onehot(target) - softmax) / temperature."""
+    p = torch.exp(logits.float() / temperature - lse[:, None])
+    grad = -p * grad_logp[:, None]
+    grad.scatter_add_(1, targets[:, None], grad_logp[:, None].float())
+    return (grad / temperature).to(logits.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _token_logprob_kernel(LOGITS, TARGETS, LOGP, ENTROPY, LSE, stride_row, vocab, inv_temperature,
+                              BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = LOGITS + row * stride_row
+        cols = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max, sum exp, sum exp * z
+        s = tl.zeros([BLOCK], tl.float32)
+        t = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            mask = start + cols < vocab
+            z = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, z)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only padding: no -inf - -inf
+            scale = tl.exp(m - shift)
+            e = tl.exp(z - shift)
+            s = s * scale + e
+            t = t * scale + e * tl.where(mask, z, 0.0)
+            m = m_new
+        row_max = tl.max(m, 0)
+        lane = tl.exp(m - row_max)
+        total = tl.sum(s * lane, 0)
+        lse = row_max + tl.log(total)
+        target = tl.load(TARGETS + row)
+        z_target = tl.load(base + target).to(tl.float32) * inv_temperature
+        tl.store(LOGP + row, z_target - lse)
+        tl.store(ENTROPY + row, lse - tl.sum(t * lane, 0) / total)
+        tl.store(LSE + row, lse)
+
+    @triton.jit
+    def _token_logprob_backward_kernel(LOGITS, TARGETS, LSE, GRAD, stride_row, vocab, inv_temperature,
+                                       BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = LOGITS + row * stride_row
+        cols = tl.arange(0, BLOCK)
+        lse = tl.load(LSE + row)
+        g = tl.load(GRAD + row)
+        target = tl.load(TARGETS + row)
+        for start in range(0, vocab, BLOCK):
+            idx = start + cols
+            mask = idx < vocab
+            z = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32) * inv_temperature
+            grad = (tl.where(idx == target, g, 0.0) - g * tl.exp(z - lse)) * inv_temperature
+            tl.store(base + idx, grad.to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def token_logprob_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    n, vocab = logits.shape
+    assert logits.stride(-1) == 1
+    logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
+    _token_logprob_kernel[(n,)](logits, targets, logp, entropy, lse, logits.stride(0), vocab, 1.0 / temperature,
+                                BLOCK=BLOCK)
+    return logp, entropy, lse
+
+
+def token_logprob_backward_triton_(logits, targets, lse, grad_logp, temperature: float = 1.0) -> torch.Tensor:
+    """As the reference, written over `logits` (which the caller recomputed and no longer needs)."""
+    n, vocab = logits.shape
+    assert logits.stride(-1) == 1
+    _token_logprob_backward_kernel[(n,)](logits, targets, lse, grad_logp.float().contiguous(), logits.stride(0),
+                                         vocab, 1.0 / temperature, BLOCK=BLOCK)
+    return logits
