@@ -52,7 +52,7 @@ class DecodeGraphs:
         return n <= self.max_batch and width <= self.block_tables.shape[1]
 
     def run(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
-        """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (float32, valid until the next run)."""
+        """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (the model dtype, valid until the next run)."""
         n, width = len(ids), tables.shape[1]
         bucket = bucket_for(n, self.max_batch)
         self.ids[:n].copy_(ids, non_blocking=True)
@@ -80,7 +80,7 @@ class DecodeGraphs:
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):
             hidden = runner.model(self.ids[None, :bucket], self.positions[None, :bucket], attention)
-            return runner.model.lm_head(hidden[0]).float()
+            return runner.model.lm_head(hidden[0])  # the model dtype: the samplers upcast as they read
 
     def _capture(self, bucket: int, autocast_dtype):
         stream = capture_stream(self.runner.device)

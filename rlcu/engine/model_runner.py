@@ -102,7 +102,7 @@ class ModelRunner:
         hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
         if not sampling:
             return hidden.new_empty(0, self.model.config.vocab_size), []
-        return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]).float(), sampling
+        return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]), sampling  # samplers upcast as they read
 
     def decode(self, seqs: list[Sequence], bs: int, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """One new token per sequence: the hot loop of a rollout, kept to a few list comprehensions.
@@ -123,7 +123,7 @@ class ModelRunner:
         dev = self.device
         attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
-        return self.model.lm_head(hidden[0]).float(), seqs
+        return self.model.lm_head(hidden[0]), seqs
 
 
 def padded_table(tables: list[list[int]]) -> torch.Tensor:
