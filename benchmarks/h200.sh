@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
-# PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8), trl8 / trl32 (TRL's GRPO step),
+# PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8 and their micro-batch variants), rlcu-extra
+# (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
 # hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
 # the SmolLM2 weights, RLCU_SMOLLM2_GGUF). PEERS_DIR holds ../shared/peers (default .peers).
 set -uo pipefail
@@ -13,11 +14,16 @@ case $part in
   rlcu)
     log rollout64 rlcu bench rollout --sequences 64 --new_tokens 512
     log rollout512 rlcu bench rollout --sequences 512 --new_tokens 512
-    log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4
+    log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --profile "$out/prof8x8"
     log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3
-    # without the engine's look-ahead, for its share
+    # the micro-batch: 16 rows (the peer's) leave the GPU waiting on the host's kernel launches
+    log step8x8mb16 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --micro_batch_size 16
+    log step32x8mb128 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --micro_batch_size 128
+    log step32x8nockpt rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --micro_batch_size 32 \
+      --no_gradient_checkpointing ;;
+  rlcu-extra)
+    # without the engine's look-ahead, for its share; padding-free training (off by default)
     log rollout512nola rlcu bench rollout --sequences 512 --new_tokens 512 --no_lookahead
-    # padding-free training (off by default until this row and the GPU tests show it works and pays)
     log step8x8pack rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --packing ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;

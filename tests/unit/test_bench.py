@@ -37,6 +37,19 @@ def test_bench_step_reports_each_phase(tmp_path, capsys):
     assert out["steady"]["generate"] + out["steady"]["train"] <= out["steady"]["total"] * 1.01
 
 
+def test_bench_step_profiles_an_extra_step_by_phase(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--profile",
+          str(tmp_path / "prof")])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(out["step_seconds"]) == 1  # the profiled step is not among the timings
+    assert set(out["profile"]) == {"generate", "score", "train"}
+    assert out["profile"]["train"]["wall_ms"] > 0 and "train:" in captured.err
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
+
+
 def test_standard_tokenizer_round_trips_every_id():
     tok = word_tokenizer(1000)
     ids = [0, 5, 997, 123]
