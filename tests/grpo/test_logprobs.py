@@ -45,6 +45,7 @@ def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast, fused, 
         if not torch.cuda.is_available() and (dtype == torch.bfloat16 or autocast):
             pytest.skip("the Triton interpreter's bf16 arithmetic is wrong")
         monkeypatch.setenv("RLCU_TRITON", "1")
+    dev = "cuda" if fused and torch.cuda.is_available() else "cpu"  # the kernels on the GPU, else the interpreter
     g = torch.Generator().manual_seed(0)
     hidden64 = torch.randn(37, 24, generator=g, dtype=torch.float64)
     weight64 = torch.randn(101, 24, generator=g, dtype=torch.float64) * 0.3
@@ -53,15 +54,15 @@ def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast, fused, 
     h64, w64 = hidden64.clone().requires_grad_(), weight64.clone().requires_grad_()
     full = torch.log_softmax(h64 @ w64.t() / 0.8, -1)
     (full.gather(-1, targets[:, None])[:, 0] * upstream).sum().backward()
-    h, w = hidden64.to(dtype).requires_grad_(), weight64.to(dtype).requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logps, ent = linear_logprobs(h, w, targets, 0.8, chunk_tokens=10)
-    (logps * upstream.to(logps.dtype)).sum().backward()
+    h, w = hidden64.to(dev, dtype).requires_grad_(), weight64.to(dev, dtype).requires_grad_()
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+        logps, ent = linear_logprobs(h, w, targets.to(dev), 0.8, chunk_tokens=10)
+    (logps * upstream.to(dev, logps.dtype)).sum().backward()
     tol = TOLERANCES[torch.bfloat16 if autocast else dtype]
     assert logps.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype
     for ours, ref in ((logps, full.gather(-1, targets[:, None])[:, 0]), (ent, -(full.exp() * full).sum(-1)),
                       (h.grad, h64.grad), (w.grad, w64.grad)):
-        err = (ours.double() - ref.detach()).abs().max() / ref.abs().max()
+        err = (ours.double().cpu() - ref.detach()).abs().max() / ref.abs().max()
         assert err < tol, f"max relative error {err:.2e} over {tol:.0e}"
 
 
