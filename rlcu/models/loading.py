@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -84,22 +85,33 @@ def gguf_to_folder(gguf: Path, out: Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face folder at %s (once)", gguf, out)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a folder of this process's own: several processes (DDP ranks on a fresh machine) may convert at once
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{out.name}.partial-"))
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A GGUF-loaded transformers model refuses save_pretrained, so write its config and weights directly.
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(hf).__name__]  # a GGUF-loaded config has none; TRL and vLLM need it
-    tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-written conversion is never mistaken for a finished one
+    return publish_folder(tmp, out)
+
+
+def publish_folder(tmp: Path, out: Path) -> Path:
+    """Move a finished conversion into place in one rename, so a half-written folder is never mistaken for
+    a finished one; where another process got there first, keep its folder and drop ours."""
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists():
+            raise
     return out
 
 

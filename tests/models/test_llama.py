@@ -228,3 +228,21 @@ def test_training_through_triton_kernels_matches_the_reference(tmp_path, family,
     assert (got_h - want_h).abs().max() < ATOL
     for name, g in want_g.items():
         assert (got_g[name] - g).abs().max() <= 1e-4 * (1 + g.abs().max()), name
+
+
+def test_a_conversion_finished_by_another_process_is_kept(tmp_path):
+    """Two processes converting the same GGUF: the first rename wins, the second drops its own copy."""
+    from rlcu.models.loading import publish_folder
+
+    out = tmp_path / "model"
+    first, second = tmp_path / "model.partial-a", tmp_path / "model.partial-b"
+    for folder, text in ((first, "first"), (second, "second")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(text)
+    assert publish_folder(first, out) == out and not first.exists()
+    assert publish_folder(second, out) == out and not second.exists()
+    assert (out / "model.safetensors").read_text() == "first"
+    third = tmp_path / "elsewhere.partial-c"
+    third.mkdir()
+    with pytest.raises(OSError):  # the target exists but holds no finished conversion: not ours to hide
+        publish_folder(third, tmp_path / "model" / "model.safetensors")
