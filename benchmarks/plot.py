@@ -17,7 +17,7 @@ def main(src: str, dst: str) -> None:
         peer = next(r for r in runs if r["what"] == workload and r["tool"] != "rlcu")
         steady = peer["step_seconds"][1:]
         bars.append((workload.replace("GRPO step ", ""), ours["steady"], sum(steady) / len(steady)))
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8.5, 3.6))
     for i, (name, phases, trl) in enumerate(bars):
         left = 0.0
         for phase, colour in (("generate", "#4c72b0"), ("score", "#dd8452"), ("train", "#55a868")):
@@ -26,9 +26,10 @@ def main(src: str, dst: str) -> None:
         ax.barh(2 * i + 0.8, trl, color="#8c8c8c", label="TRL 1.16 (whole step)" if i == 0 else None)
         ax.text(left + 0.3, 2 * i, f"rlcu {phases['total']:.2f} s", va="center", fontsize=8)
         ax.text(trl + 0.3, 2 * i + 0.8, f"TRL {trl:.1f} s", va="center", fontsize=8)
+    ax.set_xlim(0, max(b[2] for b in bars) * 1.15)  # room for the labels
     ax.set_yticks([0.4, 2.4], [b[0] for b in bars])
     ax.set_xlabel("seconds per GRPO step (steady state), one H200, Qwen3-0.6B shape")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(dst, dpi=120)
 
