@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--no_lookahead", dest="lookahead", action="store_false",
                        help="wait for each decode step's tokens on the host before launching the next")
         s.add_argument("--block_size", type=int, default=16)
+        s.add_argument("--shared_prefix", action="store_true",
+                       help="decode attention reads the prompt blocks a group of samples shares once for all of them")
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")
@@ -114,7 +116,7 @@ def bench_rollout(args) -> dict:
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
-                                           lookahead=args.lookahead))
+                                           lookahead=args.lookahead, shared_prefix=args.shared_prefix))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
     runs = []
     for i in range(1 + args.repeats):
@@ -129,7 +131,7 @@ def bench_rollout(args) -> dict:
     best = min(runs[1:]) if args.repeats else runs[0]
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
-                lookahead=args.lookahead,
+                lookahead=args.lookahead, shared_prefix=args.shared_prefix,
                 tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best), ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
 
@@ -152,6 +154,7 @@ def bench_step(args) -> dict:
         return [float(len(c)) for c in completions]
 
     rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs, lookahead=args.lookahead,
+                            shared_prefix=args.shared_prefix,
                             release_memory=not args.keep_memory, max_num_seqs=max(256, args.prompts * args.generations))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
@@ -197,7 +200,7 @@ def bench_step(args) -> dict:
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
-                lookahead=args.lookahead, packing=args.packing,
+                lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))

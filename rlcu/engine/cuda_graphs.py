@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from rlcu.kernels.decode_attention import default_num_splits
+from rlcu.kernels.shared_prefix_decode import MEMBERS, shared_prefix_num_splits
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -45,14 +46,19 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # shared-prefix groups (see kernels/shared_prefix_decode.py): a slot per possible group
+        self.order = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.starts = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
+        self.shared = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def fits(self, n: int, width: int) -> bool:
         return n <= self.max_batch and width <= self.block_tables.shape[1]
 
-    def run(self, ids, positions, slots, context_lens, tables) -> torch.Tensor:
-        """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (the model dtype, valid until the next run)."""
+    def run(self, ids, positions, slots, context_lens, tables, groups=None) -> torch.Tensor:
+        """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (the model dtype, valid until the next run).
+        `groups`: (order, starts, shared) numpy arrays of `prefix_groups`, for shared-prefix decode."""
         n, width = len(ids), tables.shape[1]
         bucket = bucket_for(n, self.max_batch)
         self.ids[:n].copy_(ids, non_blocking=True)
@@ -61,34 +67,45 @@ class DecodeGraphs:
         self.slots[n:bucket].fill_(-1)
         self.context_lens[:n].copy_(context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        if groups is not None:
+            order, starts, shared = (torch.from_numpy(a) for a in groups)
+            g = len(shared)
+            self.order[:n].copy_(order, non_blocking=True)
+            self.starts[:g + 1].copy_(starts, non_blocking=True)
+            self.starts[g + 1:bucket + 1].fill_(n)  # the slots past the real groups have no members
+            self.shared[:g].copy_(shared, non_blocking=True)
         kind = self.runner.device.type
-        key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+        key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None, groups is not None)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, key[1])
+            self.graphs[key] = self._capture(bucket, key[1], key[2])
         graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]
 
-    def _forward(self, bucket: int, autocast_dtype):
+    def _forward(self, bucket: int, autocast_dtype, grouped: bool):
         from rlcu.engine.model_runner import PagedAttention
 
         runner, hkv = self.runner, self.runner.model.config.num_key_value_heads
+        if grouped:  # splits sized for groups of MEMBERS, the usual case (G samples per prompt)
+            splits = shared_prefix_num_splits(max(1, bucket // MEMBERS), hkv)
+            groups = (self.order[:bucket], self.starts[:bucket + 1], self.shared[:bucket])
+        else:
+            splits, groups = default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2]), None
         attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
-                                   self.block_tables[:bucket], decode_only=True,
-                                   num_splits=default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2]))
+                                   self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups)
         # the autocast cache would keep casts made during capture alive outside the graph's memory
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):
             hidden = runner.model(self.ids[None, :bucket], self.positions[None, :bucket], attention)
             return runner.model.lm_head(hidden[0])  # the model dtype: the samplers upcast as they read
 
-    def _capture(self, bucket: int, autocast_dtype):
+    def _capture(self, bucket: int, autocast_dtype, grouped: bool):
         stream = capture_stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, cuBLAS picks kernels
-            self._forward(bucket, autocast_dtype)
+            self._forward(bucket, autocast_dtype, grouped)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            logits = self._forward(bucket, autocast_dtype)
+            logits = self._forward(bucket, autocast_dtype, grouped)
         return graph, logits

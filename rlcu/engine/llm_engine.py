@@ -52,6 +52,8 @@ class EngineConfig:
     # launch decode step n+1 on the GPU's tokens while the host finishes step n (on an H200: 512 sequences
     # 48,091 -> 57,042 tok/s, 64 sequences 25,718 -> 29,163; docs/benchmarks.md, 2026-11-30)
     lookahead: bool = True
+    # decode attention reads a group's shared prompt blocks once for all its samples (Triton on CUDA)
+    shared_prefix: bool = False
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -133,7 +135,8 @@ class LLMEngine:
             self.runner = None  # the old pool goes before the new one is taken
             # a sharded model decodes eagerly: graphs of its gathered parameters are not yet tested on a GPU
             graphs = self.config.cuda_graphs and not is_sharded(self.model)
-            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs, graphs)
+            self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs, graphs,
+                                      shared_prefix=self.config.shared_prefix)
             self.runner.param_addresses = addresses
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
         scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens)

@@ -15,6 +15,7 @@ from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import decode_attention, triton_supports
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
 from rlcu.kernels.rope_store_kv import rope_store_kv
+from rlcu.kernels.shared_prefix_decode import prefix_groups, shared_prefix_decode_triton, shared_prefix_num_splits
 from rlcu.models.llama import CausalLM
 
 
@@ -28,15 +29,18 @@ class PagedAttention:
     """The attention context of one step: write this step's K/V into the cache, then attend over it."""
 
     def __init__(self, runner: "ModelRunner", slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
-                 num_splits: int | None = None, tiles=None):
+                 num_splits: int | None = None, tiles=None, groups=None):
+        """`groups`: (order, starts, shared) of `prefix_groups` on the device, for shared-prefix decode."""
         self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
-        self.decode_only, self.num_splits, self.tiles = decode_only, num_splits, tiles
+        self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
         self.scale = runner.model.config.head_dim ** -0.5
 
     def __call__(self, layer_idx, q, k, v, cos, sin):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots)
-        if self.decode_only:
+        if self.decode_only and self.groups is not None:
+            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits)
+        elif self.decode_only:
             out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
         else:
             out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
@@ -45,7 +49,7 @@ class PagedAttention:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int = 256,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, shared_prefix: bool = False):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
         p = model.model.embed_tokens.weight
@@ -57,6 +61,8 @@ class ModelRunner:
         self.device = p.device
         self.param_addresses: list[int] = []  # where the parameters were when this runner's graphs were made
         self.graphs = None
+        # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence
+        self.shared_prefix = shared_prefix and use_triton(p) and triton_supports(cfg.head_dim, block_size)
         if cuda_graphs and p.is_cuda and use_triton(p) and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
@@ -118,10 +124,20 @@ class ModelRunner:
             s.num_computed_tokens += 1
         ids_t, pos_t, slots_t = ids, torch.tensor(positions), torch.tensor(slots)
         ctx_t = torch.tensor(ctx, dtype=torch.int32)
+        groups = None
+        if self.shared_prefix:
+            groups = prefix_groups(table.numpy(), bs, ctx_t.numpy())
+            if not groups[2].any():  # nothing shared this step: the plain kernel
+                groups = None
         if self.graphs is not None and self.graphs.fits(len(seqs), table.shape[1]):
-            return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table), seqs
+            return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table, groups), seqs
         dev = self.device
-        attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True)
+        splits = None
+        if groups is not None:
+            splits = shared_prefix_num_splits(len(groups[2]), self.model.config.num_key_value_heads)
+            groups = tuple(torch.from_numpy(a).to(dev) for a in groups)
+        attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True,
+                                   num_splits=splits, groups=groups)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
         return self.model.lm_head(hidden[0]), seqs
 

@@ -8,14 +8,14 @@ from rlcu.rollout.base import RolloutBatch, SamplingParams
 class NativeRollout:
     def __init__(self, block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  memory_fraction: float = 0.5, num_blocks: int | None = None, cuda_graphs: bool = True,
-                 release_memory: bool = True, lookahead: bool = True):
+                 release_memory: bool = True, lookahead: bool = True, shared_prefix: bool = False):
         """`release_memory=False` keeps the KV pool and CUDA graphs between rollouts: faster steps (no
-        re-allocation, no graph capture) for the price of that memory during training. `lookahead`: see
-        `EngineConfig`."""
+        re-allocation, no graph capture) for the price of that memory during training. `lookahead`,
+        `shared_prefix`: see `EngineConfig`."""
         self.config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, memory_fraction=memory_fraction,
                                    num_blocks=num_blocks, cuda_graphs=cuda_graphs, release_memory=release_memory,
-                                   lookahead=lookahead)
+                                   lookahead=lookahead, shared_prefix=shared_prefix)
         self.engine: LLMEngine | None = None
 
     @property

@@ -134,6 +134,32 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
     assert got.completion_ids == want.completion_ids
 
 
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+@pytest.mark.parametrize("config", [EngineConfig(block_size=4, shared_prefix=True),
+                                    pytest.param(EngineConfig(block_size=4, num_blocks=40, max_num_seqs=6,
+                                                              shared_prefix=True), marks=pytest.mark.slow)],
+                         ids=["roomy", "preempting"])
+def test_shared_prefix_decode_under_the_interpreter(tmp_path, monkeypatch, config):
+    """Decode with the samples of a prompt reading its shared blocks once (Triton kernel, interpreter, fp32):
+    greedy completions equal the reference backend's, and sampled ones equal the plain kernel's."""
+    import rlcu.engine.model_runner as runner
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    calls = []
+    real = runner.shared_prefix_decode_triton
+    monkeypatch.setattr(runner, "shared_prefix_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    greedy = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[EOS])
+    got = LLMEngine(model, config).generate(PROMPTS, greedy)
+    assert calls, "the shared-prefix kernel did not run"
+    assert got.completion_ids == reference(model, PROMPTS, greedy).completion_ids
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    plain = EngineConfig(block_size=config.block_size, num_blocks=config.num_blocks, max_num_seqs=config.max_num_seqs)
+    assert (LLMEngine(model, config).generate(PROMPTS, sampled).completion_ids
+            == LLMEngine(model, plain).generate(PROMPTS, sampled).completion_ids)
+
+
 def test_stop_strings_end_completions_in_both_backends(tmp_path):
     from rlcu.bench import word_tokenizer
 
