@@ -80,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
                        help="wait for each decode step's tokens on the host before launching the next")
         s.add_argument("--block_size", type=int, default=16)
         s.add_argument("--shared_prefix", action="store_true",
-                       help="decode attention reads the prompt blocks a group of samples shares once for all of them")
+                       help="decode attention reads the prompt blocks a group of samples shares once for all of them "
+                            "(off by default: slower so far, docs/benchmarks.md)")
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")

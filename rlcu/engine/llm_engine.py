@@ -52,7 +52,8 @@ class EngineConfig:
     # launch decode step n+1 on the GPU's tokens while the host finishes step n (on an H200: 512 sequences
     # 48,091 -> 57,042 tok/s, 64 sequences 25,718 -> 29,163; docs/benchmarks.md, 2026-11-30)
     lookahead: bool = True
-    # decode attention reads a group's shared prompt blocks once for all its samples (Triton on CUDA)
+    # decode attention reads a group's shared prompt blocks once for all its samples (Triton on CUDA); off:
+    # on an H200 its first kernel made generation slower (32 x 8 x 512: 3.00 s against 2.49; benchmarks.md)
     shared_prefix: bool = False
 
     def __post_init__(self):
