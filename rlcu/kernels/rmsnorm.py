@@ -37,12 +37,16 @@ if HAS_TRITON:
         x = tl.load(X + _row_offsets(rows, H, sx_m, sx_h)[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x + tl.load(R + _row_offsets(rows, H, sr_m, sr_h)[:, None] + cols[None, :], mask=mask, other=0.0)
-            tl.store(RES_OUT + dense, x, mask=mask)  # rounded to x's dtype, as torch does
+            x = x.to(RES_OUT.dtype.element_ty)  # rounded to the sum's dtype, as torch does
+            tl.store(RES_OUT + dense, x, mask=mask)
         h = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
         if STORE_RSTD:
             tl.store(RSTD + rows, rstd, mask=rows < n_rows)
-        normed = (h * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        if HAS_RESIDUAL:  # rounded to the sum's dtype (x + residual may promote, e.g. bf16 + fp32 under autocast)
+            normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
+        else:
+            normed = (h * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         tl.store(OUT + dense, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
 
@@ -89,9 +93,10 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False):
     shape, n = x.shape, x.shape[-1]
     x3 = _as_rows(x)
     rows = x3.shape[0] * x3.shape[1]
-    out = torch.empty(shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    total = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype  # x + residual
+    out = torch.empty(shape, dtype=torch.promote_types(total, weight.dtype), device=x.device)
     r3 = _as_rows(residual) if residual is not None else x3
-    res_out = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    res_out = torch.empty(shape, dtype=total, device=x.device) if residual is not None else out
     rstd = torch.empty(rows if store_rstd else 1, dtype=torch.float32, device=x.device)
     n_pad = next_pow2(n)
     br = _block_rows(n_pad)

@@ -195,3 +195,23 @@ def test_rope_backward(dtype, heads, head_dim):
     got = _grads(lambda x: RoPEFunction.apply(x, cos, sin), [x], up)[0]
     exact = _grads(lambda x: rope_reference(x, cos.double(), sin.double()), [x.double()], [up[0].double()])[0]
     _close(got, exact, dtype, scale=4)
+
+
+def test_rms_norm_with_a_wider_residual_keeps_its_dtype():
+    """Under autocast the residual stream can be fp32 while a layer's output is fp16/bf16: x + residual
+    promotes, and the stream, the rounding of the normed value and the gradients follow torch's types."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 96, generator=g).to(torch.float16).to(DEVICE)
+    r = torch.randn(9, 96, generator=g).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(DEVICE)
+    got, ref = rms_norm_triton(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
+    assert got[1].dtype == ref[1].dtype == torch.float32 and torch.equal(got[1], ref[1])
+    assert got[0].dtype == ref[0].dtype and torch.allclose(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    up = [torch.randn(9, 96, generator=g).to(DEVICE) for _ in range(2)]
+    grads = _grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r), [x, w, r], up)
+    exact = _grads(_rms64, [x.double(), w.double(), r.double()], [u.double() for u in up])
+    assert [a.dtype for a in grads] == [torch.float16, torch.float32, torch.float32]
+    for a, b in zip(grads, exact):
+        _close(a, b, torch.float16, scale=8)
