@@ -62,9 +62,9 @@ if HAS_TRITON:
     def _shared_prefix_decode_kernel(Q, KC, VC, BT, CTX, ORDER, STARTS, SHARED, O, LSE, scale, stride_qs, stride_qh,
                                      stride_kb, stride_kt, stride_kh, stride_bts, stride_os, stride_oh, stride_osp,
                                      stride_ls, stride_lh, num_splits, GROUP: tl.constexpr,
-                                     GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                                     WRITE_LSE: tl.constexpr):
+                                     GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, MEMBERS_PAD: tl.constexpr,
+                                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr):
         grp = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -72,6 +72,18 @@ if HAS_TRITON:
         count = tl.load(STARTS + grp + 1) - start
         if count > 0:
             shared = tl.load(SHARED + grp)
+            # the members as vectors, loaded at once: no chain of scalar loads before the first tile
+            mi = tl.arange(0, MEMBERS_PAD)
+            m_ok = mi < count
+            seq_m = tl.load(ORDER + start + mi, mask=m_ok, other=0)
+            ctx_m = tl.load(CTX + seq_m, mask=m_ok, other=0)
+            own_m = tl.where(m_ok, tl.cdiv(ctx_m - shared, BLOCK_N), 0)  # each member's own tiles
+            begin_m = tl.cumsum(own_m, 0) - own_m
+            shared_tiles = tl.cdiv(shared, BLOCK_N)
+            total = shared_tiles + tl.sum(own_m, 0)
+            per_split = tl.cdiv(total, num_splits)
+            first = split * per_split
+            last = tl.minimum(first + per_split, total)
             r = tl.arange(0, ROWS)
             member = r // GROUP_PAD
             head = kvh * GROUP + r % GROUP_PAD
@@ -84,30 +96,19 @@ if HAS_TRITON:
             m = tl.full([ROWS], float("-inf"), tl.float32)
             l = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            # this split's share of the group's tiles: the shared ones, then each member's own in turn
-            leader = tl.load(ORDER + start)
-            shared_tiles = tl.cdiv(shared, BLOCK_N)
-            total = shared_tiles
-            for j in range(0, count):
-                total += tl.cdiv(tl.load(CTX + tl.load(ORDER + start + j)) - shared, BLOCK_N)
-            per_split = tl.cdiv(total, num_splits)
-            first = split * per_split
-            last = tl.minimum(first + per_split, total)
-            for t in range(first, tl.minimum(last, shared_tiles)):
-                token = t * BLOCK_N + n
-                acc, m, l = _attend_tile(q, acc, m, l, KC, VC, BT + leader * stride_bts, token, token < shared, row_ok,
-                                         scale, stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
-            offset = shared_tiles
-            for j in range(0, count):
-                sj = tl.load(ORDER + start + j)
-                ctx = tl.load(CTX + sj)
-                own = tl.cdiv(ctx - shared, BLOCK_N)
-                for t in range(tl.maximum(first, offset), tl.minimum(last, offset + own)):
-                    token = shared + (t - offset) * BLOCK_N + n
-                    acc, m, l = _attend_tile(q, acc, m, l, KC, VC, BT + sj * stride_bts, token, token < ctx,
-                                             row_ok & (member == j), scale, stride_kb, stride_kt, kvh * stride_kh, d,
-                                             BLOCK_SIZE, PRECISION)
-                offset += own
+            leader = tl.sum(tl.where(mi == 0, seq_m, 0), 0)
+            for t in range(first, last):  # the shared tiles first (every row), then each member's own (its rows)
+                in_prefix = t < shared_tiles
+                u = t - shared_tiles
+                j = tl.max(tl.where(m_ok & (begin_m <= u), mi, -1), 0)
+                pick = mi == j
+                owner = tl.where(in_prefix, leader, tl.sum(tl.where(pick, seq_m, 0), 0))
+                limit = tl.where(in_prefix, shared, tl.sum(tl.where(pick, ctx_m, 0), 0))
+                first_token = tl.where(in_prefix, t * BLOCK_N, shared + (u - tl.sum(tl.where(pick, begin_m, 0), 0)) * BLOCK_N)
+                token = first_token + n
+                acc, m, l = _attend_tile(q, acc, m, l, KC, VC, BT + owner * stride_bts, token, token < limit,
+                                         row_ok & (in_prefix | (member == j)), scale, stride_kb, stride_kt,
+                                         kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
             empty = l == 0.0  # this split held none of the row's tiles
             out = acc / tl.where(empty, 1.0, l)[:, None]
             lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
@@ -136,7 +137,8 @@ def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
         q, k_cache, v_cache, block_tables, context_lens, order, starts, shared, partial, lse, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), num_splits,
-        GROUP=group, GROUP_PAD=group_pad, ROWS=max(16, MEMBERS * group_pad), HEAD_DIM=d, BLOCK_SIZE=bs,
+        GROUP=group, GROUP_PAD=group_pad, ROWS=max(16, MEMBERS * group_pad), MEMBERS_PAD=next_pow2(MEMBERS),
+        HEAD_DIM=d, BLOCK_SIZE=bs,
         BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WRITE_LSE=num_splits > 1)
     if num_splits == 1:
         return partial[:, :, 0]
