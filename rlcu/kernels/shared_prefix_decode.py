@@ -6,8 +6,8 @@ with the other members' rows masked. At 8 samples of a 128-token prompt and 512 
 29% fewer KV bytes, the bulk of a large batch's decode step.
 
 Groups arrive as `order` (sequence indices, each group's members together), `starts` [num_groups + 1]
-(where each group begins in `order`) and `shared` [num_groups] (tokens of the common blocks: a multiple of
-the block size, within every member's context). Slots past the real groups have no members and return at
+(where each group begins in `order`) and `shared` [num_groups] (the tokens of their common blocks, cut at
+the shortest member's context). Slots past the real groups have no members and return at
 once, so that a CUDA graph can be captured for the largest count. Each program's tiles (shared ones first,
 then each member's own) are divided among `num_splits` programs and combined as in decode_attention."""
 from __future__ import annotations
