@@ -16,22 +16,25 @@ PREFIX = "rlcu/"
 
 
 def phase_kernels(prof: torch.profiler.profile) -> dict[str, dict]:
-    """{phase: {"wall_ms", "busy_ms", "kernels": {name: (ms, count)}}} from a finished profile. A kernel
-    belongs to the phase whose range (host time) holds its start: each phase ends on a synchronisation,
-    so its kernels have run before the next phase's range opens."""
+    """{phase: {"wall_ms", "busy_ms", "kernels": {name: (ms, count)}, "host": {name: (ms, count)}}} from a
+    finished profile: the GPU kernels and the host's operators (self time, as the profiler inflates it)
+    of each phase. An event belongs to the phase whose range (host time) holds its start: each phase ends
+    on a synchronisation, so its kernels have run before the next phase's range opens."""
     events = prof.events()
     ranges = [(e.name[len(PREFIX):], e.time_range.start, e.time_range.end) for e in events
               if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU]
-    out = {name: {"wall_ms": (end - start) / 1e3, "busy_ms": 0.0, "kernels": defaultdict(lambda: [0.0, 0])}
-           for name, start, end in ranges}
+    out = {name: {"wall_ms": (end - start) / 1e3, "busy_ms": 0.0, "kernels": defaultdict(lambda: [0.0, 0]),
+                  "host": defaultdict(lambda: [0.0, 0])} for name, start, end in ranges}
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(PREFIX):  # not the ranges' own GPU spans
+        if e.name.startswith(PREFIX):  # the ranges themselves
             continue
+        on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         for name, start, end in ranges:
             if start <= e.time_range.start < end:
-                ms = (e.time_range.end - e.time_range.start) / 1e3
-                out[name]["busy_ms"] += ms
-                k = out[name]["kernels"][e.name]
+                ms = (e.time_range.end - e.time_range.start) / 1e3 if on_gpu else e.self_cpu_time_total / 1e3
+                if on_gpu:
+                    out[name]["busy_ms"] += ms
+                k = out[name]["kernels" if on_gpu else "host"][e.name]
                 k[0], k[1] = k[0] + ms, k[1] + 1
                 break
     return out
@@ -43,6 +46,9 @@ def print_phase_kernels(phases: dict[str, dict], top: int = 15, file=None) -> No
               f"({100 * p['busy_ms'] / max(p['wall_ms'], 1e-9):.0f}%)", file=file)
         for kernel, (ms, n) in sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"  {ms:9.1f} ms {n:7d}x  {kernel[:110]}", file=file)
+        print("  host operators, self time:", file=file)
+        for op, (ms, n) in sorted(p["host"].items(), key=lambda kv: -kv[1][0])[:top // 2]:
+            print(f"  {ms:9.1f} ms {n:7d}x  {op[:110]}", file=file)
 
 
 def profiler(out_dir: str) -> torch.profiler.profile:

@@ -47,6 +47,7 @@ def test_bench_step_profiles_an_extra_step_by_phase(tmp_path, capsys):
     assert len(out["step_seconds"]) == 1  # the profiled step is not among the timings
     assert set(out["profile"]) == {"generate", "score", "train"}
     assert out["profile"]["train"]["wall_ms"] > 0 and "train:" in captured.err
+    assert "host operators" in captured.err and "aten::" in captured.err  # the host's side of each phase
     assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
 
 
