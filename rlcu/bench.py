@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -146,6 +147,11 @@ def bench_step(args) -> dict:
     from rlcu.profiling import phase_kernels, print_phase_kernels, profiler
     from rlcu.rollout.native import NativeRollout
 
+    if args.profile:  # before any work: a folder that cannot be made fails now, not after the timed steps
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--profile {args.profile}: cannot make that folder ({e.strerror}); give a writable path") from e
     model, tok = build_model(args.model, args.device, args.dtype)
     total_steps = args.steps + (1 if args.profile else 0)
     prompts = random_prompt_ids(args.prompts * total_steps, args.prompt_len, model.config.vocab_size)
