@@ -66,6 +66,7 @@ class LLMEngine:
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         self.runner: ModelRunner | None = None
         self.stats: dict[str, int] = {}
+        self._said_no_shared_prefix = False
 
     def _pool_size(self, seqs: list[Sequence], forks: int) -> int:
         """What the requests can need at most (no sharing assumed), or `num_blocks`; on the GPU capped at
@@ -138,6 +139,10 @@ class LLMEngine:
             graphs = self.config.cuda_graphs and not is_sharded(self.model)
             self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs, graphs,
                                       shared_prefix=self.config.shared_prefix)
+            if self.config.shared_prefix and not self.runner.shared_prefix and not self._said_no_shared_prefix:
+                self._said_no_shared_prefix = True  # once per engine, not at every rollout
+                log.warning("shared_prefix needs the Triton kernels (a CUDA device, a power-of-two head_dim >= 16): "
+                            "decoding with the plain attention kernel instead")
             self.runner.param_addresses = addresses
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
         scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens)

@@ -194,3 +194,14 @@ def test_lookahead_changes_nothing(tmp_path, config):
     assert max(abs(a - b) for x, y in zip(got.logprobs, want.logprobs) for a, b in zip(x, y)) < 1e-5
     stopped_early = [len(c) < sp.max_tokens for c, r in zip(got.completion_ids, got.finish_reasons) if r == "stop"]
     assert ahead.stats["lookahead_steps"] > 0 and sum(stopped_early) >= 3, (ahead.stats, got.finish_reasons)
+
+
+def test_shared_prefix_without_triton_says_so_once(tmp_path, caplog):
+    """On the PyTorch path the option cannot act: one warning per engine, and the completions are the plain ones."""
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    engine = LLMEngine(model, EngineConfig(shared_prefix=True))
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    with caplog.at_level("WARNING", logger="rlcu.engine.llm_engine"):
+        got = [engine.generate(PROMPTS, sp) for _ in range(2)]
+    assert sum("shared_prefix needs the Triton kernels" in r.message for r in caplog.records) == 1
+    assert got[0].completion_ids == LLMEngine(model).generate(PROMPTS, sp).completion_ids
