@@ -89,9 +89,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     if num_splits is None:
         num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
     group = hq // hkv
-    # one split: the kernel writes the final output; several: fp32 partials, combined below
-    partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32 if num_splits > 1 else q.dtype, device=q.device)
-    lse = torch.empty(n_seq, hq, num_splits, dtype=torch.float32, device=q.device)
+    partial, lse = split_buffers(q, num_splits)
     _decode_kernel[(n_seq, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
@@ -99,10 +97,22 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
         WRITE_LSE=num_splits > 1)
-    if num_splits == 1:
+    return combine_splits(partial, lse, q.dtype)
+
+
+def split_buffers(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's output [S, Hq, splits, D] and log-sum-exp [S, Hq, splits]. One split: the kernel
+    writes the final output in q's dtype; several: fp32 partials for `combine_splits`."""
+    n_seq, hq, d = q.shape
+    partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32 if num_splits > 1 else q.dtype, device=q.device)
+    return partial, torch.empty(n_seq, hq, num_splits, dtype=torch.float32, device=q.device)
+
+
+def combine_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if partial.shape[2] == 1:
         return partial[:, :, 0]
     weights = torch.softmax(lse, dim=-1)  # exp(lse_i - logsumexp(lse)): each split's share of the softmax mass
-    return (partial * weights[..., None]).sum(2).to(q.dtype)
+    return (partial * weights[..., None]).sum(2).to(dtype)
 
 
 def triton_supports(head_dim: int, block_size: int) -> bool:

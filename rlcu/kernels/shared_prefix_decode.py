@@ -17,6 +17,7 @@ import torch
 
 from rlcu.kernels._paged_kv import load_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton
+from rlcu.kernels.decode_attention import combine_splits, split_buffers
 
 MEMBERS = 8  # sequences per program; a larger group is served in chunks of this many
 
@@ -127,12 +128,11 @@ def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
                                 num_splits: int, block_n: int = 64):
     """As decode_attention over the same inputs, for sequences grouped by `prefix_groups` (on the device).
     The grid has a slot per entry of `shared`; slots without members do nothing."""
-    n_seq, hq, d = q.shape
+    hq, d = q.shape[1:]
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
     group_pad = next_pow2(group)
-    partial = torch.empty(n_seq, hq, num_splits, d, dtype=torch.float32 if num_splits > 1 else q.dtype, device=q.device)
-    lse = torch.empty(n_seq, hq, num_splits, dtype=torch.float32, device=q.device)
+    partial, lse = split_buffers(q, num_splits)
     _shared_prefix_decode_kernel[(shared.shape[0], hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, order, starts, shared, partial, lse, scale, q.stride(0),
         q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -140,7 +140,4 @@ def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
         GROUP=group, GROUP_PAD=group_pad, ROWS=max(16, MEMBERS * group_pad), MEMBERS_PAD=next_pow2(MEMBERS),
         HEAD_DIM=d, BLOCK_SIZE=bs,
         BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WRITE_LSE=num_splits > 1)
-    if num_splits == 1:
-        return partial[:, :, 0]
-    weights = torch.softmax(lse, dim=-1)
-    return (partial * weights[..., None]).sum(2).to(q.dtype)
+    return combine_splits(partial, lse, q.dtype)
