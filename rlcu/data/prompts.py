@@ -27,6 +27,17 @@ def encode_prompt(tokenizer, prompt: Any) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def decode_completions(tokenizer, completion_ids: list[list[int]]) -> list[str]:
+    """Completion texts, special tokens skipped: what `tokenizer.batch_decode` returns. A fast tokenizer
+    that does no clean-up after decoding gives the whole batch to its Rust backend in one call, without
+    transformers' per-sequence Python loop and type checks (about a third of the time at 256 x 512
+    tokens, on a part of the step that holds the GPU up)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch([list(ids) for ids in completion_ids], skip_special_tokens=True)
+    return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+
 def as_rows(batch) -> list[dict]:
     """Accept a list of row dicts (rlcu's collate) or a dict of columns (torch's default collate)."""
     if isinstance(batch, dict):

@@ -20,7 +20,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
-from rlcu.data.prompts import as_rows, encode_prompt, is_conversational
+from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, is_conversational
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.hparams import not_plain
@@ -308,7 +308,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
 
     def _score(self, rows: list[dict], rollout: RolloutBatch, g: int | None = None):
         g = self.hparams.num_generations if g is None else g
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        texts = decode_completions(self.tokenizer, rollout.completion_ids)
         prompts = [r["prompt"] for r in rows for _ in range(g)]
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(prompts, texts)]

@@ -1,0 +1,47 @@
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlcu.bench import word_tokenizer
+from rlcu.data.prompts import decode_completions
+
+
+def _completions(tok, n=12, seed=0):
+    """Random ids over the whole vocabulary (byte pieces that split characters, special tokens, empty rows)."""
+    rng = random.Random(seed)
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))] for _ in range(n)]
+    text = "Réponse: 42 🙂\n\n```py\nprint('ok')\n```  done ,  spaced ."
+    rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+    return rows + [[]]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "words"])
+def test_decode_completions_matches_batch_decode(which, smollm2_folder):
+    tok = AutoTokenizer.from_pretrained(smollm2_folder) if which == "smollm2" else word_tokenizer(500)
+    ids = _completions(tok)
+    assert decode_completions(tok, ids) == tok.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_fast_path_skips_the_python_loop_and_clean_up_falls_back(smollm2_folder, monkeypatch):
+    tok = AutoTokenizer.from_pretrained(smollm2_folder)
+    ids = _completions(tok)
+    expected = tok.batch_decode(ids, skip_special_tokens=True)
+    monkeypatch.setattr(type(tok), "batch_decode", lambda *a, **k: pytest.fail("the fast path was not taken"))
+    assert decode_completions(tok, ids) == expected
+    monkeypatch.undo()
+
+    words = _word_level(["hello", ",", "world", "do", "n't", "."])
+    words.clean_up_tokenization_spaces = True  # transformers' clean-up joins " ," and " n't" to the word before
+    ids = [[0, 1, 2, 5], [3, 4, 0]]
+    assert decode_completions(words, ids) == words.batch_decode(ids, skip_special_tokens=True) == ["hello, world.", "don't hello"]
+
+
+def _word_level(words):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words + ["<unk>"])}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
