@@ -123,7 +123,8 @@ class LLMEngine:
         stop_strings = StopStrings(self.tokenizer, sampling.stop)
         parents: list[Sequence] = []
         for i, prompt in enumerate(prompt_token_ids):  # adjacent identical prompts: one prefill, then fork
-            if parents and prompt_token_ids[i - 1] == prompt:
+            # (a family never outgrows max_num_seqs, the largest batch a decode step, and its graph, holds)
+            if parents and prompt_token_ids[i - 1] == prompt and parents[-1].pending_forks + 1 < self.config.max_num_seqs:
                 parents[-1].pending_forks += 1
                 continue
             parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i))

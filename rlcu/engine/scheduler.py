@@ -82,8 +82,10 @@ class Scheduler:
         return batch
 
     def _admits(self, seq: Sequence) -> bool:
-        """Room among the running sequences for `seq` and the samples it will fork."""
-        return not self.running or len(self.running) + 1 + seq.pending_forks <= self.max_num_seqs
+        """Room among the running sequences for `seq` and the samples it will fork, counting the samples still
+        to fork from those admitted earlier in this step."""
+        forks = sum(s.pending_forks for s in self.running)
+        return not self.running or len(self.running) + forks + 1 + seq.pending_forks <= self.max_num_seqs
 
     def _capacity(self, seq: Sequence) -> int:
         """How many more tokens of `seq` fit in the free blocks."""

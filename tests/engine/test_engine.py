@@ -79,6 +79,22 @@ def test_block_accounting_after_1000_requests_with_preemption(tmp_path):
     assert engine.stats["preemptions"] > 0  # generate() itself raises if any block leaked
 
 
+def test_forked_samples_count_against_max_num_seqs(tmp_path, monkeypatch):
+    """Prompts admitted in one step fork their samples after it: the admission counts those samples too, so
+    the running batch stays within max_num_seqs (CUDA graphs are captured up to that size)."""
+    import rlcu.engine.model_runner as runner
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    sizes = []
+    real = runner.ModelRunner.decode
+    monkeypatch.setattr(runner.ModelRunner, "decode", lambda self, seqs, *a, **k: sizes.append(len(seqs)) or real(self, seqs, *a, **k))
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    sp = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[EOS])
+    got = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(prompts, sp)
+    assert sizes and max(sizes) == 8, str(sizes)
+    assert got.completion_ids == reference(model, prompts, sp).completion_ids
+
+
 def test_a_request_larger_than_the_pool_is_a_clear_error(tmp_path):
     model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
     with pytest.raises(ValueError, match="needs 3 KV blocks but the pool has 2"):
