@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from rlcu.kernels.decode_attention import default_num_splits
-from rlcu.kernels.shared_prefix_decode import MEMBERS, shared_prefix_num_splits
+from rlcu.kernels.shared_prefix_decode import MEMBERS, prefix_num_splits
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.order = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
         self.shared = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.skip = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -58,7 +59,7 @@ class DecodeGraphs:
 
     def run(self, ids, positions, slots, context_lens, tables, groups=None) -> torch.Tensor:
         """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (the model dtype, valid until the next run).
-        `groups`: (order, starts, shared) numpy arrays of `prefix_groups`, for shared-prefix decode."""
+        `groups`: (order, starts, shared, skip) numpy arrays of `prefix_groups`, for shared-prefix decode."""
         n, width = len(ids), tables.shape[1]
         bucket = bucket_for(n, self.max_batch)
         self.ids[:n].copy_(ids, non_blocking=True)
@@ -68,12 +69,14 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
         if groups is not None:
-            order, starts, shared = (torch.from_numpy(a) for a in groups)
+            order, starts, shared, skip = (torch.from_numpy(a) for a in groups)
             g = len(shared)
             self.order[:n].copy_(order, non_blocking=True)
             self.starts[:g + 1].copy_(starts, non_blocking=True)
             self.starts[g + 1:bucket + 1].fill_(n)  # the slots past the real groups have no members
             self.shared[:g].copy_(shared, non_blocking=True)
+            self.skip[:n].copy_(skip, non_blocking=True)
+            self.skip[n:bucket].fill_(0)  # padding rows: no prefix partials to read
         kind = self.runner.device.type
         key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None, groups is not None)
         if key not in self.graphs:
@@ -86,13 +89,14 @@ class DecodeGraphs:
         from rlcu.engine.model_runner import PagedAttention
 
         runner, hkv = self.runner, self.runner.model.config.num_key_value_heads
-        if grouped:  # splits sized for groups of MEMBERS, the usual case (G samples per prompt)
-            splits = shared_prefix_num_splits(max(1, bucket // MEMBERS), hkv)
-            groups = (self.order[:bucket], self.starts[:bucket + 1], self.shared[:bucket])
-        else:
-            splits, groups = default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2]), None
+        splits = default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2])
+        groups = prefix_splits = None
+        if grouped:  # prefix splits sized for groups of MEMBERS, the usual case (G samples per prompt)
+            prefix_splits = prefix_num_splits(max(1, bucket // MEMBERS), hkv)
+            groups = (self.order[:bucket], self.starts[:bucket + 1], self.shared[:bucket], self.skip[:bucket])
         attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
-                                   self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups)
+                                   self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups,
+                                   prefix_splits=prefix_splits)
         # the autocast cache would keep casts made during capture alive outside the graph's memory
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):

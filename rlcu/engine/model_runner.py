@@ -15,7 +15,7 @@ from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import decode_attention, triton_supports
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
 from rlcu.kernels.rope_store_kv import rope_store_kv
-from rlcu.kernels.shared_prefix_decode import prefix_groups, shared_prefix_decode_triton, shared_prefix_num_splits
+from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_num_splits, shared_prefix_decode_triton
 from rlcu.models.llama import CausalLM
 
 
@@ -29,17 +29,19 @@ class PagedAttention:
     """The attention context of one step: write this step's K/V into the cache, then attend over it."""
 
     def __init__(self, runner: "ModelRunner", slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
-                 num_splits: int | None = None, tiles=None, groups=None):
-        """`groups`: (order, starts, shared) of `prefix_groups` on the device, for shared-prefix decode."""
+                 num_splits: int | None = None, tiles=None, groups=None, prefix_splits: int | None = None):
+        """`groups`: (order, starts, shared, skip) of `prefix_groups` on the device, for shared-prefix decode."""
         self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
         self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
+        self.prefix_splits = prefix_splits
         self.scale = runner.model.config.head_dim ** -0.5
 
     def __call__(self, layer_idx, q, k, v, cos, sin):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots)
         if self.decode_only and self.groups is not None:
-            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits)
+            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits,
+                                              self.prefix_splits)
         elif self.decode_only:
             out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
         else:
@@ -132,12 +134,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(len(seqs), table.shape[1]):
             return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table, groups), seqs
         dev = self.device
-        splits = None
+        prefix_splits = None
         if groups is not None:
-            splits = shared_prefix_num_splits(len(groups[2]), self.model.config.num_key_value_heads)
+            prefix_splits = prefix_num_splits(len(groups[2]), self.model.config.num_key_value_heads)
             groups = tuple(torch.from_numpy(a).to(dev) for a in groups)
         attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True,
-                                   num_splits=splits, groups=groups)
+                                   groups=groups, prefix_splits=prefix_splits)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
         return self.model.lm_head(hidden[0]), seqs
 

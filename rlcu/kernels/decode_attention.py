@@ -4,7 +4,9 @@ Triton: one program per (sequence, KV head, split). It serves every query head o
 once (any group size, padded to a power of two), walks its share of the sequence's tokens in tiles of
 `block_n` (gathered across cache blocks) with an online softmax, and writes a partial output with its
 log-sum-exp; the splits are then combined. Split-KV keeps all SMs busy when there are few sequences
-with long contexts. Each sequence divides its own tokens among the splits, so the launch depends on no host-side length and can be captured in a CUDA graph."""
+with long contexts. Each sequence divides its own tokens among the splits, so the launch depends on no host-side length and can be captured in a CUDA graph.
+Shared-prefix decode (shared_prefix_decode.py) runs this kernel after its own: each sequence then reads only
+the tokens past its group's shared prompt, starting from the partial softmax of those."""
 from __future__ import annotations
 
 import torch
@@ -32,15 +34,19 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 if HAS_TRITON:
     @triton.jit
-    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, scale, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
-                       stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, num_splits,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr):
+    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, SKIP, PO, PLSE, scale, stride_qs, stride_qh, stride_kb, stride_kt,
+                       stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, stride_ps,
+                       stride_ph, stride_pp, stride_pls, stride_plh, num_splits, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(CTX + s)
-        num_tiles = tl.cdiv(ctx, BLOCK_N)
+        skip = 0
+        if PREFIX_SPLITS > 0:  # tokens before `skip` were attended by shared_prefix_decode's first kernel
+            skip = tl.load(SKIP + s)
+        num_tiles = tl.cdiv(ctx - skip, BLOCK_N)
         per_split = tl.cdiv(num_tiles, num_splits)
         first = split * per_split
         last = tl.minimum(first + per_split, num_tiles)
@@ -53,8 +59,21 @@ if HAS_TRITON:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if PREFIX_SPLITS > 0:
+            if (split == 0) & (skip > 0):  # the softmax state of the shared tokens: m = their lse, l = 1, acc = out
+                for i in tl.static_range(PREFIX_SPLITS):
+                    lse_p = tl.load(PLSE + s * stride_pls + heads * stride_plh + i, mask=gmask, other=float("-inf"))
+                    o_p = tl.load(PO + s * stride_ps + heads[:, None] * stride_ph + i * stride_pp + d[None, :],
+                                  mask=gmask[:, None], other=0.0)
+                    m_new = tl.maximum(m, lse_p)
+                    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m - shift)
+                    w = tl.exp(lse_p - shift)
+                    acc = acc * alpha[:, None] + o_p * w[:, None]
+                    l = l * alpha + w
+                    m = m_new
         for tile in range(first, last):
-            token = tile * BLOCK_N + n
+            token = skip + tile * BLOCK_N + n
             tmask = token < ctx
             k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, tmask, stride_kb, stride_kt, kvh * stride_kh, d,
                                 BLOCK_SIZE)
@@ -82,7 +101,9 @@ def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: 
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                            block_n: int = 64):
+                            block_n: int = 64, prefix=None):
+    """`prefix`: (skip [S], out [S, Hq, P, D], lse [S, Hq, P]) from shared_prefix_decode: each sequence's first
+    `skip` tokens are already attended, in P partials, and only the rest is read here."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
@@ -90,13 +111,15 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
     group = hq // hkv
     partial, lse = split_buffers(q, num_splits)
+    skip, po, plse = prefix if prefix is not None else (context_lens, lse[:, :, None], lse)  # unread without a prefix
     _decode_kernel[(n_seq, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
+        q, k_cache, v_cache, block_tables, context_lens, partial, lse, skip, po, plse, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
-        partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), num_splits,
+        partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), po.stride(0), po.stride(1), po.stride(2),
+        plse.stride(0), plse.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
-        WRITE_LSE=num_splits > 1)
+        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0)
     return combine_splits(partial, lse, q.dtype)
 
 

@@ -1,6 +1,7 @@
 """Decode attention for groups that share their first KV blocks, against the plain reference and float64:
 groups of several sizes (one larger than a program's MEMBERS), a sequence sharing nothing, shared
-prefixes that end inside a tile, GQA groups of 1, 2 and 3, and empty group slots as a CUDA graph leaves them."""
+prefixes that end inside a tile, GQA groups of 1, 2 and 3, the shared and own tokens each divided among
+splits (more prefix splits than shared tiles, too), and empty group slots as a CUDA graph leaves them."""
 import math
 
 import numpy as np
@@ -34,21 +35,22 @@ def forked_tables(groups, block_size, seed=0):
 
 def test_prefix_groups_finds_each_groups_common_blocks():
     table, ctx = forked_tables([(3, 2, [1, 5, 20]), (1, 0, [9]), (MEMBERS + 2, 1, [3] * (MEMBERS + 2))], 4)
-    order, starts, shared = prefix_groups(table, 4, np.array(ctx))
+    order, starts, shared, skip = prefix_groups(table, 4, np.array(ctx))
     assert sorted(order.tolist()) == list(range(len(ctx)))
     sizes = sorted(np.diff(starts).tolist())
     assert sizes == [1, 2, 3, MEMBERS]  # the large group cut into chunks of MEMBERS
     by_size = {int(b - a): int(s) for a, b, s in zip(starts[:-1], starts[1:], shared)}
     assert by_size == {3: 8, 1: 0, MEMBERS: 4, 2: 4}
-    for a, b in zip(starts[:-1], starts[1:]):  # members of one group share their first block
+    for a, b, n in zip(starts[:-1], starts[1:], shared):  # members of one group share their first block
         assert len({int(table[i, 0]) for i in order[a:b]}) == 1
+        assert (skip[order[a:b]] == n).all()  # and each member skips its group's shared tokens
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (9, 3), (4, 4)])
 @pytest.mark.parametrize("block_size,block_n", [(16, 64), (12, 32)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_shared_prefix_decode_matches_plain_attention(dtype, hq, hkv, block_size, block_n, num_splits):
+@pytest.mark.parametrize("num_splits,prefix_splits", [(1, 1), (3, 2), (1, 5)])
+def test_shared_prefix_decode_matches_plain_attention(dtype, hq, hkv, block_size, block_n, num_splits, prefix_splits):
     d = 64
     table, ctx = forked_tables([(5, 3, [1, 17, 40, 2, 64]), (1, 0, [30]), (MEMBERS + 3, 2, list(range(1, MEMBERS + 4))),
                                 (2, 5, [16, 7])], block_size, seed=1)
@@ -57,15 +59,15 @@ def test_shared_prefix_decode_matches_plain_attention(dtype, hq, hkv, block_size
     k = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype).to(DEVICE)
     v = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype).to(DEVICE)
     q = torch.randn(len(ctx), hq, d, generator=g).to(dtype).to(DEVICE)
-    order, starts, shared = prefix_groups(table, block_size, np.array(ctx))
+    order, starts, shared, skip = prefix_groups(table, block_size, np.array(ctx))
     slots = len(ctx) + 4  # a CUDA graph's grid: more slots than groups, the rest without members
     starts = np.append(starts, [starts[-1]] * (slots + 1 - len(starts)))
     shared = np.append(shared, [0] * (slots - len(shared)))
     dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
     t, c = dev(table), torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
     scale = 1 / math.sqrt(d)
-    got = shared_prefix_decode_triton(q, k, v, t, c, dev(order), dev(starts), dev(shared), scale, num_splits,
-                                      block_n=block_n)
+    got = shared_prefix_decode_triton(q, k, v, t, c, dev(order), dev(starts), dev(shared), dev(skip), scale, num_splits,
+                                      prefix_splits, block_n=block_n)
     ref = decode_attention_reference(q, k, v, t, c, scale)
     exact = float64_attention(q, k, v, t.cpu(), ctx, [(s, n - 1) for s, n in enumerate(ctx)])
     atol, rtol = TOLERANCE[dtype]
