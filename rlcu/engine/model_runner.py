@@ -14,7 +14,7 @@ from rlcu.engine.sequence import Sequence
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import decode_attention, triton_supports
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
-from rlcu.kernels.rope_store_kv import rope_store_kv
+from rlcu.kernels.rope_store_kv import rope_store_kv, supported as rope_supported
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_num_splits, shared_prefix_decode_triton
 from rlcu.models.llama import CausalLM
 
@@ -35,10 +35,15 @@ class PagedAttention:
         self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
         self.prefix_splits = prefix_splits
         self.scale = runner.model.config.head_dim ** -0.5
+        self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
 
     def __call__(self, layer_idx, q, k, v, cos, sin):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
-        q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots)
+        norm = ()
+        if self.applies_qk_norm:
+            attn = self.runner.model.model.layers[layer_idx].self_attn
+            norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+        q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:
             out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits,
                                               self.prefix_splits)
@@ -65,6 +70,9 @@ class ModelRunner:
         self.graphs = None
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence
         self.shared_prefix = shared_prefix and use_triton(p) and triton_supports(cfg.head_dim, block_size)
+        # the fused kernel rounds the normed q/k once, to the cache dtype: not for wider norm weights (autocast)
+        self.fuse_qk_norm = bool(cfg.qk_norm) and use_triton(p) and rope_supported(cfg.head_dim) and all(
+            layer.self_attn.q_norm.weight.dtype == self.dtype for layer in model.model.layers)
         if cuda_graphs and p.is_cuda and use_triton(p) and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)

@@ -17,7 +17,8 @@ class AttentionContext(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor:
         """q: [B, T, Hq, D], k/v: [B, T, Hkv, D], before RoPE; cos/sin: [B, T, 1, D] -> [B, T, Hq, D].
-        The context applies RoPE, so that the engine can fuse it with its KV-cache write."""
+        The context applies RoPE, so that the engine can fuse it with its KV-cache write. A context whose
+        `applies_qk_norm` is true also applies the layer's q/k RMSNorm (Qwen3), which then arrive unnormalised."""
 
 
 def causal_key_mask(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:

@@ -64,7 +64,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not getattr(attention, "applies_qk_norm", False):
             q, k = self.q_norm(q), self.k_norm(k)
         out = attention(self.layer_idx, q, k, v, cos, sin)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))

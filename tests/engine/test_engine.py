@@ -135,18 +135,23 @@ def test_smollm2_greedy_matches_reference_and_transformers(smollm2_folder):
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monkeypatch):
-    """The engine with its Triton kernels (KV write, paged decode) run by TRITON_INTERPRET=1 on the CPU, fp32."""
+    """The engine with its Triton kernels (KV write with Qwen3's q/k norms, paged decode) run by
+    TRITON_INTERPRET=1 on the CPU, fp32."""
+    import rlcu.engine.model_runner as runner
     import rlcu.kernels.decode_attention as decode
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
     sp = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS])
     want = reference(model, PROMPTS, sp)
     monkeypatch.setenv("RLCU_TRITON", "1")
-    calls = []
+    calls, normed = [], []
     real = decode.decode_attention_triton
     monkeypatch.setattr(decode, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_rope = runner.rope_store_kv
+    monkeypatch.setattr(runner, "rope_store_kv", lambda *a: normed.append(len(a) == 11) or real_rope(*a))
     got = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=8)).generate(PROMPTS, sp)
     assert calls, "the Triton decode kernel did not run"
+    assert normed and all(normed), "the q/k norms were not fused into the RoPE + KV-write kernel"
     assert got.completion_ids == want.completion_ids
 
 

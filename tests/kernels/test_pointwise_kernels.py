@@ -69,9 +69,11 @@ def test_rope(dtype, heads, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (16, 8, 128), (2, 1, 16)])
-def test_rope_store_kv(dtype, hq, hkv, head_dim):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_rope_store_kv(dtype, hq, hkv, head_dim, qk_norm):
     """The fused kernel reads q/k/v as strided views of one projection output (as the model hands them
-    over), rotates q, rotates k into its cache slot, copies v, and skips slot -1."""
+    over), RMS-normalises each q/k head when given the weights (Qwen3), rotates q, rotates k into its
+    cache slot, copies v, and skips slot -1."""
     from rlcu.kernels.rope_store_kv import rope_store_kv_reference, rope_store_kv_triton
 
     g = torch.Generator().manual_seed(3)
@@ -84,22 +86,28 @@ def test_rope_store_kv(dtype, hq, hkv, head_dim):
     cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
     slots = torch.tensor([0, 17, 131, -1, 5, 64], device=DEVICE)  # -1: a padding row writes nowhere
     caches = [torch.zeros(blocks, block_size, hkv, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
-    got = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
-    ref = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots)
+    norm = ()
+    if qk_norm:
+        norm = tuple((1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)) + (1e-6,)
+    got = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, *norm)
+    ref = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots, *norm)
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
     assert torch.allclose(caches[0].double(), caches[2].double(), atol=atol, rtol=rtol)
     assert torch.equal(caches[1], caches[3])
 
-    def rotate64(x):
+    def rotate64(x, w=None):
         x64 = x.double().cpu()
+        if w is not None:
+            x64 = w.double().cpu() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
         half = head_dim // 2
         return x64 * emb.cos()[:, None] + torch.cat((-x64[..., half:], x64[..., :half]), -1) * emb.sin()[:, None]
 
-    assert torch.allclose(got.double().cpu(), rotate64(q), atol=4 * atol, rtol=rtol)  # cos/sin themselves are rounded
+    q64, k64 = (rotate64(q, norm[0]), rotate64(k, norm[1])) if qk_norm else (rotate64(q), rotate64(k))
+    assert torch.allclose(got.double().cpu(), q64, atol=4 * atol, rtol=rtol)  # cos/sin themselves are rounded
     flat_k = caches[0].view(-1, hkv, head_dim).double().cpu()
     keep = slots.cpu() >= 0
-    assert torch.allclose(flat_k[slots.cpu()[keep]], rotate64(k)[keep], atol=4 * atol, rtol=rtol)
+    assert torch.allclose(flat_k[slots.cpu()[keep]], k64[keep], atol=4 * atol, rtol=rtol)
     assert torch.equal(caches[1].view(-1, hkv, head_dim)[slots[keep]], v[keep.to(DEVICE)])
     written = torch.zeros(blocks * block_size, dtype=torch.bool)
     written[slots.cpu()[keep]] = True
