@@ -23,6 +23,7 @@ QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, interm
                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
                  tie_word_embeddings=True, qk_norm=True)
 STANDARD = "qwen3-0.6b-random"
+SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
 
 
 def word_tokenizer(vocab_size: int):
@@ -80,9 +81,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--no_lookahead", dest="lookahead", action="store_false",
                        help="wait for each decode step's tokens on the host before launching the next")
         s.add_argument("--block_size", type=int, default=16)
-        s.add_argument("--shared_prefix", action="store_true",
-                       help="decode attention reads the prompt blocks a group of samples shares once for all of them "
-                            "(off by default: slower so far, docs/benchmarks.md)")
+        s.add_argument("--shared_prefix", choices=("auto", "on", "off"), default="auto",
+                       help="decode attention reads the prompt blocks a group of samples shares once for all of them: "
+                            "auto (the engine's default) at decode steps of 128 sequences or more, on at any size")
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")
@@ -118,7 +119,7 @@ def bench_rollout(args) -> dict:
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
-                                           lookahead=args.lookahead, shared_prefix=args.shared_prefix))
+                                           lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix]))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
     runs = []
     for i in range(1 + args.repeats):
@@ -161,7 +162,7 @@ def bench_step(args) -> dict:
         return [float(len(c)) for c in completions]
 
     rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs, lookahead=args.lookahead,
-                            shared_prefix=args.shared_prefix,
+                            shared_prefix=SHARED_PREFIX[args.shared_prefix],
                             release_memory=not args.keep_memory, max_num_seqs=max(256, args.prompts * args.generations))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,

@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from rlcu.kernels.decode_attention import default_num_splits
-from rlcu.kernels.shared_prefix_decode import MEMBERS, prefix_num_splits
+from rlcu.kernels.shared_prefix_decode import prefix_plan
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        # shared-prefix groups (see kernels/shared_prefix_decode.py): a slot per possible group
+        # shared-prefix groups (see kernels/shared_prefix_decode.py): room for every possible group
         self.order = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
         self.shared = torch.zeros(max_batch, dtype=torch.int32, device=dev)
@@ -68,32 +68,34 @@ class DecodeGraphs:
         self.slots[n:bucket].fill_(-1)
         self.context_lens[:n].copy_(context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        plan = None
         if groups is not None:
-            order, starts, shared, skip = (torch.from_numpy(a) for a in groups)
+            order, starts, shared, skip = groups
             g = len(shared)
-            self.order[:n].copy_(order, non_blocking=True)
-            self.starts[:g + 1].copy_(starts, non_blocking=True)
-            self.starts[g + 1:bucket + 1].fill_(n)  # the slots past the real groups have no members
-            self.shared[:g].copy_(shared, non_blocking=True)
-            self.skip[:n].copy_(skip, non_blocking=True)
+            plan = prefix_plan(g, int(shared.max()), self.runner.model.config.num_key_value_heads)
+            self.order[:n].copy_(torch.from_numpy(order), non_blocking=True)
+            self.starts[:g + 1].copy_(torch.from_numpy(starts), non_blocking=True)
+            self.starts[g + 1:plan[0] + 1].fill_(int(starts[-1]))  # the slots past the real groups have no members
+            self.shared[:g].copy_(torch.from_numpy(shared), non_blocking=True)
+            self.skip[:n].copy_(torch.from_numpy(skip), non_blocking=True)
             self.skip[n:bucket].fill_(0)  # padding rows: no prefix partials to read
         kind = self.runner.device.type
-        key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None, groups is not None)
+        key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None, plan)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, key[1], key[2])
+            self.graphs[key] = self._capture(bucket, key[1], plan)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]
 
-    def _forward(self, bucket: int, autocast_dtype, grouped: bool):
+    def _forward(self, bucket: int, autocast_dtype, plan: tuple[int, int] | None):
         from rlcu.engine.model_runner import PagedAttention
 
         runner, hkv = self.runner, self.runner.model.config.num_key_value_heads
         splits = default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2])
         groups = prefix_splits = None
-        if grouped:  # prefix splits sized for groups of MEMBERS, the usual case (G samples per prompt)
-            prefix_splits = prefix_num_splits(max(1, bucket // MEMBERS), hkv)
-            groups = (self.order[:bucket], self.starts[:bucket + 1], self.shared[:bucket], self.skip[:bucket])
+        if plan is not None:  # (group slots, prefix splits) of prefix_plan
+            slots, prefix_splits = plan
+            groups = (self.order[:bucket], self.starts[:slots + 1], self.shared[:slots], self.skip[:bucket])
         attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
                                    self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups,
                                    prefix_splits=prefix_splits)
@@ -103,13 +105,13 @@ class DecodeGraphs:
             hidden = runner.model(self.ids[None, :bucket], self.positions[None, :bucket], attention)
             return runner.model.lm_head(hidden[0])  # the model dtype: the samplers upcast as they read
 
-    def _capture(self, bucket: int, autocast_dtype, grouped: bool):
+    def _capture(self, bucket: int, autocast_dtype, plan):
         stream = capture_stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, cuBLAS picks kernels
-            self._forward(bucket, autocast_dtype, grouped)
+            self._forward(bucket, autocast_dtype, plan)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            logits = self._forward(bucket, autocast_dtype, grouped)
+            logits = self._forward(bucket, autocast_dtype, plan)
         return graph, logits

@@ -52,9 +52,11 @@ class EngineConfig:
     # launch decode step n+1 on the GPU's tokens while the host finishes step n (on an H200: 512 sequences
     # 48,091 -> 57,042 tok/s, 64 sequences 25,718 -> 29,163; docs/benchmarks.md, 2026-11-30)
     lookahead: bool = True
-    # decode attention reads a group's shared prompt blocks once for all its samples (Triton on CUDA); off:
-    # on an H200 its first kernel made generation slower (32 x 8 x 512: 3.00 s against 2.49; benchmarks.md)
-    shared_prefix: bool = False
+    # decode attention reads a group's shared prompt blocks once for all its samples (Triton on CUDA). None:
+    # where the Triton kernels run, for decode steps of 128 sequences or more (on an H200, 32 x 8 x 512:
+    # generation 2.35 -> 2.22 s; at 8 x 8 it would cost 0.13 s; docs/benchmarks.md). True: at any batch
+    # size (and a warning where it cannot run); False: never
+    shared_prefix: bool | None = None
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -140,7 +142,7 @@ class LLMEngine:
             graphs = self.config.cuda_graphs and not is_sharded(self.model)
             self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.max_num_seqs, graphs,
                                       shared_prefix=self.config.shared_prefix)
-            if self.config.shared_prefix and not self.runner.shared_prefix and not self._said_no_shared_prefix:
+            if self.config.shared_prefix is True and not self.runner.shared_prefix and not self._said_no_shared_prefix:
                 self._said_no_shared_prefix = True  # once per engine, not at every rollout
                 log.warning("shared_prefix needs the Triton kernels (a CUDA device, a power-of-two head_dim >= 16): "
                             "decoding with the plain attention kernel instead")

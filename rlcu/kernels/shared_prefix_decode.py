@@ -13,11 +13,12 @@ batch's decode step. A first version served a group's own tokens in the same pro
 combined splits in PyTorch: its kernel read fewer bytes, but the combine's four launches per layer cost
 more than that saved (H200, 32 x 8 x 512: generation 2.65 s against the plain 2.48 s; docs/benchmarks.md).
 
-Groups arrive as `order` (sequence indices, each group's members together), `starts` [num_groups + 1]
-(where each group begins in `order`), `shared` [num_groups] (the tokens of their common blocks, cut at the
-shortest member's context) and `skip` [num_sequences] (each sequence's group's `shared`). Group slots
-past the real groups have no members and return at once, so that a CUDA graph can be captured for the
-largest count."""
+Groups arrive as `order` (sequence indices, each group's members together, the groups that share
+something first), `starts` [num_groups + 1] (where each sharing group begins in `order`), `shared`
+[num_groups] (the tokens of their common blocks, cut at the shortest member's context) and `skip`
+[num_sequences] (each sequence's group's `shared`, 0 for a sequence that shares nothing). Group slots past
+the real groups have no members and return at once, so that a CUDA graph can be captured for more groups
+than a step has."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def prefix_groups(tables: np.ndarray, block_size: int, context_lens: np.ndarray,
     """(order, starts, shared, skip) for a step's block tables [n, width] (0-padded) and context lengths:
     sequences whose first block is the same physical block share the blocks up to where their tables
     first differ (and never past a member's context). Groups larger than `members` are cut into chunks;
-    a sequence that shares nothing is a group of one."""
+    sequences that share nothing come last in `order`, outside every group."""
     n = tables.shape[0]
     order = np.argsort(tables[:, 0], kind="stable").astype(np.int32)
     first = tables[order, 0]
@@ -51,7 +52,20 @@ def prefix_groups(tables: np.ndarray, block_size: int, context_lens: np.ndarray,
     shared = np.where(sizes > 1, np.minimum(common * block_size, within), 0).astype(np.int32)
     skip = np.empty(n, dtype=np.int32)
     skip[order] = np.repeat(shared, sizes)
-    return order, np.append(starts, n).astype(np.int32), shared, skip
+    keep = shared > 0  # the prefix kernel's grid: only groups that share something
+    member_of_kept = np.repeat(keep, sizes)
+    order = np.concatenate([order[member_of_kept], order[~member_of_kept]])
+    starts = np.append(0, np.cumsum(sizes[keep])).astype(np.int32)
+    return order, starts, shared[keep], skip
+
+
+def prefix_plan(num_groups: int, max_shared: int, num_kv_heads: int, block_n: int = 64) -> tuple[int, int]:
+    """(group slots, prefix splits) of the prefix kernel's grid: slots a power of two (a CUDA graph
+    serves every step with as many groups or fewer); splits to spread a few groups' prompts over an
+    H200's 132 SMs, never more than the shared tiles."""
+    slots = 1 << max(0, (num_groups - 1).bit_length())
+    tiles = max(1, -(-max_shared // block_n))
+    return slots, max(1, min(8, tiles, 132 * 4 // max(1, slots * num_kv_heads)))
 
 
 if HAS_TRITON:
@@ -105,15 +119,11 @@ if HAS_TRITON:
             tl.store(PLSE + seq * stride_ls + head * stride_lh + split, lse, mask=row_ok)
 
 
-def prefix_num_splits(num_groups: int, num_kv_heads: int) -> int:
-    """Programs for the shared tiles: enough to spread a few groups' prompts over an H200's 132 SMs."""
-    return max(1, min(8, 132 * 4 // max(1, num_groups * num_kv_heads)))
-
-
 def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens, order, starts, shared, skip, scale,
                                 num_splits: int | None = None, prefix_splits: int = 1, block_n: int = 64):
     """As decode_attention over the same inputs, for sequences grouped by `prefix_groups` (on the device).
-    `num_splits` divides each sequence's own tokens (None: as plain decode), `prefix_splits` the shared ones."""
+    `num_splits` divides each sequence's own tokens (None: as plain decode), `prefix_splits` the shared ones.
+    The prefix kernel's grid has a slot per entry of `shared`."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv

@@ -8,7 +8,7 @@ from rlcu.rollout.base import RolloutBatch, SamplingParams
 class NativeRollout:
     def __init__(self, block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  memory_fraction: float = 0.5, num_blocks: int | None = None, cuda_graphs: bool = True,
-                 release_memory: bool = True, lookahead: bool = True, shared_prefix: bool = False):
+                 release_memory: bool = True, lookahead: bool = True, shared_prefix: bool | None = None):
         """`release_memory=False` keeps the KV pool and CUDA graphs between rollouts: faster steps (no
         re-allocation, no graph capture) for the price of that memory during training. `lookahead`,
         `shared_prefix`: see `EngineConfig`."""

@@ -181,6 +181,28 @@ def test_shared_prefix_decode_under_the_interpreter(tmp_path, monkeypatch, confi
             == LLMEngine(model, plain).generate(PROMPTS, sampled).completion_ids)
 
 
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+def test_shared_prefix_by_default_only_on_large_decode_steps(tmp_path, monkeypatch):
+    """The default (shared_prefix=None) groups samples only at decode steps of SHARED_PREFIX_MIN_SEQS or more
+    (here lowered to 10): as sequences stop, the smaller steps go back to the plain kernel."""
+    import rlcu.engine.model_runner as runner
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32))
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    monkeypatch.setattr(runner, "SHARED_PREFIX_MIN_SEQS", 10)
+    steps, grouped = [], []
+    real_decode, real_shared = runner.ModelRunner.decode, runner.shared_prefix_decode_triton
+    monkeypatch.setattr(runner.ModelRunner, "decode", lambda self, seqs, *a, **k: steps.append(len(seqs)) or real_decode(self, seqs, *a, **k))
+    monkeypatch.setattr(runner, "shared_prefix_decode_triton", lambda q, *a: grouped.append(q.shape[0]) or real_shared(q, *a))
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)]
+    sp = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=5)
+    got = LLMEngine(model, EngineConfig(block_size=4)).generate(prompts, sp)
+    assert grouped and min(grouped) >= 10 and min(steps) < 10, (steps, grouped)
+    plain = LLMEngine(model, EngineConfig(block_size=4, shared_prefix=False)).generate(prompts, sp)
+    assert got.completion_ids == plain.completion_ids
+
+
 def test_stop_strings_end_completions_in_both_backends(tmp_path):
     from rlcu.bench import word_tokenizer
 
@@ -225,4 +247,7 @@ def test_shared_prefix_without_triton_says_so_once(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="rlcu.engine.llm_engine"):
         got = [engine.generate(PROMPTS, sp) for _ in range(2)]
     assert sum("shared_prefix needs the Triton kernels" in r.message for r in caplog.records) == 1
-    assert got[0].completion_ids == LLMEngine(model).generate(PROMPTS, sp).completion_ids
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlcu.engine.llm_engine"):
+        plain = LLMEngine(model).generate(PROMPTS, sp)  # the default (auto) asks for nothing: no warning
+    assert got[0].completion_ids == plain.completion_ids and not caplog.records

@@ -10,7 +10,7 @@ import torch
 
 from rlcu.kernels import _triton
 from rlcu.kernels.decode_attention import decode_attention_reference
-from rlcu.kernels.shared_prefix_decode import MEMBERS, prefix_groups, shared_prefix_decode_triton
+from rlcu.kernels.shared_prefix_decode import MEMBERS, prefix_groups, prefix_plan, shared_prefix_decode_triton
 from tests.kernels.test_attention_kernels import DEVICE, DTYPES, TOLERANCE, float64_attention
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
@@ -38,12 +38,20 @@ def test_prefix_groups_finds_each_groups_common_blocks():
     order, starts, shared, skip = prefix_groups(table, 4, np.array(ctx))
     assert sorted(order.tolist()) == list(range(len(ctx)))
     sizes = sorted(np.diff(starts).tolist())
-    assert sizes == [1, 2, 3, MEMBERS]  # the large group cut into chunks of MEMBERS
+    assert sizes == [2, 3, MEMBERS]  # the large group cut into chunks of MEMBERS; the lone sequence in none
     by_size = {int(b - a): int(s) for a, b, s in zip(starts[:-1], starts[1:], shared)}
-    assert by_size == {3: 8, 1: 0, MEMBERS: 4, 2: 4}
+    assert by_size == {3: 8, MEMBERS: 4, 2: 4}
+    assert order[-1] == 3 and skip[3] == 0  # the sequence that shares nothing: last, and skips nothing
     for a, b, n in zip(starts[:-1], starts[1:], shared):  # members of one group share their first block
         assert len({int(table[i, 0]) for i in order[a:b]}) == 1
         assert (skip[order[a:b]] == n).all()  # and each member skips its group's shared tokens
+
+
+@pytest.mark.parametrize("groups,max_shared", [(1, 5), (3, 128), (32, 128), (33, 4000)])
+def test_prefix_plan_has_a_slot_per_group_and_no_split_without_a_tile(groups, max_shared):
+    slots, splits = prefix_plan(groups, max_shared, num_kv_heads=8)
+    assert slots >= groups and slots & (slots - 1) == 0
+    assert 1 <= splits <= -(-max_shared // 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
