@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
-# PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8 and their micro-batch variants), rlcu-extra
-# (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
+# PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8, with and without shared-prefix decode, and
+# the micro-batch variants), rlcu-extra (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
 # hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
 # the SmolLM2 weights, RLCU_SMOLLM2_GGUF). PEERS_DIR holds ../shared/peers (default .peers).
 set -uo pipefail
@@ -16,11 +16,14 @@ case $part in
     log rollout512 rlcu bench rollout --sequences 512 --new_tokens 512
     log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --profile "$out/prof8x8"
     log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3
-    # the micro-batch: 16 rows (the peer's) leave the GPU waiting on the host's kernel launches
-    log step8x8mb16 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --micro_batch_size 16
-    log step32x8mb128 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --micro_batch_size 128
     log step32x8nockpt rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --micro_batch_size 32 \
-      --no_gradient_checkpointing ;;
+      --no_gradient_checkpointing
+    # shared-prefix decode (by default at decode steps of 128 sequences or more) off, and at the threshold
+    log step32x8plain rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --shared_prefix off
+    log step16x8 rlcu bench step --prompts 16 --generations 8 --new_tokens 512 --steps 3
+    log step16x8plain rlcu bench step --prompts 16 --generations 8 --new_tokens 512 --steps 3 --shared_prefix off
+    # the micro-batch: 16 rows (the peer's) leave the GPU waiting on the host's kernel launches
+    log step8x8mb16 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --micro_batch_size 16 ;;
   rlcu-extra)
     # without the engine's look-ahead, for its share; padding-free training (off by default)
     log rollout512nola rlcu bench rollout --sequences 512 --new_tokens 512 --no_lookahead

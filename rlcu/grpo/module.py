@@ -350,16 +350,28 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
                                "completions apart, or set filter_zero_std_groups=false")
         return {"skipped_updates": 1.0}
 
-    def _micro_batches(self, idx: torch.Tensor) -> list[torch.Tensor]:
-        return list(idx.split(self.hparams.micro_batch_size))
+    def _stage(self, b: dict, idx: torch.Tensor) -> dict:
+        """The kept rows of the host batch, each tensor copied to the device once, from pinned memory and without
+        waiting: the micro-batch loop then slices device tensors and queues no copy of its own (one from
+        pageable memory can hold the host until the GPU has drained its queue). The attention mask stays on the
+        host as well, where padding is detected."""
+        keys = ("input_ids", "attention_mask", "loss_mask", "advantages", "sampler_logps")
+        host = {k: b[k][idx] for k in keys}
+        cuda = self.device.type == "cuda"
+        staged = {k: v.pin_memory().to(self.device, non_blocking=True) if cuda else v for k, v in host.items()}
+        staged["host_attention_mask"] = host["attention_mask"]
+        staged["num_items"] = host["loss_mask"].sum().float()
+        return staged
 
-    def _logps(self, model, b: dict, rows: torch.Tensor, grad: bool):
-        """b holds host tensors: the copies are queued without waiting for the GPU (a blocking copy would
-        synchronise the stream at every micro-batch), and padding is detected on the host."""
-        dev = self.device
-        ids, mask = b["input_ids"][rows], b["attention_mask"][rows]
-        padded = self.hparams.packing or not bool(mask.all())
-        ids, mask = ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True) if padded else None
+    def _micro_batches(self, n: int) -> list[slice]:
+        mb = self.hparams.micro_batch_size
+        return [slice(s, min(s + mb, n)) for s in range(0, n, mb)]
+
+    def _logps(self, model, b: dict, rows: slice, grad: bool):
+        """`b` from `_stage`: device tensors, and the attention mask on the host too (no device sync to
+        find out whether the micro-batch is padded)."""
+        padded = self.hparams.packing or not bool(b["host_attention_mask"][rows].all())
+        ids, mask = b["input_ids"][rows], b["attention_mask"][rows] if padded else None
         with torch.set_grad_enabled(grad):
             return completion_logprobs(model, ids, mask, b["loss_mask"].shape[1], self.hparams.temperature,
                                        packed=self.hparams.packing)
@@ -367,16 +379,16 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
     def _update(self, b: dict, keep: torch.Tensor) -> dict[str, float]:
         hp = self.hparams
         self._skips = 0
-        idx = keep.nonzero()[:, 0]
-        mbs = self._micro_batches(idx)
+        b = self._stage(b, keep.nonzero()[:, 0])
+        mbs = self._micro_batches(len(b["input_ids"]))
         old = ref = None
         if hp.num_iterations > 1 and hp.old_logprobs == "engine":
-            old = b["sampler_logps"][idx].to(self.device, non_blocking=True)
+            old = b["sampler_logps"]
         elif hp.num_iterations > 1:  # the policy moves between iterations: freeze the sampling-time logprobs
             old = torch.cat([self._logps(self.policy, b, r, grad=False)[0] for r in mbs])
         if self.ref_model is not None:
             ref = torch.cat([self._logps(self.ref_model, b, r, grad=False)[0] for r in mbs])
-        num_items = b["loss_mask"][idx].sum().float()
+        num_items = b["num_items"]
         loss_items = num_items  # dapo's normaliser: the step's completion tokens over every rank
         world = self._world_size
         if world > 1:  # DDP averages gradients, so each rank divides by the global count / world size
@@ -387,21 +399,18 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         for it in range(hp.num_iterations):
             opt.zero_grad()
             total = torch.zeros((), device=self.device)
-            start = 0
             for rows in mbs:
-                sl = slice(start, start + len(rows))
-                start += len(rows)
                 logps, entropy = self._logps(self.policy, b, rows, grad=True)
-                mask = b["loss_mask"][rows].to(self.device, non_blocking=True).float()
-                adv = b["advantages"][rows].to(self.device, non_blocking=True)
-                old_lp = old[sl] if old is not None else logps.detach()
+                mask = b["loss_mask"][rows].float()
+                adv = b["advantages"][rows]
+                old_lp = old[rows] if old is not None else logps.detach()
                 ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
-                                                  hp.importance_sampling_level, ref[sl] if ref is not None else None, hp.beta)
+                                                  hp.importance_sampling_level, ref[rows] if ref is not None else None, hp.beta)
                 loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), loss_items)
                 self.manual_backward(loss)
                 total += loss.detach()
                 if it == 0:  # sampler vs trainer logprobs of the same tokens under the same weights
-                    gap = (logps.detach() - b["sampler_logps"][rows].to(self.device, non_blocking=True)).abs() * mask
+                    gap = (logps.detach() - b["sampler_logps"][rows]).abs() * mask
                     gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
                 stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
             if isinstance(opt.optimizer, MasterWeightAdamW):
