@@ -18,10 +18,10 @@ case $part in
     log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3
     log step32x8nockpt rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --micro_batch_size 32 \
       --no_gradient_checkpointing
-    # shared-prefix decode (by default at decode steps of 128 sequences or more) off, and at the threshold
+    # shared-prefix decode (by default at decode steps of 256 sequences or more) off; and forced on at 128
     log step32x8plain rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --shared_prefix off
     log step16x8 rlcu bench step --prompts 16 --generations 8 --new_tokens 512 --steps 3
-    log step16x8plain rlcu bench step --prompts 16 --generations 8 --new_tokens 512 --steps 3 --shared_prefix off
+    log step16x8shared rlcu bench step --prompts 16 --generations 8 --new_tokens 512 --steps 3 --shared_prefix on
     # the micro-batch: 16 rows (the peer's) leave the GPU waiting on the host's kernel launches
     log step8x8mb16 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --micro_batch_size 16 ;;
   rlcu-extra)

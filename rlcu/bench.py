@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--block_size", type=int, default=16)
         s.add_argument("--shared_prefix", choices=("auto", "on", "off"), default="auto",
                        help="decode attention reads the prompt blocks a group of samples shares once for all of them: "
-                            "auto (the engine's default) at decode steps of 128 sequences or more, on at any size")
+                            "auto (the engine's default) at decode steps of 256 sequences or more, on at any size")
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")

@@ -53,9 +53,9 @@ class EngineConfig:
     # 48,091 -> 57,042 tok/s, 64 sequences 25,718 -> 29,163; docs/benchmarks.md, 2026-11-30)
     lookahead: bool = True
     # decode attention reads a group's shared prompt blocks once for all its samples (Triton on CUDA). None:
-    # where the Triton kernels run, for decode steps of 128 sequences or more (on an H200, 32 x 8 x 512:
-    # generation 2.35 -> 2.22 s; at 8 x 8 it would cost 0.13 s; docs/benchmarks.md). True: at any batch
-    # size (and a warning where it cannot run); False: never
+    # where the Triton kernels run, for decode steps of 256 sequences or more (on an H200, 32 x 8 x 512:
+    # generation 2.40 -> 2.26 s; at 16 x 8 and 8 x 8 it costs 0.11-0.13 s; docs/benchmarks.md). True: at
+    # any batch size (and a warning where it cannot run); False: never
     shared_prefix: bool | None = None
 
     def __post_init__(self):

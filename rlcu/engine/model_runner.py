@@ -54,9 +54,10 @@ class PagedAttention:
         return out[None]
 
 
-# Below this many sequences a decode step reads its KV cache faster than the extra launch of shared-prefix
-# decode pays back (H200, 128-token prompts: 64 sequences lost 0.13 s of generation, 256 won 0.13 s)
-SHARED_PREFIX_MIN_SEQS = 128
+# Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
+# extra kernel (H200, 128-token prompts, 8 samples each, 512 new tokens: generation at 64 sequences 0.13 s
+# slower, at 128 0.11 s slower, at 256 0.13 s faster; docs/benchmarks.md)
+SHARED_PREFIX_MIN_SEQS = 256
 
 
 class ModelRunner:
