@@ -1,5 +1,5 @@
 """Plot a benchmark results file's GRPO step times by phase, beside the peer's step time.
-    python3 benchmarks/plot.py benchmarks/results/2026-11-29-h200.json docs/benchmarks-step.png"""
+    python3 benchmarks/plot.py benchmarks/results/2026-11-30-h200-session6.json docs/benchmarks-step.png"""
 import json
 import sys
 
@@ -10,7 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main(src: str, dst: str) -> None:
-    runs = json.load(open(src))["runs"]
+    data = json.load(open(src))  # one call's "runs", or several "calls" of which one is marked "of_record"
+    runs = data["runs"] if "runs" in data else next(c for c in data["calls"] if c.get("of_record"))["runs"]
     bars = []
     for workload in ("GRPO step 8 x 8 x 512", "GRPO step 32 x 8 x 512"):
         ours = next(r for r in runs if r["what"] == workload and r["tool"] == "rlcu")
