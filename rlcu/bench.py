@@ -68,10 +68,10 @@ def random_prompt_ids(n: int, length: int, vocab_size: int, seed: int = 0) -> li
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlcu bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rlcu bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("rollout", "step"):
-        s = sub.add_parser(name)
+        s = sub.add_parser(name, allow_abbrev=False)
         s.add_argument("--model", default=STANDARD, help=f"{STANDARD} or any model rlcu loads")
         s.add_argument("--prompt_len", type=int, default=128)
         s.add_argument("--new_tokens", type=int, default=512)

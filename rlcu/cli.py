@@ -127,7 +127,7 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
     argv, sys.argv = sys.argv, [sys.argv[0], *args]
     try:
         return RLCUCLI(GRPOModule, PromptDataModule, run=run, save_config_kwargs={"overwrite": True},
-                       parser_kwargs={"default_env": False}, auto_configure_optimizers=False)
+                       parser_kwargs={"default_env": False, "allow_abbrev": False}, auto_configure_optimizers=False)
     finally:
         sys.argv = argv
 

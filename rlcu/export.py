@@ -31,7 +31,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
 def run(argv: list[str]) -> Path:
     import argparse
 
-    p = argparse.ArgumentParser(prog="rlcu export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rlcu export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("checkpoint", help="a Lightning .ckpt written by rlcu run / rlcu fit")
     p.add_argument("out", help="folder to write")
     args = p.parse_args(argv)

@@ -35,7 +35,7 @@ def read_prompts(path: Path) -> list[dict]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlcu generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rlcu generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, hub id, .gguf file or embedded name")
     p.add_argument("--input", required=True, type=Path, help="JSONL of prompts")
     p.add_argument("--output", required=True, type=Path, help="JSONL to write")

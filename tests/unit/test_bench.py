@@ -62,3 +62,11 @@ def test_bench_rejects_bad_lengths(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bench", "rollout", "--model", "x", "--new_tokens", "0"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["step", "--prompt", "8"], ["rollout", "--new_token", "8"], ["step", "--shared_prefix", "yes"]])
+def test_bench_rejects_truncated_options_and_unknown_choices(argv, capsys):
+    """A truncated option name is an error, not the option it begins (argparse's abbreviations are off)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2 and argv[1] in capsys.readouterr().err

@@ -85,6 +85,9 @@ def run_main(argv, capsys):
 def test_unknown_config_key_and_wrong_type(capsys):
     code, err = run_main(["run", "quickstart", "--model.lerning_rate=1e-5"], capsys)
     assert code == 2 and "model.lerning_rate" in err
+    # a truncated name is no abbreviation either (argparse would take it for the only option it begins)
+    code, err = run_main(["run", "quickstart", "--model.learning_rat=1e-5"], capsys)
+    assert code == 2 and "model.learning_rat" in err
     code, err = run_main(["run", "quickstart", "--model.num_generations=many"], capsys)
     assert code == 2 and "num_generations" in err and "many" in err
 
