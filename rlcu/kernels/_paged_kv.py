@@ -1,6 +1,7 @@
-"""The gather both paged attention kernels share: the keys and values of a tile of token positions,
-each row found through the sequence's block table. Many loads are in flight at once, and a tile may span
-cache blocks of any size (the block size need not suit tl.dot)."""
+"""What the paged attention kernels share: the gather of the keys and values of a tile of token positions,
+each row found through the sequence's block table (many loads in flight at once; a tile may span cache
+blocks of any size, so the block size need not suit tl.dot), and the decode kernels' online-softmax step
+over such a tile."""
 from rlcu.kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -9,5 +10,20 @@ if HAS_TRITON:
         block = tl.load(table_row + token // BLOCK_SIZE, mask=mask, other=0)
         offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset + d[None, :]
         return tl.load(KC + offs, mask=mask[:, None], other=0.0), tl.load(VC + offs, mask=mask[:, None], other=0.0)
+
+    @triton.jit
+    def attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, tmask, rows, scale, stride_kb, stride_kt, head_offset, d,
+                       BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+        """One online-softmax step of query rows `q` over a tile of tokens (`tmask`: those that exist); rows
+        outside `rows` see none of it, and a row that has seen nothing yet keeps m = -inf without NaN."""
+        k, v = load_kv_tile(KC, VC, table_row, token, tmask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        scores = tl.where(rows[:, None] & tmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - shift[:, None])
+        alpha = tl.exp(m - shift)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        return acc, m_new, l * alpha + tl.sum(p, 1)
 else:  # pragma: no cover - depends on the environment
-    load_kv_tile = None
+    load_kv_tile = attend_kv_tile = None

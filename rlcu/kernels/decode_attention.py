@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlcu.kernels._paged_kv import load_kv_tile
+from rlcu.kernels._paged_kv import attend_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 
@@ -74,18 +74,8 @@ if HAS_TRITON:
                     m = m_new
         for tile in range(first, last):
             token = skip + tile * BLOCK_N + n
-            tmask = token < ctx
-            k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, tmask, stride_kb, stride_kt, kvh * stride_kh, d,
-                                BLOCK_SIZE)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(tmask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-            l = l * alpha + tl.sum(p, 1)
-            m = m_new
+            acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, BT + s * stride_bts, token, token < ctx, gmask, scale,
+                                       stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
         empty = l == 0.0  # a split past the end of a short sequence
         out = acc / tl.where(empty, 1.0, l)[:, None]
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))

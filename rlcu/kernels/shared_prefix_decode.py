@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcu.kernels._paged_kv import load_kv_tile
+from rlcu.kernels._paged_kv import attend_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton
 from rlcu.kernels.decode_attention import decode_attention_triton
 
@@ -99,18 +99,8 @@ if HAS_TRITON:
             per_split = tl.cdiv(tiles, num_splits)
             for t in range(split * per_split, tl.minimum(split * per_split + per_split, tiles)):
                 token = t * BLOCK_N + n
-                tmask = token < shared
-                k, v = load_kv_tile(KC, VC, table_row, token, tmask, stride_kb, stride_kt, kvh * stride_kh, d,
-                                    BLOCK_SIZE)
-                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
-                scores = tl.where(row_ok[:, None] & tmask[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, 1))
-                shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row: no -inf - -inf
-                p = tl.exp(scores - shift[:, None])
-                alpha = tl.exp(m - shift)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-                l = l * alpha + tl.sum(p, 1)
-                m = m_new
+                acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, token < shared, row_ok, scale,
+                                           stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
             empty = l == 0.0  # a split past the end of the shared tiles
             out = acc / tl.where(empty, 1.0, l)[:, None]
             lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
