@@ -57,7 +57,7 @@ def run(argv: list[str]) -> Path:
     from rlcu.grpo.module import resolve_rollout
     from rlcu.models import load_model
     from rlcu.rollout import SamplingParams
-    from rlcu.rollout.stops import eos_token_ids
+    from rlcu.contracts import eos_token_ids
 
     args = parser().parse_args(argv)
     if args.n < 1:

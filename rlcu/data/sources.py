@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcu.data.tasks import TASKS
-from rlcu.rewards.math import last_boxed
+from rlcu.text import last_boxed
 
 GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final number after '####'."
 MATH_INSTRUCTION = "Solve the problem step by step and put the final answer in \\boxed{}."

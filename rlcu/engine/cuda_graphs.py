@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from rlcu.engine.paged_attention import PagedAttention
 from rlcu.kernels.decode_attention import default_num_splits
 from rlcu.kernels.shared_prefix_decode import prefix_plan
 
@@ -88,8 +89,6 @@ class DecodeGraphs:
         return logits[:n]
 
     def _forward(self, bucket: int, autocast_dtype, plan: tuple[int, int] | None):
-        from rlcu.engine.model_runner import PagedAttention
-
         runner, hkv = self.runner, self.runner.model.config.num_key_value_heads
         splits = default_num_splits(bucket, hkv, self.block_tables.shape[1] * runner.k_cache.shape[2])
         groups = prefix_splits = None

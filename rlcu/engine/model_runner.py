@@ -12,46 +12,12 @@ from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels._triton import use_triton
-from rlcu.kernels.decode_attention import decode_attention, triton_supports
-from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
-from rlcu.kernels.rope_store_kv import rope_store_kv, supported as rope_supported
-from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan, shared_prefix_decode_triton
+from rlcu.engine.paged_attention import PagedAttention, cache_dtype
+from rlcu.kernels.decode_attention import triton_supports
+from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
+from rlcu.kernels.rope_store_kv import supported as rope_supported
+from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
 from rlcu.models.llama import CausalLM
-
-
-def cache_dtype(param: torch.Tensor) -> torch.dtype:
-    """Keys and values are stored as the forward computes them: the autocast dtype under mixed precision."""
-    kind = param.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else param.dtype
-
-
-class PagedAttention:
-    """The attention context of one step: write this step's K/V into the cache, then attend over it."""
-
-    def __init__(self, runner: "ModelRunner", slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
-                 num_splits: int | None = None, tiles=None, groups=None, prefix_splits: int | None = None):
-        """`groups`: (order, starts, shared, skip) of `prefix_groups` on the device, for shared-prefix decode."""
-        self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
-        self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
-        self.prefix_splits = prefix_splits
-        self.scale = runner.model.config.head_dim ** -0.5
-        self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
-
-    def __call__(self, layer_idx, q, k, v, cos, sin):
-        kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
-        norm = ()
-        if self.applies_qk_norm:
-            attn = self.runner.model.model.layers[layer_idx].self_attn
-            norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-        q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
-        if self.decode_only and self.groups is not None:
-            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits,
-                                              self.prefix_splits)
-        elif self.decode_only:
-            out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
-        else:
-            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
-        return out[None]
 
 
 # Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
@@ -65,31 +31,22 @@ class ModelRunner:
                  cuda_graphs: bool = True, shared_prefix: bool | None = False):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
-        p = model.model.embed_tokens.weight
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.dtype = cache_dtype(p)
+        self.dtype, self.device = cache_dtype(model), model.device
         # zeros, not empty: a padding row of a graph batch reads block 0, and must not read NaN
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=p.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=p.device)
-        self.device = p.device
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.param_addresses: list[int] = []  # where the parameters were when this runner's graphs were made
         self.graphs = None
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence.
         # None: on for decode steps of SHARED_PREFIX_MIN_SEQS or more; True: whenever blocks are shared
-        self.shared_prefix = shared_prefix is not False and use_triton(p) and triton_supports(cfg.head_dim, block_size)
+        triton = use_triton(self.k_cache)
+        self.shared_prefix = shared_prefix is not False and triton and triton_supports(cfg.head_dim, block_size)
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
-        # the fused kernel rounds the normed q/k once, to the cache dtype: not for wider norm weights (autocast)
-        self.fuse_qk_norm = bool(cfg.qk_norm) and use_triton(p) and rope_supported(cfg.head_dim) and all(
-            layer.self_attn.q_norm.weight.dtype == self.dtype for layer in model.model.layers)
-        if cuda_graphs and p.is_cuda and use_triton(p) and triton_supports(cfg.head_dim, block_size):
+        self.fuse_qk_norm = bool(cfg.qk_norm) and triton and rope_supported(cfg.head_dim)
+        if cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
-
-    @staticmethod
-    def bytes_per_block(model: CausalLM, block_size: int) -> int:
-        cfg, p = model.config, model.model.embed_tokens.weight
-        size = torch.empty((), dtype=cache_dtype(p)).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -32,7 +32,7 @@ from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import NonFiniteReward, resolve_rewards
 from rlcu.rewards.scoring import ON_ERROR, score
 from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
-from rlcu.rollout.stops import eos_token_ids
+from rlcu.contracts import eos_token_ids
 
 log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear", "cosine")

@@ -18,7 +18,8 @@ class AttentionContext(Protocol):
                  sin: torch.Tensor) -> torch.Tensor:
         """q: [B, T, Hq, D], k/v: [B, T, Hkv, D], before RoPE; cos/sin: [B, T, 1, D] -> [B, T, Hq, D].
         The context applies RoPE, so that the engine can fuse it with its KV-cache write. A context whose
-        `applies_qk_norm` is true also applies the layer's q/k RMSNorm (Qwen3), which then arrive unnormalised."""
+        `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword
+        `qk_norm=(q_norm, k_norm)`, with q and k unnormalised."""
 
 
 def causal_key_mask(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:

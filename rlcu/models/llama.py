@@ -64,9 +64,13 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if hasattr(self, "q_norm") and not getattr(attention, "applies_qk_norm", False):
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = attention(self.layer_idx, q, k, v, cos, sin)
+        norms = {}
+        if hasattr(self, "q_norm"):  # Qwen3: handed to a context that fuses them, else applied here
+            if getattr(attention, "applies_qk_norm", False):
+                norms = {"qk_norm": (self.q_norm, self.k_norm)}
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        out = attention(self.layer_idx, q, k, v, cos, sin, **norms)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -121,6 +125,15 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.gradient_checkpointing = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (the compute dtype unless autocast is on)."""
+        return self.model.embed_tokens.weight.dtype
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         dev = position_ids.device

@@ -10,26 +10,11 @@ import re
 from fractions import Fraction
 
 from rlcu.rewards.base import Reward, completion_text, require_column
+from rlcu.text import last_boxed
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _SAFE = re.compile(r"^[0-9a-z+\-*/^().,\s]*$")
 _NAMES = {"sqrt", "pi", "e", "x", "y", "z", "n", "i", "log", "sin", "cos", "tan", "exp"}
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j].strip()
-    return None
 
 
 def extract_answer(text: str) -> str | None:

@@ -1,21 +1,26 @@
 """The native rollout backend: rlcu's paged-KV engine running the module's own parameters in place."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from rlcu.contracts import RolloutBatch, SamplingParams
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
-from rlcu.rollout.base import RolloutBatch, SamplingParams
 
 
 class NativeRollout:
-    def __init__(self, block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 memory_fraction: float = 0.5, num_blocks: int | None = None, cuda_graphs: bool = True,
-                 release_memory: bool = True, lookahead: bool = True, shared_prefix: bool | None = None):
-        """`release_memory=False` keeps the KV pool and CUDA graphs between rollouts: faster steps (no
-        re-allocation, no graph capture) for the price of that memory during training. `lookahead`,
-        `shared_prefix`: see `EngineConfig`."""
-        self.config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, memory_fraction=memory_fraction,
-                                   num_blocks=num_blocks, cuda_graphs=cuda_graphs, release_memory=release_memory,
-                                   lookahead=lookahead, shared_prefix=shared_prefix)
+    def __init__(self, engine: EngineConfig | dict | None = None):
+        """`engine`: the engine's settings (`EngineConfig`, or its fields as a mapping, as YAML gives them:
+        `rollout: {name: native, init_args: {engine: {block_size: 16}}}`). `release_memory=False` keeps the
+        KV pool and CUDA graphs between rollouts: faster steps (no re-allocation, no graph capture) for the
+        price of that memory during training."""
+        if isinstance(engine, dict):
+            fields = set(asdict(EngineConfig()))
+            unknown = sorted(set(engine) - fields)
+            if unknown:
+                raise ValueError(f"unknown engine setting(s) {unknown} for the native rollout; "
+                                 f"settings: {sorted(fields)}")
+            engine = EngineConfig(**engine)
+        self.config = engine or EngineConfig()
         self.engine: LLMEngine | None = None
 
     @property

@@ -7,7 +7,7 @@ import torch
 from rlcu.kernels.sampling import sample
 from rlcu.models.attention import DenseKVCache
 from rlcu.rollout.base import RolloutBatch, SamplingParams
-from rlcu.rollout.stops import StopStrings
+from rlcu.contracts import StopStrings
 
 
 class ReferenceRollout:
@@ -53,7 +53,7 @@ class ReferenceRollout:
             ids[i, p - len(x):] = torch.tensor(x, device=device)
             valid[i, p - len(x):] = True
         cache = DenseKVCache(cfg.num_hidden_layers, b, p + sp.max_tokens, cfg.num_key_value_heads, cfg.head_dim,
-                             model.model.embed_tokens.weight.dtype, device)
+                             model.dtype, device)
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         hidden = model(ids, pos, cache.step(valid))[:, -1]
         stop = torch.tensor(sorted(set(sp.stop_token_ids)) or [-1], device=device)

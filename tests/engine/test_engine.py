@@ -83,6 +83,7 @@ def test_forked_samples_count_against_max_num_seqs(tmp_path, monkeypatch):
     """Prompts admitted in one step fork their samples after it: the admission counts those samples too, so
     the running batch stays within max_num_seqs (CUDA graphs are captured up to that size)."""
     import rlcu.engine.model_runner as runner
+    import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
     sizes = []
@@ -138,6 +139,7 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
     """The engine with its Triton kernels (KV write with Qwen3's q/k norms, paged decode) run by
     TRITON_INTERPRET=1 on the CPU, fp32."""
     import rlcu.engine.model_runner as runner
+    import rlcu.engine.paged_attention as paged
     import rlcu.kernels.decode_attention as decode
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
@@ -147,8 +149,8 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
     calls, normed = [], []
     real = decode.decode_attention_triton
     monkeypatch.setattr(decode, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
-    real_rope = runner.rope_store_kv
-    monkeypatch.setattr(runner, "rope_store_kv", lambda *a: normed.append(len(a) == 11) or real_rope(*a))
+    real_rope = paged.rope_store_kv
+    monkeypatch.setattr(paged, "rope_store_kv", lambda *a: normed.append(len(a) == 11) or real_rope(*a))
     got = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=8)).generate(PROMPTS, sp)
     assert calls, "the Triton decode kernel did not run"
     assert normed and all(normed), "the q/k norms were not fused into the RoPE + KV-write kernel"
@@ -165,12 +167,13 @@ def test_shared_prefix_decode_under_the_interpreter(tmp_path, monkeypatch, confi
     """Decode with the samples of a prompt reading its shared blocks once (Triton kernel, interpreter, fp32):
     greedy completions equal the reference backend's, and sampled ones equal the plain kernel's."""
     import rlcu.engine.model_runner as runner
+    import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
     monkeypatch.setenv("RLCU_TRITON", "1")
     calls = []
-    real = runner.shared_prefix_decode_triton
-    monkeypatch.setattr(runner, "shared_prefix_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = paged.shared_prefix_decode_triton
+    monkeypatch.setattr(paged, "shared_prefix_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     greedy = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[EOS])
     got = LLMEngine(model, config).generate(PROMPTS, greedy)
     assert calls, "the shared-prefix kernel did not run"
@@ -187,14 +190,15 @@ def test_shared_prefix_by_default_only_on_large_decode_steps(tmp_path, monkeypat
     """The default (shared_prefix=None) groups samples only at decode steps of SHARED_PREFIX_MIN_SEQS or more
     (here lowered to 10): as sequences stop, the smaller steps go back to the plain kernel."""
     import rlcu.engine.model_runner as runner
+    import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32))
     monkeypatch.setenv("RLCU_TRITON", "1")
     monkeypatch.setattr(runner, "SHARED_PREFIX_MIN_SEQS", 10)
     steps, grouped = [], []
-    real_decode, real_shared = runner.ModelRunner.decode, runner.shared_prefix_decode_triton
+    real_decode, real_shared = runner.ModelRunner.decode, paged.shared_prefix_decode_triton
     monkeypatch.setattr(runner.ModelRunner, "decode", lambda self, seqs, *a, **k: steps.append(len(seqs)) or real_decode(self, seqs, *a, **k))
-    monkeypatch.setattr(runner, "shared_prefix_decode_triton", lambda q, *a: grouped.append(q.shape[0]) or real_shared(q, *a))
+    monkeypatch.setattr(paged, "shared_prefix_decode_triton", lambda q, *a: grouped.append(q.shape[0]) or real_shared(q, *a))
     prompts = [p for p in PROMPTS[:4] for _ in range(3)]
     sp = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=5)
     got = LLMEngine(model, EngineConfig(block_size=4)).generate(prompts, sp)

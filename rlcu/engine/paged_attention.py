@@ -1,0 +1,51 @@
+"""The engine's attention context: each layer writes this step's K/V into the paged cache (RoPE, and
+Qwen3's q/k norms, fused into that write), then attends over the cache with the decode, shared-prefix
+or prefill kernel."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels.decode_attention import decode_attention
+from rlcu.kernels.prefill_attention import paged_attention
+from rlcu.kernels.rope_store_kv import rope_store_kv
+from rlcu.kernels.shared_prefix_decode import shared_prefix_decode_triton
+from rlcu.models.llama import CausalLM
+
+
+def cache_dtype(model: CausalLM) -> torch.dtype:
+    """Keys and values are stored as the forward computes them: the autocast dtype under mixed precision."""
+    kind = model.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.dtype
+
+
+class PagedAttention:
+    """The attention context of one step: write this step's K/V into the cache, then attend over it."""
+
+    def __init__(self, runner, slots, cu_seqlens_q, context_lens, block_tables, decode_only: bool,
+                 num_splits: int | None = None, tiles=None, groups=None, prefix_splits: int | None = None):
+        """`runner`: the ModelRunner whose pool this reads. `groups`: (order, starts, shared, skip) of
+        `prefix_groups` on the device, for shared-prefix decode."""
+        self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
+        self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
+        self.prefix_splits = prefix_splits
+        self.scale = runner.model.config.head_dim ** -0.5
+        self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
+
+    def __call__(self, layer_idx, q, k, v, cos, sin, qk_norm=None):
+        kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
+        norm = ()
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            if q_norm.weight.dtype == kc.dtype:
+                norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+            else:  # the fused kernel rounds the normed q/k once, to the cache dtype: not for wider weights (autocast)
+                q, k = q_norm(q), k_norm(k)
+        q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
+        if self.decode_only and self.groups is not None:
+            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits,
+                                              self.prefix_splits)
+        elif self.decode_only:
+            out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
+        else:
+            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
+        return out[None]
