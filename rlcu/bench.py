@@ -144,6 +144,7 @@ def bench_step(args) -> dict:
     from torch.utils.data import DataLoader
 
     from rlcu.data.prompts import collate_rows
+    from rlcu.engine.llm_engine import EngineConfig
     from rlcu.grpo.module import GRPOModule
     from rlcu.profiling import phase_kernels, print_phase_kernels, profiler
     from rlcu.rollout.native import NativeRollout
@@ -161,9 +162,10 @@ def bench_step(args) -> dict:
     def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
         return [float(len(c)) for c in completions]
 
-    rollout = NativeRollout(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs, lookahead=args.lookahead,
-                            shared_prefix=SHARED_PREFIX[args.shared_prefix],
-                            release_memory=not args.keep_memory, max_num_seqs=max(256, args.prompts * args.generations))
+    rollout = NativeRollout(EngineConfig(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
+                                         lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
+                                         release_memory=not args.keep_memory,
+                                         max_num_seqs=max(256, args.prompts * args.generations)))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",

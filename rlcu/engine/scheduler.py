@@ -1,21 +1,27 @@
 """Continuous batching. Each step first gives every running sequence its next decode token, then fills
 the rest of the token budget with prefill chunks of waiting sequences (chunked prefill). When blocks
 run out, the most recently admitted sequence is preempted: its blocks are freed and it waits to be
-recomputed from its tokens. Nothing is ever dropped."""
+recomputed from its tokens. Nothing is ever dropped.
+
+After the model has run a step, the scheduler owns what happens next: it forks the samples of
+prompts whose prefill completed (`fork_prefilled`), then appends the sampled tokens, applies stops
+and finishes sequences (`postprocess`)."""
 from __future__ import annotations
 
 from collections import deque
 
+from rlcu.contracts import StopStrings
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes each step)")
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 stop_strings: StopStrings | None = None):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.stop_strings = stop_strings
+        self.finished: dict[int, Sequence] = {}  # request index -> its finished sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -98,3 +104,31 @@ class Scheduler:
         seq.status = Status.FINISHED
         self.running.remove(seq)
         self.bm.free_sequence(seq)
+
+    def fork_prefilled(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """After a step with prefill: each sequence whose prompt is now computed forks its pending samples,
+        which share its blocks from here on. Returns (every sequence that samples now, the row of `seqs`
+        whose logits each samples from)."""
+        owners, rows = [], []
+        for row, seq in enumerate(seqs):
+            family = [seq]
+            for k in range(seq.pending_forks):
+                child = self.bm.fork(seq)
+                child.request_index = seq.request_index + 1 + k
+                self.running.append(child)
+                family.append(child)
+            seq.pending_forks = 0
+            rows += [row] * len(family)
+            owners += family
+        return owners, rows
+
+    def postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+        """Append each sequence's sampled token; finish those that stopped or reached their length."""
+        stops = self.stop_strings
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.append(token, logprob)
+            if seq.finish_reason is None and stops and stops.hit(seq.completion_token_ids):
+                seq.finish_reason = "stop"
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                self.finished[seq.request_index] = seq
