@@ -29,12 +29,12 @@ class CompletionsTable(L.Callback):
         self._done_step = step
         names = [r.name for r in pl_module.rewards]
         rows = []
-        for i in range(min(self.max_rows, len(rollout["completions"]))):
-            row = {"step": step, "prompt": completion_text(rollout["prompts"][i]),
-                   "completion": completion_text(rollout["completions"][i]),
-                   "advantage": float(rollout["advantages"][i])}
+        for i in range(min(self.max_rows, len(rollout.completions))):
+            row = {"step": step, "prompt": completion_text(rollout.prompts[i]),
+                   "completion": completion_text(rollout.completions[i]),
+                   "advantage": float(rollout.advantages[i])}
             for j, name in enumerate(names):
-                v = float(rollout["rewards"][i, j])
+                v = float(rollout.rewards[i, j])
                 row[name] = None if v != v else v
             rows.append(row)
         folder.mkdir(parents=True, exist_ok=True)

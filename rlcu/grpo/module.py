@@ -1,45 +1,45 @@
 """GRPOModule: GRPO (and its DAPO / Dr. GRPO / GSPO variants) as a Lightning module with manual
-optimization. One `training_step` is one GRPO step:
+optimization. One `training_step` is one GRPO step, in named phases:
 
-    generate G completions per prompt (rollout backend, on this module's own parameters)
-    -> score them (reward plugins) -> group advantages
-    -> num_iterations x [micro-batched forward/backward, clip, optimizer step, LR schedule]
+    rollout:  G completions per prompt (rollout backend, on this module's own parameters)
+    score:    rewards (plugins) -> group advantages -> a typed `GRPOBatch`
+    update:   num_iterations x [micro-batched forward/backward, clip, optimizer step, LR schedule]
 
-Options keep TRL's names and meanings. The maths are the pure functions of `loss.py`."""
+Options keep TRL's names and meanings (checked in `options.py`). The maths are the pure functions of
+`loss.py`; the data passed between phases the dataclasses of `batch.py`."""
 from __future__ import annotations
 
 import copy
 import logging
 import math
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 from torch.profiler import record_function
 
 from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
+from rlcu.contracts import RolloutBatch, SamplingParams, eos_token_ids
 from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, is_conversational
+from rlcu.grpo import evaluation
 from rlcu.grpo import loss as grpo_loss
+from rlcu.grpo.batch import GRPOBatch, ScoredRollout, StagedBatch
 from rlcu.grpo.logprobs import completion_logprobs
-from rlcu.hparams import not_plain
-from rlcu.grpo.evaluation import HeldOutEvaluation
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
-from rlcu.grpo.optim import MasterWeightAdamW
+from rlcu.grpo.optim import MasterWeightAdamW, lr_lambda
+from rlcu.grpo.options import check_against_model, check_options
+from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import NonFiniteReward, resolve_rewards
-from rlcu.rewards.scoring import ON_ERROR, score
-from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
-from rlcu.contracts import eos_token_ids
+from rlcu.rewards.scoring import score
+from rlcu.rollout.base import RolloutBackend
 
 log = logging.getLogger(__name__)
-SCHEDULES = ("constant", "linear", "cosine")
-LONG_PROMPTS = ("error", "truncate_left")
-# num_iterations > 1 needs the sampling-time logprobs: recomputed by a forward pass ("trainer"), or the ones
-# the engine returned with its samples ("engine": no extra pass; logprob_mismatch/* says how far they are)
-OLD_LOGPROBS = ("trainer", "engine")  # a prompt over max_prompt_length: stop at set-up, or keep its end
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
 
 
@@ -52,7 +52,15 @@ def resolve_rollout(spec) -> RolloutBackend:
     return backend
 
 
-class GRPOModule(HeldOutEvaluation, L.LightningModule):
+@dataclass
+class Counters:
+    """What the run counts across steps; saved in checkpoints so a resumed run goes on counting."""
+    consecutive_skips: int = 0  # batches in a row that filter_zero_std_groups left empty
+    faults: int = 0  # updates skipped for numerical faults, in all
+    consecutive_faults: int = 0
+
+
+class GRPOModule(L.LightningModule):
     def __init__(
         self,
         model: str | CausalLM = "smollm2-135m-instruct",
@@ -99,66 +107,41 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
-        self._check_options(loss_type, importance_sampling_level, scale_rewards, lr_scheduler, num_generations,
-                            micro_batch_size, num_iterations, epsilon, max_completion_length)
+        check_options(self.hparams)
         self.automatic_optimization = False
-        if isinstance(model, nn.Module):
-            if tokenizer is None:
-                raise ValueError("a model given as a module needs its tokenizer too (tokenizer=...)")
-            self.policy, self.tokenizer = model, tokenizer
-        else:
-            self.policy, self.tokenizer = load_model(model, dtype=dtype)
-            if tokenizer is not None:
-                self.tokenizer = tokenizer
+        self.policy, self.tokenizer = self._policy(model, tokenizer, dtype)
         self.policy.gradient_checkpointing = gradient_checkpointing
-        context = self.policy.config.max_position_embeddings
-        if max_prompt_length + max_completion_length > context:
-            raise ValueError(f"max_prompt_length + max_completion_length = {max_prompt_length + max_completion_length} "
-                             f"exceeds the model's context of {context} tokens; lower one of them")
-        self.ref_model = None
-        if beta != 0.0:  # frozen copy of the starting policy for the KL term
-            self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rewards = resolve_rewards(rewards, reward_weights)
+        names = [r.name for r in self.rewards]
+        check_against_model(self.hparams, self.policy.config.max_position_embeddings, names)
+        # beta > 0: a frozen copy of the starting policy for the KL term
+        self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval() if beta != 0.0 else None
         self.rollout = resolve_rollout(rollout)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
-        names = [r.name for r in self.rewards]
-        if old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
-        if long_prompts not in LONG_PROMPTS:
-            raise ValueError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
-        if on_reward_error not in ON_ERROR:
-            raise ValueError(f"on_reward_error must be one of {ON_ERROR}, got {on_reward_error!r}")
-        if reward_timeout is not None and reward_timeout <= 0:
-            raise ValueError(f"reward_timeout must be a positive number of seconds or null, got {reward_timeout}")
-        if max_consecutive_faults < 1:
-            raise ValueError(f"max_consecutive_faults must be >= 1, got {max_consecutive_faults}")
-        if eval_num_samples < 0:
-            raise ValueError(f"eval_num_samples must be >= 0 (0 or 1: greedy only), got {eval_num_samples}")
-        if accuracy_reward is not None and accuracy_reward not in names:
-            raise ValueError(f"accuracy_reward {accuracy_reward!r} is not one of this run's rewards {names}")
         self.accuracy_index = names.index(accuracy_reward) if accuracy_reward else 0
+        self.counters = Counters()
+        self.last_rollout: ScoredRollout | None = None  # for callbacks
+        self._train_start: float | None = None
 
     @staticmethod
-    def _check_options(loss_type, level, scale, schedule, g, mb, iters, eps, max_len):
-        for value, allowed, name in ((loss_type, grpo_loss.LOSS_TYPES, "loss_type"), (level, grpo_loss.LEVELS, "importance_sampling_level"),
-                                     (scale, grpo_loss.SCALES, "scale_rewards"), (schedule, SCHEDULES, "lr_scheduler")):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        if g < 2:
-            raise ValueError(f"num_generations must be >= 2 (GRPO compares completions within a group), got {g}")
-        if mb < 1 or iters < 1 or max_len < 1 or eps < 0:
-            raise ValueError("micro_batch_size, num_iterations and max_completion_length must be >= 1, epsilon >= 0")
+    def _policy(model, tokenizer, dtype: str):
+        if isinstance(model, nn.Module):
+            if tokenizer is None:
+                raise ValueError("a model given as a module needs its tokenizer too (tokenizer=...)")
+            return model, tokenizer
+        policy, loaded_tokenizer = load_model(model, dtype=dtype)
+        return policy, tokenizer if tokenizer is not None else loaded_tokenizer
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        hp = self.hparams
-        strategy = type(getattr(self._trainer, "strategy", None)).__name__
-        if strategy in ("FSDPStrategy", "DeepSpeedStrategy"):
-            raise ValueError(f"{strategy} wraps modules in a way the rollout engine cannot "
+        hp, trainer = self.hparams, self._attached_trainer()
+        strategy = trainer.strategy if trainer else None
+        if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
+            raise ValueError(f"{type(strategy).__name__} wraps modules in a way the rollout engine cannot "
                              "run; for FSDP use rlcu's fsdp2 (Lightning's ModelParallelStrategy with fully_shard): "
                              "--trainer.strategy=fsdp2 (see docs/scaling.md)")
-        if self._world_size > 1 and hp.filter_zero_std_groups and hp.loss_type != "dapo":
+        if self.world_size > 1 and hp.filter_zero_std_groups and hp.loss_type != "dapo":
             # every rank must run the same backward passes, so filtered rows are masked, not removed; only
             # dapo's loss (a token sum over the global token count) is then the same as removing them
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
@@ -184,14 +167,16 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         rows = getattr(dm, "train_set", None)
         if rows is not None:
-            long = sum(len(self._encode(row["prompt"], i, truncate=False)) > self.hparams.max_prompt_length
+            long = sum(len(self.encode(row["prompt"], i, truncate=False)) > self.hparams.max_prompt_length
                        for i, row in enumerate(rows))
             if long:
                 log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
                             "(long_prompts=truncate_left)", long, len(rows), self.hparams.max_prompt_length)
         held_out = getattr(dm, "val_set", None)
         if held_out and self.hparams.eval_at_start:  # the curve's first point: the model before any update
-            self._log_eval_at_start(held_out, dm.batch_size)
+            metrics = evaluation.evaluate_all(self, held_out, dm.batch_size)
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=0)
 
     def on_train_start(self) -> None:
         self._train_start = time.perf_counter()  # for timing/elapsed: curves against wall time, evaluation included
@@ -205,84 +190,88 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         fused = all(p.is_cuda for p in params) or None
         opt = optimizer(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas),
                         fused=fused)
-        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        max_steps = self.trainer.max_steps
+        total = max_steps if max_steps and max_steps > 0 else None
         if hp.lr_scheduler != "constant" and total is None:
             raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps to know where it ends")
+        schedule = lr_lambda(hp.lr_scheduler, hp.warmup_steps, total)
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}]
 
-        def factor(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / (hp.warmup_steps + 1)
-            if hp.lr_scheduler == "constant":
-                return 1.0
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
-            return 1.0 - progress if hp.lr_scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rlcu_counters"] = asdict(self.counters)
 
-        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.counters = Counters(**checkpoint.get("rlcu_counters", {}))
 
-    def trainer_state(self) -> dict:
-        """TRL passes `trainer_state` to rewards for schedules that depend on progress."""
-        max_steps = self.trainer.max_steps if self._trainer is not None else -1
-        return {"global_step": self.global_step, "max_steps": max_steps, "epoch": self.current_epoch}
+    def validation_step(self, batch, batch_idx):
+        rows = as_rows(batch)
+        sync = self.world_size > 1  # each rank holds a share of the rows
+        for name, value in evaluation.evaluate(self, rows).items():
+            self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy", sync_dist=sync)
 
     # ---- one GRPO step ---------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
-        hp = self.hparams
         rows = as_rows(batch)
-        g = hp.num_generations
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
-        prompt_ids = [self._encode(r["prompt"], i) for i, r in enumerate(rows)]
-        sampling = self._sampling(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
         with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
-            rollout = self._generate([ids for ids in prompt_ids for _ in range(g)], sampling)
+            rollout = self._rollout(rows)
         t1 = self._now()
         memory = {"memory/generate_GB": self._peak_memory_gb()}
-
         try:
             with record_function("rlcu/score"):
-                rewards_per_func, completions = self._score(rows, rollout)
+                scored, grpo_batch, keep, metrics = self._score_step(rows, rollout)
         except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
             self._log_metrics(self._fault(str(e)))
             return None
-        weights = torch.tensor([r.weight for r in self.rewards])
-        rewards = grpo_loss.combine_rewards(rewards_per_func, weights)
-        advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, g, hp.scale_rewards)
         t2 = self._now()
-
-        batch_t = self._tensors(rollout, advantages)
-        keep = torch.ones(len(rollout), dtype=torch.bool)
-        if hp.filter_zero_std_groups:
-            keep = ~is_std_zero
-        metrics = reward_metrics(rewards_per_func, [r.name for r in self.rewards], rewards, is_std_zero)
-        metrics.update(completion_metrics(batch_t["lengths"], batch_t["truncated"]))
-        if self._world_size > 1 and hp.filter_zero_std_groups:
-            # DDP: every rank runs the same micro-batches (each backward is a collective), so the filtered
-            # rows stay and lose their loss mask; the step is skipped only when no rank kept anything
-            batch_t["loss_mask"][~keep] = 0
-            kept = self.trainer.strategy.reduce(keep.sum().to(self.device), reduce_op="sum")
-            keep = torch.full_like(keep, bool(kept > 0))
         with record_function("rlcu/train"):
-            metrics.update(self._update(batch_t, keep) if keep.any() else self._skip())
+            metrics.update(self._update(grpo_batch, keep) if keep.any() else self._skip())
         t3 = self._now()
         memory["memory/train_GB"] = self._peak_memory_gb()  # scoring and training
         metrics.update({k: v for k, v in memory.items() if v is not None})
-        gen_tokens = int(batch_t["lengths"].sum())
+        gen_tokens = int(grpo_batch.lengths.sum())
         metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
                         "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens),
-                        "timing/elapsed": t3 - getattr(self, "_train_start", t0)})
+                        "timing/elapsed": t3 - (self._train_start or t0)})
         self._log_metrics(metrics)
-        self.last_rollout = dict(prompts=[r["prompt"] for r in rows for _ in range(g)], completions=completions,
-                                 rewards=rewards_per_func, advantages=advantages)
+        self.last_rollout = scored
         return None
 
-    def _sampling(self, seed: int | None = None, greedy: bool = False) -> SamplingParams:
+    def _rollout(self, rows: list[dict]) -> RolloutBatch:
+        hp = self.hparams
+        prompt_ids = [self.encode(r["prompt"], i) for i, r in enumerate(rows)]
+        sampling = self.sampling_params(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
+        return self.generate([ids for ids in prompt_ids for _ in range(hp.num_generations)], sampling)
+
+    def _score_step(self, rows: list[dict], rollout: RolloutBatch):
+        """Rewards, advantages and the training batch; which rows train (filter_zero_std_groups); metrics."""
+        hp = self.hparams
+        scored = self.score(rows, rollout)
+        rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
+        scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages, pad, hp.mask_truncated_completions)
+        keep = ~is_std_zero if hp.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
+        metrics = reward_metrics(scored.rewards, [r.name for r in self.rewards], rewards, is_std_zero)
+        metrics.update(completion_metrics(grpo_batch.lengths, grpo_batch.truncated))
+        if self.world_size > 1 and hp.filter_zero_std_groups:
+            # DDP: every rank runs the same micro-batches (each backward is a collective), so the filtered
+            # rows stay and lose their loss mask; the step is skipped only when no rank kept anything
+            grpo_batch.loss_mask[~keep] = 0
+            kept = self.trainer.strategy.reduce(keep.sum().to(self.device), reduce_op="sum")
+            keep = torch.full_like(keep, bool(kept > 0))
+        return scored, grpo_batch, keep, metrics
+
+    # ---- the phases' public parts (held-out evaluation uses them too) ------------------------------
+    def sampling_params(self, seed: int | None = None, greedy: bool = False) -> SamplingParams:
         """The run's sampling settings (greedy: temperature 0, for evaluation)."""
         hp = self.hparams
         return SamplingParams(max_tokens=hp.max_completion_length, temperature=0.0 if greedy else hp.temperature,
                               top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
                               stop=list(hp.stop or []), seed=seed)
 
-    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         """A rollout on the policy in eval mode; the backend's memory is given back for training after."""
         was_training = self.policy.training
         self.policy.eval()
@@ -293,7 +282,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             self.rollout.release()
             self.policy.train(was_training)
 
-    def _encode(self, prompt, index: int, truncate: bool = True) -> list[int]:
+    def encode(self, prompt, index: int, truncate: bool = True) -> list[int]:
+        """A prompt's token ids; one over max_prompt_length is an error or keeps its end (long_prompts)."""
         ids = encode_prompt(self.tokenizer, prompt)
         if not ids:
             raise ValueError(f"prompt {index} encodes to no tokens")
@@ -306,164 +296,157 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
                 ids = ids[-limit:]  # the end holds the question and the generation prompt
         return ids
 
-    def _score(self, rows: list[dict], rollout: RolloutBatch, g: int | None = None):
+    def score(self, rows: list[dict], rollout: RolloutBatch, g: int | None = None) -> ScoredRollout:
+        """Each reward of each completion; rows[i]'s columns go to its `g` completions (TRL's contract)."""
         g = self.hparams.num_generations if g is None else g
         texts = decode_completions(self.tokenizer, rollout.completion_ids)
         prompts = [r["prompt"] for r in rows for _ in range(g)]
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(prompts, texts)]
-        keys = [k for k in rows[0] if k != "prompt"]
-        columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in keys}
-        return score(self.rewards, prompts, completions, rollout.completion_ids, columns,
-                     timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
-                     trainer_state=self.trainer_state()), completions
+        columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+        values = score(self.rewards, prompts, completions, rollout.completion_ids, columns,
+                       timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
+                       trainer_state=self.trainer_state())
+        return ScoredRollout(prompts, completions, values)
 
-    def _tensors(self, rollout: RolloutBatch, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Prompt left-padded and completion right-padded, as TRL lays them out."""
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        n, p = len(rollout), max(len(x) for x in rollout.prompt_ids)
-        c = max(1, max(len(x) for x in rollout.completion_ids))
-        prompt = torch.full((n, p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros(n, p, dtype=torch.long)
-        completion = torch.full((n, c), pad, dtype=torch.long)
-        completion_mask = torch.zeros(n, c, dtype=torch.long)
-        sampler_logps = torch.zeros(n, c)
-        for i, (pi, ci, lp) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.logprobs)):
-            prompt[i, p - len(pi):], prompt_mask[i, p - len(pi):] = torch.tensor(pi), 1
-            if ci:
-                completion[i, :len(ci)], completion_mask[i, :len(ci)] = torch.tensor(ci), 1
-                sampler_logps[i, :len(ci)] = torch.tensor(lp)
-        truncated = torch.tensor([r == "length" for r in rollout.finish_reasons])
-        loss_mask = completion_mask.clone()
-        if self.hparams.mask_truncated_completions:
-            loss_mask[truncated] = 0
-        return dict(input_ids=torch.cat([prompt, completion], 1), attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                    loss_mask=loss_mask, advantages=advantages, sampler_logps=sampler_logps, truncated=truncated,
-                    lengths=completion_mask.sum(1))
+    def trainer_state(self) -> dict:
+        """TRL passes `trainer_state` to rewards for schedules that depend on progress."""
+        trainer = self._attached_trainer()
+        return {"global_step": self.global_step, "max_steps": trainer.max_steps if trainer else -1,
+                "epoch": self.current_epoch}
 
-    def _skip(self) -> dict[str, float]:
-        """Every group had zero reward variance and was filtered: no update, so no optimizer step."""
-        self._skips = getattr(self, "_skips", 0) + 1
-        if self._skips >= MAX_CONSECUTIVE_SKIPS:
-            raise RuntimeError(f"{self._skips} batches in a row had zero reward variance in every group, so "
-                               "filter_zero_std_groups left nothing to train on; check that the rewards can tell "
-                               "completions apart, or set filter_zero_std_groups=false")
-        return {"skipped_updates": 1.0}
-
-    def _stage(self, b: dict, idx: torch.Tensor) -> dict:
-        """The kept rows of the host batch, each tensor copied to the device once, from pinned memory and without
-        waiting: the micro-batch loop then slices device tensors and queues no copy of its own (one from
-        pageable memory can hold the host until the GPU has drained its queue). The attention mask stays on the
-        host as well, where padding is detected."""
-        keys = ("input_ids", "attention_mask", "loss_mask", "advantages", "sampler_logps")
-        host = {k: b[k][idx] for k in keys}
-        cuda = self.device.type == "cuda"
-        staged = {k: v.pin_memory().to(self.device, non_blocking=True) if cuda else v for k, v in host.items()}
-        staged["host_attention_mask"] = host["attention_mask"]
-        staged["num_items"] = host["loss_mask"].sum().float()
-        return staged
-
-    def _micro_batches(self, n: int) -> list[slice]:
-        mb = self.hparams.micro_batch_size
-        return [slice(s, min(s + mb, n)) for s in range(0, n, mb)]
-
-    def _logps(self, model, b: dict, rows: slice, grad: bool):
-        """`b` from `_stage`: device tensors, and the attention mask on the host too (no device sync to
-        find out whether the micro-batch is padded)."""
-        padded = self.hparams.packing or not bool(b["host_attention_mask"][rows].all())
-        ids, mask = b["input_ids"][rows], b["attention_mask"][rows] if padded else None
-        with torch.set_grad_enabled(grad):
-            return completion_logprobs(model, ids, mask, b["loss_mask"].shape[1], self.hparams.temperature,
-                                       packed=self.hparams.packing)
-
-    def _update(self, b: dict, keep: torch.Tensor) -> dict[str, float]:
+    # ---- the update ------------------------------------------------------------------------------
+    def _update(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
+        """num_iterations optimizer steps on the kept rows."""
         hp = self.hparams
-        self._skips = 0
-        b = self._stage(b, keep.nonzero()[:, 0])
-        mbs = self._micro_batches(len(b["input_ids"]))
-        old = ref = None
-        if hp.num_iterations > 1 and hp.old_logprobs == "engine":
-            old = b["sampler_logps"]
-        elif hp.num_iterations > 1:  # the policy moves between iterations: freeze the sampling-time logprobs
-            old = torch.cat([self._logps(self.policy, b, r, grad=False)[0] for r in mbs])
-        if self.ref_model is not None:
-            ref = torch.cat([self._logps(self.ref_model, b, r, grad=False)[0] for r in mbs])
-        num_items = b["num_items"]
-        loss_items = num_items  # dapo's normaliser: the step's completion tokens over every rank
-        world = self._world_size
-        if world > 1:  # DDP averages gradients, so each rank divides by the global count / world size
-            loss_items = self.trainer.strategy.reduce(num_items.to(self.device), reduce_op="sum").cpu() / world
-        opt, sched = self.optimizers(), self.lr_schedulers()
+        self.counters.consecutive_skips = 0
+        staged = StagedBatch.of(batch, keep, self.device)
+        old, ref = self._old_logprobs(staged), self._reference_logprobs(staged)
+        loss_items = staged.num_items  # dapo's normaliser: the step's completion tokens over every rank
+        if self.world_size > 1:  # DDP averages gradients, so each rank divides by the global count / world size
+            loss_items = self.trainer.strategy.reduce(loss_items.to(self.device), reduce_op="sum").cpu() / self.world_size
         stats, losses, grad_norms = LossStats(), [], []
-        gap_sum = gap_max = torch.zeros((), device=self.device)  # device-side: no host wait per micro-batch
+        gap = [torch.zeros((), device=self.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
         for it in range(hp.num_iterations):
-            opt.zero_grad()
-            total = torch.zeros((), device=self.device)
-            for rows in mbs:
-                logps, entropy = self._logps(self.policy, b, rows, grad=True)
-                mask = b["loss_mask"][rows].float()
-                adv = b["advantages"][rows]
-                old_lp = old[rows] if old is not None else logps.detach()
-                ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
-                                                  hp.importance_sampling_level, ref[rows] if ref is not None else None, hp.beta)
-                loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), loss_items)
-                self.manual_backward(loss)
-                total += loss.detach()
-                if it == 0:  # sampler vs trainer logprobs of the same tokens under the same weights
-                    gap = (logps.detach() - b["sampler_logps"][rows]).abs() * mask
-                    gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
-                stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
-            if isinstance(opt.optimizer, MasterWeightAdamW):
-                opt.optimizer.load_grads()  # clip and measure the fp32 copies
-            with_grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads]) if with_grads else torch.tensor(0.0)
-            if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
-                norm = norm.full_tensor()
-            grad_norms.append(float(norm))
-            if not math.isfinite(grad_norms[-1]):
-                # NaN/Inf in the logits or the loss reached the gradients (under DDP every rank sees the same
-                # averaged gradients, so all ranks skip together): no step, the weights stay as they were
-                opt.zero_grad()
-                return self._fault(f"non-finite gradients (norm {grad_norms[-1]}): NaN or Inf in the logits or loss")
-            if hp.max_grad_norm:  # with the norm measured above: no second pass over the gradients
-                torch.nn.utils.clip_grads_with_norm_(with_grads, hp.max_grad_norm, norm)
-            opt.step()
-            opt.zero_grad()  # the fp32 gradients would otherwise sit through the next rollout
-            sched.step()
-            self.rollout.on_weights_updated()
-            losses.append(float(total))
+            loss = self._accumulate(staged, old, ref, loss_items, stats, gap if it == 0 else None)
+            norm = self._optimizer_step()
+            if not math.isfinite(norm):  # no step was taken: the weights stay as they were
+                return self._fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
+            losses.append(float(loss))
+            grad_norms.append(norm)
         out = stats.result()
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
-                   learning_rate=sched.get_last_lr()[0])
-        out["logprob_mismatch/mean"] = float(gap_sum) / max(float(num_items), 1.0)
-        out["logprob_mismatch/max"] = float(gap_max)
-        self._consecutive_faults = 0
-        out["faults/skipped_updates"] = float(self._num_faults)
+                   learning_rate=self.lr_schedulers().get_last_lr()[0])
+        out["logprob_mismatch/mean"] = float(gap[0]) / max(float(staged.num_items), 1.0)
+        out["logprob_mismatch/max"] = float(gap[1])
+        self.counters.consecutive_faults = 0
+        out["faults/skipped_updates"] = float(self.counters.faults)
         return out
 
-    @property
-    def _world_size(self) -> int:
-        return self.trainer.world_size if self._trainer is not None else 1
+    def _old_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
+        """The sampling-time logprobs when the policy moves between iterations (num_iterations > 1)."""
+        hp = self.hparams
+        if hp.num_iterations == 1:
+            return None
+        if hp.old_logprobs == "engine":
+            return staged.rows.sampler_logps
+        return self._logprobs_without_grad(self.policy, staged)
 
-    @property
-    def _num_faults(self) -> int:
-        return getattr(self, "_faults_total", 0)
+    def _reference_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
+        return None if self.ref_model is None else self._logprobs_without_grad(self.ref_model, staged)
+
+    def _logprobs_without_grad(self, model, staged: StagedBatch) -> torch.Tensor:
+        mbs = staged.micro_batches(self.hparams.micro_batch_size)
+        return torch.cat([self._logps(model, staged, rows, grad=False)[0] for rows in mbs])
+
+    def _accumulate(self, staged: StagedBatch, old, ref, loss_items, stats: LossStats, gap: list | None):
+        """Forward and backward over the micro-batches, gradients summed; returns the loss (device)."""
+        hp, b = self.hparams, staged.rows
+        mbs = staged.micro_batches(hp.micro_batch_size)
+        self.optimizers().zero_grad()
+        total = torch.zeros((), device=self.device)
+        for rows in mbs:
+            logps, entropy = self._logps(self.policy, staged, rows, grad=True)
+            mask, adv = b.loss_mask[rows].float(), b.advantages[rows]
+            old_lp = old[rows] if old is not None else logps.detach()
+            ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
+                                                     hp.importance_sampling_level,
+                                                     ref[rows] if ref is not None else None, hp.beta)
+            loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), loss_items)
+            self.manual_backward(loss)
+            total += loss.detach()
+            if gap is not None:  # sampler vs trainer logprobs of the same tokens under the same weights
+                diff = (logps.detach() - b.sampler_logps[rows]).abs() * mask
+                gap[0], gap[1] = gap[0] + diff.sum(), torch.maximum(gap[1], diff.max())
+            stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
+        return total
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, schedule; returns the gradient norm, and takes no step when it is not finite."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        if isinstance(opt.optimizer, MasterWeightAdamW):
+            opt.optimizer.load_grads()  # clip and measure the fp32 copies
+        with_grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads]) if with_grads else torch.tensor(0.0)
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
+            norm = norm.full_tensor()
+        value = float(norm)
+        if not math.isfinite(value):  # under DDP every rank sees the same averaged gradients: all skip together
+            opt.zero_grad()
+            return value
+        if self.hparams.max_grad_norm:  # with the norm measured above: no second pass over the gradients
+            torch.nn.utils.clip_grads_with_norm_(with_grads, self.hparams.max_grad_norm, norm)
+        opt.step()
+        opt.zero_grad()  # the fp32 gradients would otherwise sit through the next rollout
+        sched.step()
+        self.rollout.on_weights_updated()
+        return value
+
+    def _logps(self, model, staged: StagedBatch, rows: slice, grad: bool):
+        padded = self.hparams.packing or staged.padded(rows)
+        b = staged.rows
+        ids, mask = b.input_ids[rows], b.attention_mask[rows] if padded else None
+        with torch.set_grad_enabled(grad):
+            return completion_logprobs(model, ids, mask, b.loss_mask.shape[1], self.hparams.temperature,
+                                       packed=self.hparams.packing)
+
+    # ---- faults, logging, timing -----------------------------------------------------------------
+    def _skip(self) -> dict[str, float]:
+        """Every group had zero reward variance and was filtered: no update, so no optimizer step."""
+        self.counters.consecutive_skips += 1
+        if self.counters.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise RuntimeError(f"{self.counters.consecutive_skips} batches in a row had zero reward variance in every "
+                               "group, so filter_zero_std_groups left nothing to train on; check that the rewards can "
+                               "tell completions apart, or set filter_zero_std_groups=false")
+        return {"skipped_updates": 1.0}
 
     def _fault(self, what: str) -> dict[str, float]:
         """Skip this update, say why, count it; too many in a row stop the run."""
-        self._faults_total = self._num_faults + 1
-        self._consecutive_faults = getattr(self, "_consecutive_faults", 0) + 1
-        limit = self.hparams.max_consecutive_faults
-        if self._consecutive_faults >= limit:
-            raise RuntimeError(f"{self._consecutive_faults} updates in a row were skipped for numerical faults, the "
+        c, limit = self.counters, self.hparams.max_consecutive_faults
+        c.faults += 1
+        c.consecutive_faults += 1
+        if c.consecutive_faults >= limit:
+            raise RuntimeError(f"{c.consecutive_faults} updates in a row were skipped for numerical faults, the "
                                f"last: {what}. Lower the learning rate, check the rewards, or train in a wider dtype "
                                f"(max_consecutive_faults={limit})")
         log.warning("step %d: update skipped: %s", self.global_step, what)
-        return {"faults/skipped_updates": float(self._faults_total)}
+        return {"faults/skipped_updates": float(c.faults)}
+
+    @property
+    def world_size(self) -> int:
+        trainer = self._attached_trainer()
+        return trainer.world_size if trainer else 1
+
+    def _attached_trainer(self):
+        """The trainer, or None outside one (Lightning's `trainer` property raises there)."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
 
     def _log_metrics(self, metrics: dict[str, float]) -> None:
         shown = {"reward", "tokens_per_second"}
-        sync = self._world_size > 1  # mean over ranks
+        sync = self.world_size > 1  # mean over ranks
         # NaN (e.g. the std of one sample) is dropped, except under sync, where every rank must log every key
         clean = {k: v for k, v in metrics.items()
                  if v is not None and (sync or not (isinstance(v, float) and math.isnan(v)))}

@@ -6,6 +6,8 @@ each parameter with its moments: a pure bf16 update would lose steps smaller tha
 (about 0.4% of a weight), which at RL learning rates is most of them."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -56,3 +58,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 for m, saved, p in zip(self.masters, masters, self.model_params):
                     m.copy_(saved)
                     p.copy_(saved)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None):
+    """The learning-rate factor at each step: a linear warm-up, then `constant`, `linear` decay to 0 or
+    `cosine` decay to 0 at `total_steps` (for LambdaLR)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

@@ -7,6 +7,7 @@ import torch
 
 from rlcu import cli
 from rlcu.data.module import PromptDataModule
+from rlcu.grpo.evaluation import evaluate
 from rlcu.grpo.metrics import eval_metrics
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
@@ -30,9 +31,6 @@ def exact_target(prompts, completions, completion_ids, target, **kwargs):
     return [float(bool(ids) and ids[0] == t) for ids, t in zip(completion_ids, target)]
 
 
-def first_token_value(prompts, completions, completion_ids, **kwargs):
-    """Higher token ids score higher: training moves the greedy completions for sure."""
-    return [ids[0] / 32 if ids else 0.0 for ids in completion_ids]
 
 
 def test_module_accuracy_is_the_greedy_accuracy(tmp_path):
@@ -42,7 +40,7 @@ def test_module_accuracy_is_the_greedy_accuracy(tmp_path):
     module = GRPOModule(model, tokenizer=tok, rewards=[exact_target], num_generations=2, max_completion_length=3,
                         eval_num_samples=3)
     module.setup("validate")
-    metrics = module.evaluate(rows)
+    metrics = evaluate(module, rows)
     ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
     greedy = module.rollout.generate(ids, SamplingParams(max_tokens=3, temperature=0, stop_token_ids=module.stop_token_ids))
     expected = sum(c[0] == r["target"] for c, r in zip(greedy.completion_ids, rows) if c) / len(rows)
@@ -70,7 +68,7 @@ def test_rlcu_eval_reproduces_the_final_metrics_from_the_checkpoint(tmp_path, mo
     data = tmp_path / "toy.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in toy_rows(64, seed=1)))
     common = [f"--model.model={model}", "--model.max_completion_length=4", "--model.max_prompt_length=64",
-              "--model.rewards=[tests.grpo.test_evaluation.first_token_value]", "--model.eval_num_samples=2", f"--data.dataset={data}",
+              "--model.rewards=[tests.helpers.first_token_value]", "--model.eval_num_samples=2", f"--data.dataset={data}",
               "--data.dataset_args=null", "--data.val_size=8", "--data.batch_size=4",
               "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
               "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]"]

@@ -9,7 +9,7 @@ from rlcu.data.module import PromptDataModule
 from rlcu.data.prompts import collate_rows
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
-from tests.helpers import match_target, tiny_hf_folder, toy_rows
+from tests.helpers import CHAT_TEMPLATE, match_target, tiny_hf_folder, toy_rows
 
 
 class Snapshots(L.Callback):
@@ -90,10 +90,10 @@ def test_long_prompts_are_an_error_or_lose_their_start(tmp_path, caplog):
     long_prompt = " ".join(f"t{i % 20}" for i in range(30))
     strict = GRPOModule(model, tokenizer=tok, rewards=[match_target], max_prompt_length=8, max_completion_length=4)
     with pytest.raises(ValueError, match="prompt 0 has 30 tokens, more than max_prompt_length=8.*truncate_left"):
-        strict._encode(long_prompt, 0)
+        strict.encode(long_prompt, 0)
     lenient = GRPOModule(model, tokenizer=tok, rewards=[match_target], max_prompt_length=8, max_completion_length=4,
                          long_prompts="truncate_left")
-    assert lenient._encode(long_prompt, 0) == tok(long_prompt, add_special_tokens=False).input_ids[-8:]
+    assert lenient.encode(long_prompt, 0) == tok(long_prompt, add_special_tokens=False).input_ids[-8:]
     rows = [{"prompt": long_prompt, "target": 9}] * 4
     trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -143,3 +143,15 @@ def test_empty_completions_and_ones_that_never_stop(tmp_path):
     m = snaps.metrics[0]
     assert m["completions/min_length"] == 1 and m["completions/max_length"] == 6 and m["completions/clipped_ratio"] == 0.5
     assert all(torch.isfinite(p).all() for p in snaps.weights[0])
+
+
+def test_fault_counters_are_saved_in_checkpoints(tmp_path):
+    """A resumed run goes on counting skipped updates instead of starting again from zero."""
+    model, tok = load_model(tiny_hf_folder(tmp_path, chat_template=CHAT_TEMPLATE))
+    module = GRPOModule(model, tokenizer=tok, num_generations=2, max_completion_length=4)
+    module.counters.faults, module.counters.consecutive_faults = 5, 2
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    resumed = GRPOModule(model, tokenizer=tok, num_generations=2, max_completion_length=4)
+    resumed.on_load_checkpoint(checkpoint)
+    assert (resumed.counters.faults, resumed.counters.consecutive_faults) == (5, 2)

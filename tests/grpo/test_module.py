@@ -47,7 +47,7 @@ def test_trl_reward_functions_run_unchanged(tiny, tmp_path):
     names = {k for m in metrics for k in m}
     assert {"rewards/think_format_reward/mean", "rewards/soft_overlong_punishment_reward/mean"} <= names
     assert all(m["rewards/think_format_reward/mean"] == 0.0 for m in metrics if "reward" in m)  # no <think> in 4 tokens
-    completions = module.last_rollout["completions"]
+    completions = module.last_rollout.completions
     assert isinstance(completions[0], list) and completions[0][0]["role"] == "assistant"  # TRL's conversational form
 
 
@@ -158,7 +158,7 @@ def test_packing_makes_the_same_update(tmp_path):
     import lightning.pytorch as L
 
     from rlcu.data.module import PromptDataModule
-    from tests.integration.test_ddp import G, FixedRollout, token_value
+    from tests.helpers import FixedRollout, G, token_value
 
     folder = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
     states = []

@@ -1,0 +1,46 @@
+"""GRPOModule's options, each checked here, once, at construction: an error names the option, what it
+got and what it takes."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rlcu.grpo.loss import LEVELS, LOSS_TYPES, SCALES
+from rlcu.rewards.scoring import ON_ERROR
+
+SCHEDULES = ("constant", "linear", "cosine")
+LONG_PROMPTS = ("error", "truncate_left")  # a prompt over max_prompt_length: stop at set-up, or keep its end
+# num_iterations > 1 needs the sampling-time logprobs: recomputed by a forward pass ("trainer"), or the ones
+# the engine returned with its samples ("engine": no extra pass; logprob_mismatch/* says how far they are)
+OLD_LOGPROBS = ("trainer", "engine")
+
+CHOICES = {"loss_type": LOSS_TYPES, "importance_sampling_level": LEVELS, "scale_rewards": SCALES,
+           "lr_scheduler": SCHEDULES, "long_prompts": LONG_PROMPTS, "old_logprobs": OLD_LOGPROBS,
+           "on_reward_error": ON_ERROR}
+MINIMUM = {"num_generations": (2, " (GRPO compares completions within a group)"), "micro_batch_size": (1, ""),
+           "num_iterations": (1, ""), "max_prompt_length": (1, ""), "max_completion_length": (1, ""),
+           "max_consecutive_faults": (1, ""), "eval_num_samples": (0, " (0 or 1: greedy only)"),
+           "epsilon": (0, ""), "warmup_steps": (0, ""), "learning_rate": (0, "")}
+
+
+def check_options(options: Mapping) -> None:
+    """`options`: the module's hyper-parameters (before any model is loaded)."""
+    for name, allowed in CHOICES.items():
+        if options[name] not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {options[name]!r}")
+    for name, (low, why) in MINIMUM.items():
+        if options[name] < low:
+            raise ValueError(f"{name} must be >= {low}{why}, got {options[name]}")
+    timeout = options["reward_timeout"]
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"reward_timeout must be a positive number of seconds or null (no limit), got {timeout}")
+
+
+def check_against_model(options: Mapping, context_length: int, reward_names: list[str]) -> None:
+    """The options that depend on the model's context length and the run's reward names."""
+    total = options["max_prompt_length"] + options["max_completion_length"]
+    if total > context_length:
+        raise ValueError(f"max_prompt_length + max_completion_length = {total} exceeds the model's context of "
+                         f"{context_length} tokens; lower one of them")
+    accuracy = options["accuracy_reward"]
+    if accuracy is not None and accuracy not in reward_names:
+        raise ValueError(f"accuracy_reward {accuracy!r} is not one of this run's rewards {reward_names}")
