@@ -73,63 +73,83 @@ def print_recipes() -> None:
 
 def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
     """The LightningCLI. `parse_only` validates and resolves a config without building the model, data
-    and trainer (for tests of shipped configs and of sweep argument lines)."""
+    and trainer (for tests of shipped configs and of sweep argument lines); its `config` is the
+    subcommand's."""
     from lightning.pytorch.cli import LightningCLI
 
+    from rlcu.checkpoint import AtomicCheckpointIO
     from rlcu.data.module import PromptDataModule
     from rlcu.grpo.module import GRPOModule
+
+    explicit = explicit_model_flags(args)
 
     class RLCUCLI(LightningCLI):
         def instantiate_classes(self) -> None:
             if not parse_only:
                 super().instantiate_classes()
 
-        def _run_subcommand(self, subcommand: str) -> None:
-            if not parse_only:
-                super()._run_subcommand(subcommand)
-
+        # Lightning has no public hook between reading a checkpoint's hyper-parameters and building the
+        # module; tests/unit/test_cli.py pins the Lightning versions this override was tested with
         def _parse_ckpt_path(self) -> None:
             from rlcu.checkpoint import CorruptCheckpointError
 
+            sub = self.config.get("subcommand")
+            given = {k: self.config[sub].model[k] for k in explicit} if sub else {}
             try:  # LightningCLI reads the checkpoint's hyper-parameters here, before rlcu's CheckpointIO sees it
                 super()._parse_ckpt_path()
             except (FileNotFoundError, PermissionError):
                 raise
             except Exception as e:
-                raise CorruptCheckpointError(self.config[self.config.subcommand].get("ckpt_path"), e) from None
-
-        def _instantiate_trainer(self, config, callbacks):
-            from rlcu.checkpoint import AtomicCheckpointIO
-
-            if not config.get("plugins"):  # atomic saves and clear errors for corrupt checkpoints, by default
-                config["plugins"] = [AtomicCheckpointIO()]
-            return super()._instantiate_trainer(config, callbacks)
+                raise CorruptCheckpointError(self.config[sub].get("ckpt_path"), e) from None
+            for key, value in given.items():  # the command line wins over the checkpoint's saved values
+                saved = self.config[sub].model[key]
+                if saved != value:
+                    print(f"rlcu: --model.{key}={value} overrides the checkpoint's {saved!r}", file=sys.stderr)
+                    self.config[sub].model[key] = value
 
         def before_instantiate_classes(self) -> None:
-            from rlcu.loggers import wandb_available
-
-            cfg = self.config[self.subcommand] if self.subcommand else self.config
-            from jsonargparse import Namespace
-
-            for section in ("trainer", "model", "data"):
-                if section in cfg and not isinstance(cfg[section], Namespace):
-                    raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
-                                     f"{cfg[section]!r}; leave it out for the defaults")
-            loggers = cfg.trainer.logger
-            if isinstance(loggers, list) and not wandb_available():
-                kept = [lg for lg in loggers if "WandbLogger" not in str(getattr(lg, "class_path", ""))]
-                if len(kept) != len(loggers):
-                    print("rlcu: wandb is not installed; logging without it (pip install wandb)", file=sys.stderr)
-                    cfg.trainer.logger = kept
+            check_sections(self.config[self.subcommand] if self.subcommand else self.config)
 
     # LightningCLI reads the args from sys.argv, and so does the DDP launcher when it starts the other ranks
     # (`python -m rlcu.cli fit --config ...`): both must see the expanded command, not `run RECIPE`
+    if parse_only and args and args[0] in ("fit", "validate"):
+        args, run = args[1:], False
     argv, sys.argv = sys.argv, [sys.argv[0], *args]
     try:
         return RLCUCLI(GRPOModule, PromptDataModule, run=run, save_config_kwargs={"overwrite": True},
-                       parser_kwargs={"default_env": False, "allow_abbrev": False}, auto_configure_optimizers=False)
+                       parser_kwargs={"default_env": False, "allow_abbrev": False}, auto_configure_optimizers=False,
+                       trainer_defaults={"plugins": [AtomicCheckpointIO()]})  # atomic saves, clear corrupt errors
     finally:
         sys.argv = argv
+
+
+def explicit_model_flags(args: list[str]) -> list[str]:
+    """The module options set on the command line (`--model.learning_rate=1e-5` or `--model.learning_rate 1e-5`)."""
+    keys = []
+    for arg in args:
+        if arg.startswith("--model."):
+            key = arg[len("--model."):].split("=", 1)[0].split(".", 1)[0]
+            if key and key not in keys:
+                keys.append(key)
+    return keys
+
+
+def check_sections(cfg) -> None:
+    """Each section a mapping; wandb left out, with a word, where it is not installed."""
+    from jsonargparse import Namespace
+
+    from rlcu.loggers import wandb_available
+
+    for section in ("trainer", "model", "data"):
+        if section in cfg and not isinstance(cfg[section], Namespace):
+            raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
+                             f"{cfg[section]!r}; leave it out for the defaults")
+    loggers = cfg.trainer.logger
+    if isinstance(loggers, list) and not wandb_available():
+        kept = [lg for lg in loggers if "WandbLogger" not in str(getattr(lg, "class_path", ""))]
+        if len(kept) != len(loggers):
+            print("rlcu: wandb is not installed; logging without it (pip install wandb)", file=sys.stderr)
+            cfg.trainer.logger = kept
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -16,6 +16,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
 
     def setup_environment(self) -> None:
+        # the process count is known only here, and ModelParallelStrategy offers no public setter for it;
+        # tests/unit/test_cli.py pins the Lightning versions this was tested with
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes  # every process: one FSDP rank
         super().setup_environment()
