@@ -10,19 +10,17 @@ import torch
 
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.cuda_graphs import DecodeGraphs
+from rlcu.engine.paged_attention import PagedAttention, cache_dtype
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels._triton import use_triton
-from rlcu.engine.paged_attention import PagedAttention, cache_dtype
 from rlcu.kernels.decode_attention import triton_supports
 from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
 from rlcu.kernels.rope_store_kv import supported as rope_supported
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
 from rlcu.models.llama import CausalLM
 
-
 # Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
-# extra kernel (H200, 128-token prompts, 8 samples each, 512 new tokens: generation at 64 sequences 0.13 s
-# slower, at 128 0.11 s slower, at 256 0.13 s faster; docs/benchmarks.md)
+# extra kernel (measured in docs/engine.md)
 SHARED_PREFIX_MIN_SEQS = 256
 
 

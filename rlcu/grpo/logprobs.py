@@ -1,66 +1,16 @@
 """Per-token log-probabilities and entropies of completion tokens, computed over the LM head in chunks
 of rows, so the [tokens x vocab] logits never exist at once. Each chunk keeps only its inputs and
 its log-sum-exp for backward, which recomputes the chunk's logits and forms the gradient
-d logp / d logits = onehot(target) - softmax in place: one [rows x vocab] buffer at a time."""
+d logp / d logits = onehot(target) - softmax in place (`rlcu/kernels/token_logprob.py`)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from rlcu.kernels._triton import use_triton
-from rlcu.kernels.token_logprob import token_logprob_backward_triton_, token_logprob_triton
+from rlcu.kernels.token_logprob import LinearTokenLogprob
 
 CHUNK_BYTES = 512 * 2**20  # logits per chunk: small enough to fit beside training, big enough for full GEMMs
-
-
-def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = F.linear(hidden, weight)
-    if logits.dtype in (torch.float16, torch.bfloat16):  # softmax statistics in fp32 at least
-        logits = logits.float()
-    return logits.div_(temperature) if temperature != 1.0 else logits
-
-
-class _LinearLogprob(torch.autograd.Function):
-    """(log softmax(hidden @ weight.T / T)[target], entropy) per row; the entropy is a metric, never trained on.
-    On CUDA the softmax statistics and the logits' gradient are one Triton pass each over the GEMM's
-    logits in their own dtype (`rlcu/kernels/token_logprob.py`); elsewhere the PyTorch form in fp32."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
-        device_type = hidden.device.type
-        ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.fused = use_triton(hidden)
-        if ctx.fused:
-            logps, entropy, lse = token_logprob_triton(F.linear(hidden, weight), targets, temperature)
-        else:
-            logits = _scaled_logits(hidden, weight, temperature)
-            lse = torch.logsumexp(logits, -1)
-            logps = logits.gather(-1, targets[:, None])[:, 0] - lse
-            logits.sub_(lse[:, None])  # now log softmax
-            plogp = logits.exp().mul_(logits)
-            entropy = -plogp.sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        enabled, dtype = ctx.autocast
-        with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
-            if ctx.fused:
-                grad = token_logprob_backward_triton_(F.linear(hidden, weight), targets, lse, grad_logps,
-                                                      ctx.temperature)
-            else:
-                grad = _scaled_logits(hidden, weight, ctx.temperature).sub_(lse[:, None]).exp_()  # softmax
-                grad.mul_(-grad_logps[:, None]).scatter_add_(1, targets[:, None], grad_logps[:, None].to(grad.dtype))
-                if ctx.temperature != 1.0:
-                    grad.div_(ctx.temperature)
-            grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
-            grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-            grad_weight = (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -71,7 +21,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         chunk_tokens = max(64, CHUNK_BYTES // (itemsize * weight.shape[0]))
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
-        lp, ent = _LinearLogprob.apply(hidden[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature)
+        lp, ent = LinearTokenLogprob.apply(hidden[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature)
         logps.append(lp)
         ents.append(ent)
     return torch.cat(logps), torch.cat(ents)

@@ -1,7 +1,7 @@
 """What the paged attention kernels share: the gather of the keys and values of a tile of token positions,
 each row found through the sequence's block table (many loads in flight at once; a tile may span cache
 blocks of any size, so the block size need not suit tl.dot), and the decode kernels' online-softmax step
-over such a tile."""
+over such a tile, and its split epilogue."""
 from rlcu.kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -25,5 +25,13 @@ if HAS_TRITON:
         alpha = tl.exp(m - shift)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         return acc, m_new, l * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def finish_split(acc, m, l):
+        """A split's normalised output and log-sum-exp; a split that saw no token (past the end of a short
+        sequence, or of the shared tiles) gives 0 and -inf, so the combine weighs it 0."""
+        empty = l == 0.0
+        out = acc / tl.where(empty, 1.0, l)[:, None]
+        return out, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
 else:  # pragma: no cover - depends on the environment
-    load_kv_tile = attend_kv_tile = None
+    load_kv_tile = attend_kv_tile = finish_split = None

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlcu.kernels._paged_kv import attend_kv_tile
-from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from rlcu.kernels._paged_kv import attend_kv_tile, finish_split
+from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -24,8 +24,9 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [S, Hkv, max_blocks * block_size, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
-    # slots past the context may hold anything, NaN included (the pool is torch.empty): a mask alone would
-    # still let NaN * 0 through, so zero them
+    # slots past the context may hold anything: the engine's pool starts as zeros, but a block returned to it
+    # keeps what an earlier sequence wrote, and a caller's pool may hold NaN; a mask alone would still let
+    # NaN * 0 through, so zero them
     k = k.masked_fill(~mask[:, None, :, None], 0)
     v = v.masked_fill(~mask[:, None, :, None], 0)
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
@@ -76,18 +77,18 @@ if HAS_TRITON:
             token = skip + tile * BLOCK_N + n
             acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, BT + s * stride_bts, token, token < ctx, gmask, scale,
                                        stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
-        empty = l == 0.0  # a split past the end of a short sequence
-        out = acc / tl.where(empty, 1.0, l)[:, None]
-        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+        out, lse = finish_split(acc, m, l)
         o_offs = s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :]
         tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=gmask[:, None])
         if WRITE_LSE:
             tl.store(LSE + s * stride_ls + heads * stride_lh + split, lse, mask=gmask)
 
 
-def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: int = 64) -> int:
-    """Enough programs to fill an H100/H200-sized GPU (132 SMs) when sequences are few and long."""
-    return max(1, min(-(-max_tokens // block_n), 16, 132 * 4 // max(1, n_seq * num_kv_heads)))
+def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: int = 64,
+                       sms: int | None = None) -> int:
+    """Enough programs to fill the GPU (4 per SM) when sequences are few and long."""
+    sms = num_sms() if sms is None else sms
+    return max(1, min(-(-max_tokens // block_n), 16, sms * 4 // max(1, n_seq * num_kv_heads)))
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -108,8 +108,7 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False):
 
 
 def _backward_programs(device: torch.device, blocks: int) -> int:
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(blocks, 4 * sms))
+    return max(1, min(blocks, 4 * num_sms(device, cpu=4)))
 
 
 def rms_norm_backward_triton(dy, s, weight, rstd, dres=None):

@@ -190,7 +190,7 @@ if HAS_TRITON:
         tl.store(LP + row, x_tok - lse)
 
 
-PROGRAMS = 2048  # unfiltered sampling: rows x vocabulary shares, enough to keep every SM of an H200 busy
+PROGRAMS = 2048  # unfiltered sampling: rows x vocabulary shares, enough to keep every SM of a large GPU busy
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds: torch.Tensor, steps: int = BISECTION_STEPS):

@@ -9,9 +9,8 @@ and values once per sample; here it is read once per group, as a cascade of two 
    which starts its online softmax from those partials, so no combine pass follows.
 
 At 8 samples of a 128-token prompt and 512 new tokens that is about 29% fewer KV bytes, the bulk of a large
-batch's decode step. A first version served a group's own tokens in the same program as its shared ones and
-combined splits in PyTorch: its kernel read fewer bytes, but the combine's four launches per layer cost
-more than that saved (H200, 32 x 8 x 512: generation 2.65 s against the plain 2.48 s; docs/benchmarks.md).
+batch's decode step. The partials feed the second kernel directly because a separate combine pass costs
+more launches than the bytes it saves (measurements in docs/engine.md).
 
 Groups arrive as `order` (sequence indices, each group's members together, the groups that share
 something first), `starts` [num_groups + 1] (where each sharing group begins in `order`), `shared`
@@ -24,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcu.kernels._paged_kv import attend_kv_tile
-from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton
+from rlcu.kernels._paged_kv import attend_kv_tile, finish_split
+from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton
 from rlcu.kernels.decode_attention import decode_attention_triton
 
 MEMBERS = 8  # sequences per program; a larger group is served in chunks of this many
@@ -59,13 +58,15 @@ def prefix_groups(tables: np.ndarray, block_size: int, context_lens: np.ndarray,
     return order, starts, shared[keep], skip
 
 
-def prefix_plan(num_groups: int, max_shared: int, num_kv_heads: int, block_n: int = 64) -> tuple[int, int]:
+def prefix_plan(num_groups: int, max_shared: int, num_kv_heads: int, block_n: int = 64,
+                sms: int | None = None) -> tuple[int, int]:
     """(group slots, prefix splits) of the prefix kernel's grid: slots a power of two (a CUDA graph
-    serves every step with as many groups or fewer); splits to spread a few groups' prompts over an
-    H200's 132 SMs, never more than the shared tiles."""
+    serves every step with as many groups or fewer); splits to spread a few groups' prompts over the
+    GPU's SMs, never more than the shared tiles."""
+    sms = num_sms() if sms is None else sms
     slots = 1 << max(0, (num_groups - 1).bit_length())
     tiles = max(1, -(-max_shared // block_n))
-    return slots, max(1, min(8, tiles, 132 * 4 // max(1, slots * num_kv_heads)))
+    return slots, max(1, min(8, tiles, sms * 4 // max(1, slots * num_kv_heads)))
 
 
 if HAS_TRITON:
@@ -101,9 +102,7 @@ if HAS_TRITON:
                 token = t * BLOCK_N + n
                 acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, token < shared, row_ok, scale,
                                            stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
-            empty = l == 0.0  # a split past the end of the shared tiles
-            out = acc / tl.where(empty, 1.0, l)[:, None]
-            lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+            out, lse = finish_split(acc, m, l)
             tl.store(PO + seq[:, None] * stride_ps + head[:, None] * stride_ph + split * stride_pp + d[None, :], out,
                      mask=row_ok[:, None])
             tl.store(PLSE + seq * stride_ls + head * stride_lh + split, lse, mask=row_ok)

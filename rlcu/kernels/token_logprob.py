@@ -4,31 +4,41 @@ log-probability with respect to the logits, each in one pass over the row.
 The PyTorch form upcasts the [tokens x vocab] logits to fp32 and makes about eight elementwise passes
 over them (log-sum-exp, subtract, exp, multiply, sum; the backward as many again). These kernels read
 the GEMM's logits in their own dtype once, keep an online max / sum-exp / sum-exp-times-logit in fp32,
-and the backward overwrites the recomputed logits with their gradient in place."""
+and the backward overwrites the recomputed logits with their gradient in place.
+
+`LinearTokenLogprob` is the LM head's autograd Function over these: (logp, entropy) of targets under
+softmax(hidden @ weight.T / T), recomputing the logits in backward instead of keeping them."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from rlcu.kernels._triton import HAS_TRITON, tl, triton
+from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
 BLOCK = 2048
 
 
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax statistics in fp32 at least
+
+
 def token_logprob_reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """(logp of targets, entropy, log-sum-exp), each [N] fp32, of softmax(logits / temperature)."""
-    z = logits.float() / temperature
+    """(logp of targets, entropy, log-sum-exp), each [N] in fp32 (fp64 for fp64 logits), of
+    softmax(logits / temperature). Two [N x vocab] buffers at most: the scaled logits become the
+    log-softmax in place."""
+    z = _widened(logits) / temperature  # a new tensor, whatever the input's dtype
     lse = torch.logsumexp(z, -1)
     logp = z.gather(-1, targets[:, None])[:, 0] - lse
-    p = torch.softmax(z, -1)
-    return logp, lse - (p * z).sum(-1), lse
+    z.sub_(lse[:, None])
+    return logp, -(z.exp().mul_(z)).sum(-1), lse
 
 
 def token_logprob_backward_reference(logits, targets, lse, grad_logp, temperature: float = 1.0):
     """d(sum grad_logp * logp) / d logits = grad_logp * (onehot(target) - softmax) / temperature."""
-    p = torch.exp(logits.float() / temperature - lse[:, None])
-    grad = -p * grad_logp[:, None]
-    grad.scatter_add_(1, targets[:, None], grad_logp[:, None].float())
-    return (grad / temperature).to(logits.dtype)
+    grad = (_widened(logits) / temperature).sub_(lse[:, None]).exp_()  # softmax
+    g = grad_logp[:, None].to(grad.dtype)
+    grad.mul_(-g).scatter_add_(1, targets[:, None], g)
+    return grad.div_(temperature).to(logits.dtype)
 
 
 if HAS_TRITON:
@@ -94,3 +104,32 @@ def token_logprob_backward_triton_(logits, targets, lse, grad_logp, temperature:
     _token_logprob_backward_kernel[(n,)](logits, targets, lse, grad_logp.float().contiguous(), logits.stride(0),
                                          vocab, 1.0 / temperature, BLOCK=BLOCK)
     return logits
+
+
+class LinearTokenLogprob(torch.autograd.Function):
+    """(log softmax(hidden @ weight.T / T)[target], entropy) per row; the entropy is a metric, never trained on.
+    Triton kernels where `use_triton` says so, the references elsewhere (the CPU)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature):
+        device_type = hidden.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.fused = use_triton(hidden)
+        forward = token_logprob_triton if ctx.fused else token_logprob_reference
+        logps, entropy, lse = forward(F.linear(hidden, weight), targets, temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        backward = token_logprob_backward_triton_ if ctx.fused else token_logprob_backward_reference
+        with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
+            grad = backward(F.linear(hidden, weight), targets, lse, grad_logps, ctx.temperature)
+            grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
+            grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+            grad_weight = (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
