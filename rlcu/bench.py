@@ -18,25 +18,14 @@ import time
 
 import torch
 
+from rlcu.data.tokenizers import word_tokenizer
+
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
                  tie_word_embeddings=True, qk_norm=True)
 STANDARD = "qwen3-0.6b-random"
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
-
-
-def word_tokenizer(vocab_size: int):
-    """Token i is the word `t{i}`; the last two ids are <pad> and <eos>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size - 2)}
-    vocab.update({"<pad>": vocab_size - 2, "<eos>": vocab_size - 1})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
 
 
 def random_model(device: str, dtype: torch.dtype, seed: int = 0):

@@ -2,11 +2,12 @@
 tokenizer, so tests compare rlcu with the real reference implementation without any download."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-from rlcu.bench import word_tokenizer
+from rlcu.data.tokenizers import word_tokenizer
 
 FAMILIES = {
     "llama": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True)),
@@ -108,3 +109,122 @@ def grpo_batch(prompt_lengths: list[int], completion_lengths: list[int], seed: i
     for i, (n, m) in enumerate(zip(prompt_lengths, completion_lengths)):
         mask[i, p - n:p + m] = 1
     return ids, mask, c
+
+
+# ---- kernel tests: the device they run on (the interpreter on CPU machines) and shared references
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter's bf16 arithmetic is wrong: bf16 only on the GPU
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if KERNEL_DEVICE == "cuda" else [])
+
+
+def paged_cache(context_lens, hkv, d, block_size, dtype, seed=0, device=KERNEL_DEVICE):
+    """A shuffled block pool holding random K/V for each sequence, and its block table."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in context_lens]
+    total = sum(need) + 3  # spare blocks the tables never name
+    order = torch.randperm(total, generator=g)
+    k = torch.randn(total, block_size, hkv, d, generator=g).to(dtype)
+    v = torch.randn(total, block_size, hkv, d, generator=g).to(dtype)
+    table = torch.zeros(len(context_lens), max(need), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(need):
+        table[s, :n] = order[used:used + n]
+        used += n
+    return k.to(device), v.to(device), table.to(device)
+
+
+def float64_attention(q, k, v, table, ctx, q_positions):
+    """Straight from the definition, one query at a time, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[2]
+    for i, (s, pos) in enumerate(q_positions):
+        keys = k[table[s].long()].flatten(0, 1)[:ctx[s]].double().cpu()
+        vals = v[table[s].long()].flatten(0, 1)[:ctx[s]].double().cpu()
+        for h in range(q.shape[1]):
+            scores = keys[:pos + 1, h // group] @ q[i, h].double().cpu() / math.sqrt(q.shape[-1])
+            out[i, h] = torch.softmax(scores, 0) @ vals[:pos + 1, h // group]
+    return out
+
+
+def grads(fn, inputs, upstream):
+    """Gradients of sum(out_i * upstream_i) with respect to each input."""
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, upstream[:len(outs)])
+    return [x.grad for x in inputs]
+
+
+def assert_close(got, exact, tolerance, scale=1.0):
+    """`tolerance`: (atol, rtol) from a test's dtype table."""
+    atol, rtol = tolerance
+    assert torch.allclose(got.double().cpu(), exact.cpu(), atol=scale * atol, rtol=scale * rtol), \
+        (got.double().cpu() - exact.cpu()).abs().max()
+
+
+# ---- shared by several test modules (tests import helpers, never each other)
+EOS = 63
+
+
+# a single token, lengths across block boundaries (block 16), shared prefixes, and repeated prompts (forks)
+PROMPTS = [[5], list(range(1, 17)), list(range(1, 18)), list(range(1, 18)) + [40, 41], [7] * 33, [7] * 33, [7] * 33,
+           [9, 8, 7]]
+
+
+TOY_STEPS = 120  # lr 5e-3: every variant rises on seeds 0-2 with both backends (measured, not tuned to one seed)
+TOY_WINDOW = 10
+
+
+def run_toy(tmp_path, seed=0, accelerator="cpu", **options):
+    """GRPO on the toy task (reward: match the target token) for TOY_STEPS steps; the logged metrics."""
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.models import load_model
+
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    options = dict(dict(num_generations=8, max_completion_length=4, learning_rate=5e-3, micro_batch_size=16,
+                        seed=seed), **options)
+    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], **options)
+    return fit(module, toy_rows(4 * TOY_STEPS, seed=seed), TOY_STEPS, tmp_path / "logs", accelerator=accelerator)
+
+
+def assert_rises(rewards, label):
+    first, last = sum(rewards[:TOY_WINDOW]) / TOY_WINDOW, sum(rewards[-TOY_WINDOW:]) / TOY_WINDOW
+    assert first < 0.1, f"{label}: the task should start near chance, got {first:.3f}"
+    assert last > first + 0.2, f"{label}: mean reward went from {first:.3f} to only {last:.3f}"
+
+
+G = 4
+
+
+class FixedRollout:
+    """Sample j of a group: a function of the prompt and j alone, 1 to 4 tokens long."""
+
+    def setup(self, module):
+        self.vocab = module.policy.config.vocab_size
+
+    def generate(self, prompt_ids, sampling):
+        from rlcu.contracts import RolloutBatch
+
+        completions = []
+        for i, p in enumerate(prompt_ids):
+            j = i % G  # requests come as groups of G copies of a prompt
+            n = 1 + (sum(p) + j) % 4
+            completions.append([(sum(p) * 3 + j * 7 + t) % (self.vocab - 2) for t in range(n)])
+        return RolloutBatch([list(p) for p in prompt_ids], completions, [[0.0] * len(c) for c in completions],
+                            ["length"] * len(completions))
+
+    def release(self):
+        pass
+
+    def on_weights_updated(self):
+        pass
+
+
+def token_value(prompts, completions, completion_ids, **kwargs):
+    return [sum(ids) / (8 * len(ids)) for ids in completion_ids]
+
+
+def first_token_value(prompts, completions, completion_ids, **kwargs):
+    """Higher token ids score higher: training moves the greedy completions for sure."""
+    return [ids[0] / 32 if ids else 0.0 for ids in completion_ids]

@@ -3,8 +3,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from rlcu.bench import word_tokenizer
 from rlcu.data.prompts import decode_completions
+from rlcu.data.tokenizers import word_tokenizer
 
 
 def _completions(tok, n=12, seed=0):

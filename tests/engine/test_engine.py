@@ -12,13 +12,8 @@ from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
 from rlcu.rollout.native import NativeRollout
+from tests.helpers import EOS, PROMPTS, tiny_hf_folder
 from tests.helpers import reference_generate as reference
-from tests.helpers import tiny_hf_folder
-
-EOS = 63
-# a single token, lengths across block boundaries (block 16), shared prefixes, and repeated prompts (forks)
-PROMPTS = [[5], list(range(1, 17)), list(range(1, 18)), list(range(1, 18)) + [40, 41], [7] * 33, [7] * 33, [7] * 33,
-           [9, 8, 7]]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -83,7 +78,6 @@ def test_forked_samples_count_against_max_num_seqs(tmp_path, monkeypatch):
     """Prompts admitted in one step fork their samples after it: the admission counts those samples too, so
     the running batch stays within max_num_seqs (CUDA graphs are captured up to that size)."""
     import rlcu.engine.model_runner as runner
-    import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
     sizes = []
@@ -138,7 +132,6 @@ def test_smollm2_greedy_matches_reference_and_transformers(smollm2_folder):
 def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monkeypatch):
     """The engine with its Triton kernels (KV write with Qwen3's q/k norms, paged decode) run by
     TRITON_INTERPRET=1 on the CPU, fp32."""
-    import rlcu.engine.model_runner as runner
     import rlcu.engine.paged_attention as paged
     import rlcu.kernels.decode_attention as decode
 
@@ -166,7 +159,6 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
 def test_shared_prefix_decode_under_the_interpreter(tmp_path, monkeypatch, config):
     """Decode with the samples of a prompt reading its shared blocks once (Triton kernel, interpreter, fp32):
     greedy completions equal the reference backend's, and sampled ones equal the plain kernel's."""
-    import rlcu.engine.model_runner as runner
     import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
@@ -208,7 +200,7 @@ def test_shared_prefix_by_default_only_on_large_decode_steps(tmp_path, monkeypat
 
 
 def test_stop_strings_end_completions_in_both_backends(tmp_path):
-    from rlcu.bench import word_tokenizer
+    from rlcu.data.tokenizers import word_tokenizer
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen2"))
     tok = word_tokenizer(64)

@@ -23,7 +23,7 @@ def test_cuda_logits_match_cpu_fp32(tmp_path, dtype, atol):
 
 @pytest.mark.parametrize("rollout", ["native", "reference"])
 def test_grpo_learns_on_cuda(tmp_path, rollout):
-    from tests.grpo.test_learning import assert_rises, run_toy
+    from tests.helpers import assert_rises, run_toy
 
     metrics = run_toy(tmp_path, accelerator="gpu", rollout=rollout)
     assert_rises([m["reward"] for m in metrics if "reward" in m], f"{rollout} on cuda")

@@ -6,9 +6,8 @@ from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
-from tests.engine.test_engine import EOS, PROMPTS
+from tests.helpers import EOS, PROMPTS, tiny_hf_folder
 from tests.helpers import reference_generate as reference
-from tests.helpers import tiny_hf_folder
 
 pytestmark = pytest.mark.gpu
 

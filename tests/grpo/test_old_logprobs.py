@@ -1,6 +1,5 @@
 """old_logprobs='engine': with num_iterations > 1 the sampler's logprobs stand in for the extra forward pass,
 and (in fp32, where engine and trainer agree to 1e-4) the updates match the recomputed ones."""
-import torch
 
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model

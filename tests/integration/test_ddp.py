@@ -9,40 +9,15 @@ import torch
 
 from rlcu.data.module import PromptDataModule
 from rlcu.grpo.module import GRPOModule
-from rlcu.rollout.base import RolloutBatch
-from tests.helpers import tiny_hf_folder, toy_rows
-
+from tests.helpers import FixedRollout, G, tiny_hf_folder, token_value, toy_rows
 
 STEPS = 2
 
 
-G = 4
 
 
-class FixedRollout:
-    """Sample j of a group: a function of the prompt and j alone, 1 to 4 tokens long."""
-
-    def setup(self, module):
-        self.vocab = module.policy.config.vocab_size
-
-    def generate(self, prompt_ids, sampling):
-        completions = []
-        for i, p in enumerate(prompt_ids):
-            j = i % G  # requests come as groups of G copies of a prompt
-            n = 1 + (sum(p) + j) % 4
-            completions.append([(sum(p) * 3 + j * 7 + t) % (self.vocab - 2) for t in range(n)])
-        return RolloutBatch([list(p) for p in prompt_ids], completions, [[0.0] * len(c) for c in completions],
-                            ["length"] * len(completions))
-
-    def release(self):
-        pass
-
-    def on_weights_updated(self):
-        pass
 
 
-def token_value(prompts, completions, completion_ids, **kwargs):
-    return [sum(ids) / (8 * len(ids)) for ids in completion_ids]
 
 
 def flat_for_some_prompts(prompts, completions, completion_ids, **kwargs):
@@ -102,7 +77,7 @@ def test_filtering_under_ddp_needs_dapo(tmp_path):
                         max_completion_length=4, loss_type="grpo", filter_zero_std_groups=True)
 
     class TwoRanks:
-        world_size = 2
+        world_size, strategy = 2, None
 
     module._trainer = TwoRanks()
     with pytest.raises(ValueError, match="needs loss_type='dapo'"):

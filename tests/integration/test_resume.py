@@ -52,7 +52,7 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
 
     def run(name, steps, *extra):
         cli.main(["run", "quickstart", f"--model.model={model}", "--model.max_completion_length=4",
-                  "--model.max_prompt_length=64", "--model.rewards=[tests.grpo.test_evaluation.first_token_value]",
+                  "--model.max_prompt_length=64", "--model.rewards=[tests.helpers.first_token_value]",
                   "--model.learning_rate=1e-2", "--model.lr_scheduler=linear", "--model.num_generations=4",
                   f"--data.dataset={data}", "--data.dataset_args=null", "--data.batch_size=4",
                   f"--trainer.max_steps={steps}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",

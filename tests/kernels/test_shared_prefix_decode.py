@@ -11,9 +11,12 @@ import torch
 from rlcu.kernels import _triton
 from rlcu.kernels.decode_attention import decode_attention_reference
 from rlcu.kernels.shared_prefix_decode import MEMBERS, prefix_groups, prefix_plan, shared_prefix_decode_triton
-from tests.kernels.test_attention_kernels import DEVICE, DTYPES, TOLERANCE, float64_attention
+from tests.helpers import KERNEL_DEVICE as DEVICE
+from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import float64_attention
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
+TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
 def forked_tables(groups, block_size, seed=0):

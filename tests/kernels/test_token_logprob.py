@@ -4,8 +4,13 @@ import pytest
 import torch
 
 from rlcu.kernels import _triton
-from rlcu.kernels.token_logprob import (BLOCK, token_logprob_backward_reference, token_logprob_backward_triton_,
-                                        token_logprob_reference, token_logprob_triton)
+from rlcu.kernels.token_logprob import (
+    BLOCK,
+    token_logprob_backward_reference,
+    token_logprob_backward_triton_,
+    token_logprob_reference,
+    token_logprob_triton,
+)
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,6 @@
 """Our Llama-family modules against transformers' own implementation (fp32)."""
 import json
+
 import pytest
 import torch
 import transformers

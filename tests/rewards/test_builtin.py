@@ -1,11 +1,11 @@
 import pytest
 
 from rlcu.rewards.base import RewardError, resolve_rewards
-from rlcu.rewards.scoring import score
 from rlcu.rewards.countdown import CountdownEquation
 from rlcu.rewards.format import FormatTags
 from rlcu.rewards.length import OverlongPenalty
 from rlcu.rewards.math import MathAnswer, extract_answer
+from rlcu.rewards.scoring import score
 
 
 @pytest.mark.parametrize("text,answer", [

@@ -2,8 +2,6 @@
 loader either answer or raise a clear error; none crashes otherwise or hangs (deadlines)."""
 import math
 
-import pytest
-import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from rlcu.bench import QWEN3_06B, word_tokenizer
+from rlcu.bench import QWEN3_06B
 from rlcu.cli import main
+from rlcu.data.tokenizers import word_tokenizer
 from tests.helpers import tiny_hf_folder
 
 

@@ -15,7 +15,7 @@ def test_exported_checkpoint_loads_in_transformers_with_matching_logits(tmp_path
     start = tiny_hf_folder(tmp_path / "tiny", family, vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
                            chat_template=CHAT_TEMPLATE, **({"tie_word_embeddings": True} if family == "qwen3" else {}))
     cli.main(["run", "quickstart", f"--model.model={start}", "--model.max_completion_length=4",
-              "--model.max_prompt_length=64", "--model.learning_rate=1e-2", "--model.rewards=[tests.grpo.test_evaluation.first_token_value]",
+              "--model.max_prompt_length=64", "--model.learning_rate=1e-2", "--model.rewards=[tests.helpers.first_token_value]",
               "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
               "--trainer.callbacks=[]", "--trainer.enable_checkpointing=true",
               "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",

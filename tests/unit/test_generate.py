@@ -1,4 +1,5 @@
 import json
+
 import pytest
 
 from rlcu import cli

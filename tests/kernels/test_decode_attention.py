@@ -1,0 +1,44 @@
+"""Paged decode attention (split-KV, GQA) against float64 and the PyTorch reference, on odd shapes."""
+import math
+
+import pytest
+import torch
+
+from rlcu.kernels import _triton
+from rlcu.kernels.decode_attention import decode_attention_reference, decode_attention_triton
+from tests.helpers import KERNEL_DEVICE as DEVICE
+from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import float64_attention, paged_cache
+
+pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
+TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("context_lens,block_size,block_n", [([1, 17, 40, 100], 16, 64), ([1], 16, 16),
+                                                             ([33, 300], 32, 32), ([5, 70, 129], 12, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention(dtype, hq, hkv, d, context_lens, block_size, block_n, num_splits):
+    k, v, table = paged_cache(context_lens, hkv, d, block_size, dtype)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(context_lens), hq, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    scale = 1 / math.sqrt(d)
+    got = decode_attention_triton(q, k, v, table, ctx, scale, num_splits=num_splits, block_n=block_n)
+    ref = decode_attention_reference(q, k, v, table, ctx, scale)
+    exact = float64_attention(q, k, v, table, context_lens, [(s, n - 1) for s, n in enumerate(context_lens)])
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+def test_garbage_past_the_context_never_leaks():
+    """Pool slots past a sequence's context may hold NaN (uninitialised memory): no output may change."""
+    k, v, table = paged_cache([5, 20], 3, 64, 16, torch.float32)
+    ctx = torch.tensor([5, 20], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 9, 64, device=DEVICE)
+    clean = decode_attention_reference(q, k, v, table, ctx, 0.125)
+    k.view(-1, 3, 64)[table[0, 0].long() * 16 + 5:table[0, 0].long() * 16 + 16] = float("nan")
+    v[table[1, 1].long(), 4:] = float("nan")
+    for out in (decode_attention_reference(q, k, v, table, ctx, 0.125), decode_attention_triton(q, k, v, table, ctx, 0.125)):
+        assert torch.allclose(out, clean, atol=2e-5)

@@ -1,0 +1,49 @@
+"""Paged prefill attention (chunks after a cached prefix, GQA) against float64 and the PyTorch reference."""
+import math
+
+import pytest
+import torch
+
+from rlcu.kernels import _triton
+from rlcu.kernels.prefill_attention import paged_attention_reference, paged_attention_triton
+from tests.helpers import KERNEL_DEVICE as DEVICE
+from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import float64_attention, paged_cache
+
+pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
+TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_reference_after_a_cached_prefix(dtype):
+    context_lens, q_lens = [20, 5, 37], [7, 5, 1]  # a chunk after 13 cached tokens, a full prompt, a decode
+    k, v, table = paged_cache(context_lens, 3, 64, 16, dtype)
+    q = torch.randn(sum(q_lens), 9, 64, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    cu = torch.tensor([0, 7, 12, 13], device=DEVICE)
+    got = paged_attention_reference(q, k, v, cu, torch.tensor(context_lens, device=DEVICE), table, 1 / 8)
+    positions = [(s, n - ql + i) for s, (n, ql) in enumerate(zip(context_lens, q_lens)) for i in range(ql)]
+    exact = float64_attention(q, k, v, table, context_lens, positions)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 8, 128), (2, 2, 16)])
+@pytest.mark.parametrize("context_lens,q_lens,block_size", [
+    ([20, 5, 37], [7, 5, 1], 16),  # a chunk after 13 cached tokens, a whole prompt, a decode
+    ([70, 1, 133], [70, 1, 45], 12),  # tiles of several query blocks, a one-token prompt, blocks of 12
+    ([64], [33], 16),
+])
+def test_prefill_attention_triton(dtype, hq, hkv, d, context_lens, q_lens, block_size):
+    k, v, table = paged_cache(context_lens, hkv, d, block_size, dtype, seed=4)
+    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = 1 / math.sqrt(d)
+    got = paged_attention_triton(q, k, v, cu, ctx, table, scale)
+    ref = paged_attention_reference(q, k, v, cu, ctx, table, scale)
+    positions = [(s, n - ql + i) for s, (n, ql) in enumerate(zip(context_lens, q_lens)) for i in range(ql)]
+    exact = float64_attention(q, k, v, table, context_lens, positions)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)

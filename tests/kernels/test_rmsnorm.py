@@ -1,0 +1,101 @@
+"""RMSNorm (+residual) forward and backward against float64 and the PyTorch reference."""
+import pytest
+import torch
+
+from rlcu.kernels import _triton
+from rlcu.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from tests.helpers import KERNEL_DEVICE as DEVICE
+from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import assert_close, grads
+
+pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _close(got, exact, dtype, scale=1.0):
+    assert_close(got, exact, TOLERANCE[dtype], scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 1024), (3, 5, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, shape, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(shape, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    got, ref = rms_norm_triton(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
+    if with_residual:
+        assert torch.equal(got[1], ref[1])
+        got, ref = got[0], ref[0]
+    s = (x.double() + (r.double() if with_residual else 0)).cpu()
+    exact = w.double().cpu() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
+    assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (37, 100), (130, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_backward(dtype, rows, width, with_residual):
+    """dx, dweight (and the residual stream's pass-through gradient) against float64 autograd."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(4)
+    x, r = (torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEVICE)
+    up = [torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    if with_residual:
+        got = grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r), [x, w, r], up)
+        exact = grads(_rms64, [x.double(), w.double(), r.double()], [u.double() for u in up])
+    else:
+        got = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None), [x, w], up)
+        exact = grads(_rms64, [x.double(), w.double()], [u.double() for u in up])
+    for name, a, b in zip(("x", "weight", "residual"), got, exact):
+        _close(a, b, dtype, scale=8 if name == "weight" else 2)  # dweight sums over every row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_view_without_copy(dtype):
+    """Qwen3's q-norm: heads of a strided view of the fused q/k/v output, forward and backward."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction, rms_norm_triton
+
+    g = torch.Generator().manual_seed(5)
+    heads, d, t = 3, 32, 5
+    qkv = torch.randn(2, t, (heads + 2) * d, generator=g).to(dtype).to(DEVICE)
+    q = qkv[..., :heads * d].unflatten(-1, (heads, d))
+    assert not q.is_contiguous()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    _close(rms_norm_triton(q, w, 1e-6), _rms64(q.double(), w.double()), dtype)
+    up = [torch.randn(q.shape, generator=g).to(dtype).to(DEVICE)]
+    got = grads(lambda q, w: RMSNormFunction.apply(q, w, 1e-6, None), [q, w], up)
+    exact = grads(_rms64, [q.double(), w.double()], [up[0].double()])
+    _close(got[0], exact[0], dtype, scale=2)
+    _close(got[1], exact[1], dtype, scale=8)
+
+
+def test_rms_norm_with_a_wider_residual_keeps_its_dtype():
+    """Under autocast the residual stream can be fp32 while a layer's output is fp16/bf16: x + residual
+    promotes, and the stream, the rounding of the normed value and the gradients follow torch's types."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 96, generator=g).to(torch.float16).to(DEVICE)
+    r = torch.randn(9, 96, generator=g).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(DEVICE)
+    got, ref = rms_norm_triton(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
+    assert got[1].dtype == ref[1].dtype == torch.float32 and torch.equal(got[1], ref[1])
+    assert got[0].dtype == ref[0].dtype and torch.allclose(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    up = [torch.randn(9, 96, generator=g).to(DEVICE) for _ in range(2)]
+    got_grads = grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r), [x, w, r], up)
+    exact = grads(_rms64, [x.double(), w.double(), r.double()], [u.double() for u in up])
+    assert [a.dtype for a in got_grads] == [torch.float16, torch.float32, torch.float32]
+    for a, b in zip(got_grads, exact):
+        _close(a, b, torch.float16, scale=8)
+
+
+def _rms64(x, w, residual=None, eps=1e-6):
+    s = x + residual if residual is not None else x
+    out = w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return (out, s) if residual is not None else out
