@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install quickstart test test-fast
+.PHONY: install quickstart lint test test-fast
 
 $(VENV)/.installed: pyproject.toml plugins/rlcu-repetition/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ install: $(VENV)/.installed
 quickstart: install
 	$(BIN)/rlcu run quickstart
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 test-fast: install

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     from rlcu.checkpoint import load
     from rlcu.models.loading import load_model, save_pretrained

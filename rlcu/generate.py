@@ -53,11 +53,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> Path:
+    from rlcu.contracts import eos_token_ids
     from rlcu.data.prompts import encode_prompt
     from rlcu.grpo.module import resolve_rollout
     from rlcu.models import load_model
     from rlcu.rollout import SamplingParams
-    from rlcu.contracts import eos_token_ids
 
     args = parser().parse_args(argv)
     if args.n < 1:

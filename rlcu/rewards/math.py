@@ -49,8 +49,7 @@ def _parse_safely(s: str):
     if len(s) > 120 or not _SAFE.match(s) or set(re.findall(r"[a-z]+", s)) - _NAMES:
         return None
     from sympy import Number, Pow
-    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                            standard_transformations)
+    from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
 
     expr = parse_expr(s, transformations=standard_transformations + (implicit_multiplication_application,),
                       evaluate=False)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from rlcu.contracts import StopStrings
 from rlcu.kernels.sampling import sample
 from rlcu.models.attention import DenseKVCache
 from rlcu.rollout.base import RolloutBatch, SamplingParams
-from rlcu.contracts import StopStrings
 
 
 class ReferenceRollout:
