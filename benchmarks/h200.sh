@@ -4,7 +4,9 @@
 # PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8, with and without shared-prefix decode, and
 # the micro-batch variants), rlcu-extra (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
 # hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
-# the SmolLM2 weights, RLCU_SMOLLM2_GGUF). PEERS_DIR holds ../shared/peers (default .peers).
+# the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8 step of the tree in $BASE, an older
+# checkout's rlcu/, then of this one, alternating: a change that must not cost speed). PEERS_DIR holds
+# ../shared/peers (default .peers).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
 mkdir -p "$out"
@@ -28,6 +30,17 @@ case $part in
     # without the engine's look-ahead, for its share; padding-free training (off by default)
     log rollout512nola rlcu bench rollout --sequences 512 --new_tokens 512 --no_lookahead
     log step8x8pack rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --packing ;;
+  ab)
+    # python3 -m puts the working folder first on the path: each tree runs from its own folder
+    base=$(cd "${BASE:?BASE: a folder holding an older rlcu/}" && pwd); out=$(cd "$out" && pwd)
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+      for tree in "$base" "$PWD"; do
+        tag=$( [ "$tree" = "$PWD" ] && echo head || echo base )$round
+        (cd "$tree" && log rollout64-$tag rlcu bench rollout --sequences 64 --new_tokens 512;
+         log rollout512-$tag rlcu bench rollout --sequences 512 --new_tokens 512;
+         log step8x8-$tag rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4)
+      done
+    done ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
   hf) (cd "$peers" && log hf_generate python3 hf_generate.py) ;;

@@ -1,5 +1,5 @@
 """Plot a benchmark results file's GRPO step times by phase, beside the peer's step time.
-    python3 benchmarks/plot.py benchmarks/results/2026-11-30-h200-session6.json docs/benchmarks-step.png"""
+    python3 benchmarks/plot.py benchmarks/results/2026-11-30-h200-3bdc9cb.json docs/benchmarks-step.png"""
 import json
 import sys
 
