@@ -112,11 +112,12 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
 
     # LightningCLI reads the args from sys.argv, and so does the DDP launcher when it starts the other ranks
     # (`python -m rlcu.cli fit --config ...`): both must see the expanded command, not `run RECIPE`
-    if parse_only and args and args[0] in ("fit", "validate"):
-        args, run = args[1:], False
     argv, sys.argv = sys.argv, [sys.argv[0], *args]
+    cli_args = None
+    if parse_only and args and args[0] in ("fit", "validate"):  # no subcommand to run: its config alone
+        cli_args, run = args[1:], False
     try:
-        return RLCUCLI(GRPOModule, PromptDataModule, run=run, save_config_kwargs={"overwrite": True},
+        return RLCUCLI(GRPOModule, PromptDataModule, run=run, args=cli_args, save_config_kwargs={"overwrite": True},
                        parser_kwargs={"default_env": False, "allow_abbrev": False}, auto_configure_optimizers=False,
                        trainer_defaults={"plugins": [AtomicCheckpointIO()]})  # atomic saves, clear corrupt errors
     finally:
