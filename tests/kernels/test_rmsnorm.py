@@ -6,14 +6,10 @@ from rlcu.kernels import _triton
 from rlcu.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import POINTWISE_TOLERANCE as TOLERANCE
 from tests.helpers import assert_close, grads
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
-
-
-def _close(got, exact, dtype, scale=1.0):
-    assert_close(got, exact, TOLERANCE[dtype], scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,7 +49,7 @@ def test_rms_norm_backward(dtype, rows, width, with_residual):
         got = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None), [x, w], up)
         exact = grads(_rms64, [x.double(), w.double()], [u.double() for u in up])
     for name, a, b in zip(("x", "weight", "residual"), got, exact):
-        _close(a, b, dtype, scale=8 if name == "weight" else 2)  # dweight sums over every row
+        assert_close(a, b, dtype, scale=8 if name == "weight" else 2)  # dweight sums over every row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -67,12 +63,12 @@ def test_rms_norm_per_head_view_without_copy(dtype):
     q = qkv[..., :heads * d].unflatten(-1, (heads, d))
     assert not q.is_contiguous()
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
-    _close(rms_norm_triton(q, w, 1e-6), _rms64(q.double(), w.double()), dtype)
+    assert_close(rms_norm_triton(q, w, 1e-6), _rms64(q.double(), w.double()), dtype)
     up = [torch.randn(q.shape, generator=g).to(dtype).to(DEVICE)]
     got = grads(lambda q, w: RMSNormFunction.apply(q, w, 1e-6, None), [q, w], up)
     exact = grads(_rms64, [q.double(), w.double()], [up[0].double()])
-    _close(got[0], exact[0], dtype, scale=2)
-    _close(got[1], exact[1], dtype, scale=8)
+    assert_close(got[0], exact[0], dtype, scale=2)
+    assert_close(got[1], exact[1], dtype, scale=8)
 
 
 def test_rms_norm_with_a_wider_residual_keeps_its_dtype():
@@ -92,7 +88,7 @@ def test_rms_norm_with_a_wider_residual_keeps_its_dtype():
     exact = grads(_rms64, [x.double(), w.double(), r.double()], [u.double() for u in up])
     assert [a.dtype for a in got_grads] == [torch.float16, torch.float32, torch.float32]
     for a, b in zip(got_grads, exact):
-        _close(a, b, torch.float16, scale=8)
+        assert_close(a, b, torch.float16, scale=8)
 
 
 def _rms64(x, w, residual=None, eps=1e-6):

@@ -5,14 +5,10 @@ import torch
 from rlcu.kernels import _triton
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import POINTWISE_TOLERANCE as TOLERANCE
 from tests.helpers import assert_close, grads
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
-
-
-def _close(got, exact, dtype, scale=1.0):
-    assert_close(got, exact, TOLERANCE[dtype], scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,4 +44,4 @@ def test_rope_backward(dtype, heads, head_dim):
     up = [torch.randn(x.shape, generator=g).to(dtype).to(DEVICE)]
     got = grads(lambda x: RoPEFunction.apply(x, cos, sin), [x], up)[0]
     exact = grads(lambda x: rope_reference(x, cos.double(), sin.double()), [x.double()], [up[0].double()])[0]
-    _close(got, exact, dtype, scale=4)
+    assert_close(got, exact, dtype, scale=4)

@@ -5,9 +5,9 @@ import torch
 from rlcu.kernels import _triton
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import POINTWISE_TOLERANCE as TOLERANCE
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

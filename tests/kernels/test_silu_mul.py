@@ -7,14 +7,10 @@ from rlcu.kernels import _triton
 from rlcu.kernels.silu_mul import silu_mul_reference, silu_mul_triton
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
+from tests.helpers import POINTWISE_TOLERANCE as TOLERANCE
 from tests.helpers import assert_close, grads
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
-
-
-def _close(got, exact, dtype, scale=1.0):
-    assert_close(got, exact, TOLERANCE[dtype], scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -42,4 +38,4 @@ def test_silu_mul_backward(dtype, shape):
     up = [torch.randn(shape, generator=g).to(dtype).to(DEVICE)]
     got = grads(SiluMulFunction.apply, [gate_up], up)[0]
     exact = grads(lambda x: silu_mul_reference(x), [gate_up.double()], [up[0].double()])[0]
-    _close(got, exact, dtype, scale=2)
+    assert_close(got, exact, dtype, scale=2)
