@@ -1,12 +1,16 @@
-"""Run an untrusted Python program in isolation (Linux, as root): a private working folder, an empty
-environment, no network, a read-only view of every other file, an unprivileged uid, and limits on
-time, memory, processes, file size and open files. The whole process group is killed on timeout.
+"""Run an untrusted Python program in isolation (Linux, as root): a private, size-limited working folder,
+an empty environment, no network, a read-only view of every other file, a fresh /proc that shows only its
+own processes, a uid of its own, and limits on time, memory, processes, file size and open files. The
+whole sandbox is killed on timeout.
 
-The set-up runs in a fresh single-threaded helper process (`_ISOLATE` below, started with `python -c`),
-which enters new network, mount and pid namespaces, remounts every file system read-only except the
-working folder, drops to uid/gid 65534 and only then starts the program as the first process of its pid
-namespace: when the program ends or is killed, the kernel ends everything it started. A fork bomb meets
-the process limit (counted per uid, which is why the uid is dropped: root is exempt)."""
+The set-up runs in a fresh single-threaded helper process (`_ISOLATE` below, started with `python -c`):
+it joins the program's control groups (memory and process limits over everything the program starts,
+where cgroups are writable: `sandbox_limits.py`), enters new network, mount and pid namespaces, remounts
+every file system read-only, mounts private size-limited tmpfs on /tmp (the working folder, a copy of
+the given files) and /dev/shm, then forks the program's first process, which mounts /proc for its pid
+namespace, drops to the sandbox's uid and starts the program. When that process ends or is killed, the
+kernel ends everything it started, and the tmpfs go with the namespace. Each sandbox has its own uid, so
+a fork bomb meets its own process limit and never its neighbours'."""
 from __future__ import annotations
 
 import functools
@@ -18,41 +22,60 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-NOBODY = 65534
+from rlcu.rewards.sandbox_limits import ControlGroup, give_uid, take_uid
+
+TMPFS_MB = 64  # the program's /tmp (its working folder) and /dev/shm, each
 # the base interpreter, as (prefix, path inside it): a virtual environment's packages are not needed
 PYTHON = f"{sys.base_prefix}|{os.path.relpath(os.path.realpath(sys.executable), sys.base_prefix)}"
 
 _ISOLATE = r"""
 import ctypes, os, resource, sys
-workdir, seconds, memory, processes, python = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+workdir, seconds, memory, processes, python, uid, tmpfs_mb = sys.argv[1:8]
+seconds, memory, processes, uid, tmpfs_mb = int(seconds), int(memory), int(processes), int(uid), int(tmpfs_mb)
 libc = ctypes.CDLL(None, use_errno=True)
 def check(ok, what):
     if not ok:
         sys.stderr.write(f"sandbox: {what} failed (errno {ctypes.get_errno()})\n"); os._exit(97)
-MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+for procs in sys.argv[8:]:  # the program's control groups: every process it starts is counted there
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 check(libc.unshare(0x40000000 | 0x00020000 | 0x20000000) == 0, "unshare(network, mount, pid)")
 check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0, "making mounts private")
+source = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)  # the given files, read before /tmp is covered
 points = [line.split()[4] for line in open("/proc/self/mountinfo")]
 for point in sorted(set(points), key=len):
     if point.startswith(("/proc", "/sys", "/dev")):
         continue
     libc.mount(None, point.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)  # best effort per mount
-check(libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None) == 0, "binding the working folder")
-check(libc.mount(None, workdir.encode(), None, MS_REMOUNT | MS_BIND, None) == 0, "making it writable")
-# the interpreter may live where uid 65534 cannot reach (/root/.pyenv): show it read-only inside the folder
+for point in ("/tmp", "/dev/shm"):
+    if os.path.isdir(point):
+        options = f"size={tmpfs_mb}m,mode=1777,nr_inodes=4096".encode()
+        check(libc.mount(b"tmpfs", point.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) == 0, f"a private {point}")
+home = "/tmp/work"
+os.mkdir(home, 0o700)
+for name in os.listdir(source):
+    with open(os.open(name, os.O_RDONLY, dir_fd=source), "rb") as src, open(os.path.join(home, name), "wb") as dst:
+        dst.write(src.read())
+os.close(source)
+# the interpreter may live where the sandbox's uid cannot reach (/root/.pyenv): show it read-only
 prefix, relative = python.split("|")
-target = os.path.join(workdir, ".python")
+target = os.path.join(home, ".python")
 os.mkdir(target)
 check(libc.mount(prefix.encode(), target.encode(), None, MS_BIND | MS_REC, None) == 0, "binding the interpreter")
 libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
 python = os.path.join(target, relative)
-for limit, value in ((resource.RLIMIT_CPU, seconds), (resource.RLIMIT_AS, memory), (resource.RLIMIT_NPROC, processes),
-                     (resource.RLIMIT_FSIZE, 16 << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(limit, (value, value))
-os.setgroups([]); os.setgid(65534); os.setuid(65534)
-os.chdir(workdir)
+for path in [home] + [os.path.join(home, n) for n in os.listdir(home) if n != ".python"]:
+    os.chown(path, uid, uid)
 child = os.fork()  # the first process of the new pid namespace: when it ends, the kernel ends all it started
 if child == 0:
+    check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0, "a fresh /proc")
+    for limit, value in ((resource.RLIMIT_CPU, seconds), (resource.RLIMIT_AS, memory),
+                         (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_FSIZE, 16 << 20),
+                         (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value))
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    os.chdir(home)
     os.execve(python, [python, "-I", "-S", "program.py"], {})
 _, status = os.waitpid(child, 0)
 os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
@@ -86,32 +109,38 @@ def available() -> str | None:
     return None
 
 
-def run(source: str, timeout: float = 5.0, memory_mb: int = 512, max_processes: int = 32) -> Result:
+def run(source: str, timeout: float = 5.0, memory_mb: int = 512, max_processes: int = 32,
+        files: dict[str, str] | None = None, stdin: bytes | None = None) -> Result:
+    """Run `source` as program.py beside `files` ({name: text}) in the sandbox's working folder, with
+    `stdin` as its standard input."""
     why = available()
     if why:
         raise RuntimeError(why)
-    return _run(source, timeout, memory_mb, max_processes)
+    return _run(source, timeout, memory_mb, max_processes, files or {}, stdin)
 
 
-def _run(source: str, timeout: float, memory_mb: int, max_processes: int) -> Result:
+def _run(source: str, timeout: float, memory_mb: int, max_processes: int, files: dict[str, str] | None = None,
+         stdin: bytes | None = None) -> Result:
     workdir = tempfile.mkdtemp(prefix="rlcu-sandbox-")
+    uid, group = take_uid(), ControlGroup(memory_mb << 20, max_processes)
     try:
-        with open(os.path.join(workdir, "program.py"), "w") as f:
-            f.write(source)
-        os.chown(workdir, NOBODY, NOBODY)
-        os.chmod(workdir, 0o700)
+        for name, text in {**(files or {}), "program.py": source}.items():
+            with open(os.path.join(workdir, name), "w") as f:
+                f.write(text)
         cpu = max(1, int(timeout) + 1)
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _ISOLATE, workdir, str(cpu), str(memory_mb << 20),
-                                 str(max_processes), PYTHON], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env={}, start_new_session=True)
+        args = [workdir, str(cpu), str(memory_mb << 20), str(max_processes), PYTHON, str(uid), str(TMPFS_MB)]
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _ISOLATE, *args, *group.procs], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(stdin or b"", timeout=timeout)
             return Result(proc.returncode, out.decode(errors="replace")[-4000:], err.decode(errors="replace")[-4000:],
                           False)
         except subprocess.TimeoutExpired:
             _kill(proc)
             return Result(None, "", "", True)
     finally:
+        group.remove()
+        give_uid(uid)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -132,5 +161,5 @@ def _kill(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-    for pipe in (proc.stdout, proc.stderr):
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
         pipe.close()

@@ -7,6 +7,7 @@ import pytest
 
 from rlcu.rewards import sandbox
 from rlcu.rewards.code import CodeTests, extract_program
+from rlcu.rewards.sandbox_limits import UID_BASE, whole_sandbox_limits
 
 pytestmark = pytest.mark.skipif(sandbox.available() is not None, reason=str(sandbox.available()))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +30,8 @@ HOSTILE = {
     "fork bomb": ("import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)",
                   "pass"),
     "memory hog": ("hog = bytearray(8 << 30)", "assert len(hog) == 8 << 30"),
-    "write outside its folder": (f"def attack():\n    for path in ('/tmp/rlcu-pwned', '{ROOT}/rlcu-pwned', '/root/rlcu-pwned'):\n"
+    # its folder and /tmp are one private tmpfs: every other path is read-only
+    "write outside its folder": (f"def attack():\n    for path in ('{ROOT}/rlcu-pwned', '/root/rlcu-pwned', '/etc/rlcu-pwned'):\n"
                                  "        try:\n            open(path, 'w').write('x')\n            return True\n"
                                  "        except OSError:\n            pass\n    return False",
                                  "assert attack()"),
@@ -37,6 +39,18 @@ HOSTILE = {
                 "        return True\n    except OSError:\n        return False", "assert attack()"),
     "environment secrets": ("import os", "assert os.environ.get('RLCU_TEST_SECRET') == 'hunter2'"),
     "raise privileges": ("import os", "os.setuid(0)"),
+    # a wrong program that leaves before its tests run: an exit code of 0 is no pass
+    "sys.exit(0) before the tests": ("import sys\nsys.exit(0)", "assert False"),
+    "os._exit(0) before the tests": ("import os\nos._exit(0)", "assert False"),
+    "raise SystemExit before the tests": ("raise SystemExit", "assert False"),
+    "exit(0) in an atexit hook": ("import atexit, os\natexit.register(lambda: os._exit(0))", "assert False"),
+    "fill /tmp": ("def attack():\n    try:\n        with open('/tmp/fill', 'wb') as f:\n"
+                  "            for _ in range(300):\n                f.write(bytes(1 << 20))\n        return True\n"
+                  "    except OSError:\n        return False", "assert attack()"),
+    "read other processes' command lines": (
+        "import os\ndef attack():\n    lines = []\n    for pid in os.listdir('/proc'):\n        try:\n"
+        "            lines.append(open(f'/proc/{pid}/cmdline', 'rb').read())\n        except OSError:\n            pass\n"
+        "    return any(b'pytest' in line or b'rlcu' in line for line in lines)", "assert attack()"),
 }
 
 
@@ -47,10 +61,10 @@ def test_hostile_programs_score_zero_and_leave_no_trace(name, monkeypatch):
     start = time.perf_counter()
     assert scores([program], [test]) == [0.0]
     assert time.perf_counter() - start < 2.0 + 2.0, "the time limit did not hold"
-    for path in ("/tmp/rlcu-pwned", f"{ROOT}/rlcu-pwned", "/root/rlcu-pwned"):
+    for path in (f"{ROOT}/rlcu-pwned", "/root/rlcu-pwned", "/etc/rlcu-pwned"):
         assert not os.path.exists(path)
     time.sleep(0.2)
-    alive = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) == sandbox.NOBODY and _state(p) != "Z"]
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) >= UID_BASE and _state(p) != "Z"]
     assert not alive, f"sandboxed processes outlived the reward: {alive}"
 
 
@@ -66,3 +80,32 @@ def _state(pid):
         return next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:")).split()[1]
     except (OSError, StopIteration):
         return "?"
+
+
+def test_a_fork_bomb_does_not_starve_its_neighbours():
+    """One fork bomb among 16 programs: every correct neighbour still scores 1.0 (each sandbox has a uid and
+    a process limit of its own)."""
+    add = "def add(a, b):\n    return a + b"
+    bomb = HOSTILE["fork bomb"][0]
+    programs = [bomb] + [add] * 15
+    got = scores(programs, ["pass"] + ["assert add(2, 3) == 5"] * 15)
+    assert got[0] == 1.0 or got[0] == 0.0  # the bomb's own "test" is `pass`: it may run out its time
+    assert got[1:] == [1.0] * 15
+
+
+def test_files_in_tmp_and_dev_shm_do_not_outlive_the_program():
+    program = ("import os\nfor d in ('/tmp', '/dev/shm'):\n    if os.path.isdir(d):\n"
+               "        open(os.path.join(d, 'rlcu-left-behind'), 'w').write('x')")
+    assert scores([program], ["import os\nassert os.path.exists('/tmp/rlcu-left-behind')"]) == [1.0]
+    assert not os.path.exists("/tmp/rlcu-left-behind") and not os.path.exists("/dev/shm/rlcu-left-behind")
+
+
+@pytest.mark.skipif(not whole_sandbox_limits(), reason="no writable cgroups here: memory is limited per process")
+def test_memory_is_limited_for_the_sandbox_as_a_whole():
+    """Five processes of 400 MB each under memory_mb=512: the sandbox's limit, not each process's."""
+    program = ("import os, time\ndef attack():\n    kids = []\n    for _ in range(5):\n        pid = os.fork()\n"
+               "        if pid == 0:\n            hog = b'x' * (400 << 20)  # every page written\n            time.sleep(0.5)\n"
+               "            os._exit(0)\n        kids.append(pid)\n"
+               "    return all(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)")
+    reward = CodeTests(timeout=10.0, memory_mb=512)
+    assert reward(["p"], [f"```python\n{program}\n```"], [[1]], tests=["assert attack()"]) == [0.0]
