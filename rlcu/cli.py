@@ -14,6 +14,7 @@ resolved config is saved as config.yaml in every run's folder."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -197,6 +198,13 @@ def main(argv: list[str] | None = None) -> None:
             bench(argv[1:])
             return
         build_cli(expand_run(argv))
+    except SystemExit as e:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(e, SIGTERMException):  # Lightning's stop on SIGTERM carries code None, which exits 0
+            print("rlcu: stopped by SIGTERM (exit code 143, as a signal death would give)", file=sys.stderr)
+            sys.exit(128 + signal.SIGTERM)
+        raise
     except user_errors() as e:
         if os.environ.get("RLCU_DEBUG"):
             raise

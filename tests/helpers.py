@@ -233,3 +233,13 @@ def token_value(prompts, completions, completion_ids, **kwargs):
 def first_token_value(prompts, completions, completion_ids, **kwargs):
     """Higher token ids score higher: training moves the greedy completions for sure."""
     return [ids[0] / 32 if ids else 0.0 for ids in completion_ids]
+
+
+def hangs_forever(completions, **kwargs):
+    """A reward that never returns (it first touches $RLCU_TEST_MARKER so a test knows it was reached)."""
+    import os
+    import time
+
+    Path(os.environ["RLCU_TEST_MARKER"]).touch()
+    while True:
+        time.sleep(0.01)

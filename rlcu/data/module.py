@@ -47,6 +47,18 @@ class EpochSampler(DistributedSampler):
         return -(-self.num_rows // self.num_replicas)
 
 
+class ResumableLoader(DataLoader):
+    """The training loader resumes mid-epoch: `train_dataloader` starts its sampler at the fit loop's restored
+    position (epoch and batches done), so the checkpoint's loop progress is its state. These two methods tell
+    Lightning so (it warns about loaders without them); the state itself lives in the loop."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
 class PromptDataModule(L.LightningDataModule):
     def __init__(self, dataset: Any = "arithmetic", dataset_args: dict[str, Any] | None = None, split: str = "train",
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
@@ -116,7 +128,7 @@ class PromptDataModule(L.LightningDataModule):
         if loop is not None and loop.epoch_loop.batch_progress.current.processed:  # resuming inside an epoch
             done = loop.epoch_loop.batch_progress.current.processed
             sampler.resume_at(loop.epoch_progress.current.processed, done * self.batch_size)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_rows)
+        return ResumableLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_rows)
 
     def val_dataloader(self) -> DataLoader:
         """The held-out rows in order."""

@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.profiler import record_function
 
@@ -36,7 +37,7 @@ from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import NonFiniteReward, resolve_rewards
-from rlcu.rewards.scoring import score
+from rlcu.rewards.scoring import RewardInterrupted, score
 from rlcu.rollout.base import RolloutBackend
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class GRPOModule(L.LightningModule):
         accuracy_reward: str | None = None,
         eval_at_start: bool = True,
         max_consecutive_faults: int = 3,
-        reward_timeout: float | None = None,
+        reward_timeout: float | None = 300.0,
         on_reward_error: str = "raise",
         long_prompts: str = "error",
         old_logprobs: str = "trainer",
@@ -304,9 +305,15 @@ class GRPOModule(L.LightningModule):
         completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                        for p, t in zip(prompts, texts)]
         columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-        values = score(self.rewards, prompts, completions, rollout.completion_ids, columns,
-                       timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
-                       trainer_state=self.trainer_state())
+        trainer = self._attached_trainer()
+        try:
+            values = score(self.rewards, prompts, completions, rollout.completion_ids, columns,
+                           timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
+                           stop_requested=(lambda: trainer.received_sigterm) if trainer else None,
+                           trainer_state=self.trainer_state())
+        except RewardInterrupted as e:  # SIGTERM while a reward hangs: stop as Lightning stops on SIGTERM
+            log.warning("%s; stopping", e)
+            raise SIGTERMException from e
         return ScoredRollout(prompts, completions, values)
 
     def trainer_state(self) -> dict:

@@ -4,15 +4,21 @@ bound each call by a timeout, and decide what a failing reward does.
 `on_error="raise"` stops with an error that names the reward and the first sample that fails alone;
 `on_error="none"` scores the samples that fail (raise or time out alone) as None, "not applicable",
 and keeps going. NaN or Inf is a numerical fault (`NonFiniteReward`), which the GRPO module turns into
-a skipped update. A timed-out synchronous reward cannot be stopped from Python: it is left running in
-a background thread, and its result is ignored."""
+a skipped update.
+
+A synchronous reward runs in a daemon thread while the caller waits in short slices: a call past its
+timeout is left running there (Python cannot stop a thread) and its result ignored, and since the thread
+is a daemon, nothing waits for it when the run ends. `stop_requested` (the trainer's SIGTERM flag) is
+checked while waiting, so a hung reward does not keep a run from stopping."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,27 +29,35 @@ ON_ERROR = ("raise", "none")
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+POLL_SECONDS = 0.1  # how often a wait for a reward looks at its deadline and at `stop_requested`
+
+
 class RewardTimeout(TimeoutError):
     pass
 
 
+class RewardInterrupted(RuntimeError):
+    """The run was asked to stop (SIGTERM) while a reward was still running."""
+
+
 def score(rewards: list[BoundReward], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list], timeout: float | None = None, on_error: str = "raise", **context) -> torch.Tensor:
+          columns: dict[str, list], timeout: float | None = None, on_error: str = "raise",
+          stop_requested: Callable[[], bool] | None = None, **context) -> torch.Tensor:
     """[N, R] float32 rewards, NaN where a reward returned None (or failed, under on_error='none')."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_reward_error must be one of {ON_ERROR}, got {on_error!r}")
     n = len(completions)
     kwargs = dict(columns, **context)
     batch = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-    results = _call_all(rewards, batch, timeout)
+    results = _call_all(rewards, batch, timeout, stop_requested)
     out = torch.empty(n, len(rewards), dtype=torch.float32)
     for j, (r, result) in enumerate(zip(rewards, results)):
         if isinstance(result, BaseException):
             what = (f"did not return within {timeout} s" if isinstance(result, RewardTimeout)
                     else f"raised {type(result).__name__}: {result}")
             if on_error == "raise":
-                raise RewardError(f"reward {r.name!r} {what}{_locate_failure(r, batch, n, timeout)}") from result
-            result = [_one_or_none(r, _sample(batch, i, n), timeout) for i in range(n)]
+                raise RewardError(f"reward {r.name!r} {what}{_locate_failure(r, batch, n, timeout, stop_requested)}") from result
+            result = [_one_or_none(r, _sample(batch, i, n), timeout, stop_requested) for i in range(n)]
             log.warning("reward %r %s; %d of %d samples scored None", r.name, what, sum(v is None for v in result), n)
         out[:, j] = torch.tensor(_validate(r, result, completions), dtype=torch.float32)
     return out
@@ -72,7 +86,8 @@ def _validate(r: BoundReward, values, completions) -> list[float]:
     return floats
 
 
-def _call_all(rewards: list[BoundReward], batch: dict, timeout: float | None) -> list:
+def _call_all(rewards: list[BoundReward], batch: dict, timeout: float | None,
+              stop_requested: Callable[[], bool] | None = None) -> list:
     """Each reward's values, or the exception it raised; async rewards run concurrently."""
     results: list = [None] * len(rewards)
     pending = {j: r for j, r in enumerate(rewards) if _is_async(r.fn)}
@@ -84,31 +99,39 @@ def _call_all(rewards: list[BoundReward], batch: dict, timeout: float | None) ->
             results[j] = value
     for j, r in enumerate(rewards):
         if j not in pending:
-            results[j] = _call(r, batch, timeout)
+            results[j] = _call(r, batch, timeout, stop_requested)
     return results
 
 
-def _call(r: BoundReward, batch: dict, timeout: float | None):
+def _call(r: BoundReward, batch: dict, timeout: float | None, stop_requested: Callable[[], bool] | None = None):
     if _is_async(r.fn):
         try:
             return asyncio.run(_bounded(r.fn(**batch), timeout))
         except Exception as e:
             return e
-    if timeout is None:
+    return _in_daemon_thread(r, batch, timeout, stop_requested)
+
+
+def _in_daemon_thread(r: BoundReward, batch: dict, timeout: float | None, stop_requested: Callable[[], bool] | None):
+    """The reward's values or the exception it raised; a RewardTimeout past `timeout`."""
+    done, box = threading.Event(), {}
+
+    def target():
         try:
-            return r.fn(**batch)
-        except Exception as e:
-            return e
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{r.name}")
-    future = pool.submit(r.fn, **batch)
-    try:
-        return future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        return RewardTimeout(f"reward {r.name!r} timed out")
-    except Exception as e:
-        return e
-    finally:
-        pool.shutdown(wait=False)  # a hung call stays behind in its thread; nothing waits for it
+            box["value"] = r.fn(**batch)
+        except BaseException as e:  # noqa: BLE001 - returned to the caller, which decides
+            box["value"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"reward-{r.name}", daemon=True).start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not done.wait(POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))):
+        if stop_requested is not None and stop_requested():
+            raise RewardInterrupted(f"the run was asked to stop while reward {r.name!r} was running")
+        if deadline is not None and time.monotonic() >= deadline:
+            return RewardTimeout(f"reward {r.name!r} timed out")
+    return box["value"]
 
 
 async def _bounded(coroutine, timeout: float | None):
@@ -126,17 +149,17 @@ def _sample(batch: dict, i: int, n: int) -> dict:
     return {k: (v[i:i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in batch.items()}
 
 
-def _one_or_none(r: BoundReward, one: dict, timeout: float | None):
-    value = _call(r, one, timeout)
+def _one_or_none(r: BoundReward, one: dict, timeout: float | None, stop_requested=None):
+    value = _call(r, one, timeout, stop_requested)
     if isinstance(value, BaseException) or value is None or len(list(value)) != 1:
         return None
     return list(value)[0]
 
 
-def _locate_failure(r: BoundReward, batch: dict, n: int, timeout: float | None) -> str:
+def _locate_failure(r: BoundReward, batch: dict, n: int, timeout: float | None, stop_requested=None) -> str:
     """Re-run one sample at a time to name the first one that fails (rewards are batch functions)."""
     for i in range(n):
-        if isinstance(_call(r, _sample(batch, i, n), timeout), BaseException):
+        if isinstance(_call(r, _sample(batch, i, n), timeout, stop_requested), BaseException):
             return (f" on sample {i} (prompt {_preview(batch['prompts'][i])!r}, "
                     f"completion {_preview(batch['completions'][i])!r})")
     return " (no single sample fails alone: the failure depends on the whole batch)"

@@ -5,10 +5,10 @@ import csv
 import json
 import os
 import signal
+import warnings
 
 import lightning.pytorch as L
 import pytest
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlcu import cli
 from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder, toy_rows
@@ -67,11 +67,15 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
             "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.filename=interrupted",
             "--trainer.callbacks.every_n_train_steps=1")
-    else:  # the step in progress finishes, a checkpoint is saved, the run stops
-        with pytest.raises(SIGTERMException):
+    else:  # the step in progress finishes, a checkpoint is saved, the run stops with 143 as a signal death would
+        with pytest.raises(SystemExit) as stopped:
             run("first", 8, *checkpoints, "--trainer.callbacks+=tests.integration.test_resume.SignalAt",
                 "--trainer.callbacks.step=3", f"--trainer.callbacks.name={interruption}")
-    run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / 'interrupted.ckpt'}")
+        assert stopped.value.code == 128 + signal.SIGTERM
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / 'interrupted.ckpt'}")
+    assert not [w for w in caught if "not resumable" in str(w.message)], "Lightning thinks the data loader cannot resume"
     whole, first, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "first"), metrics(tmp_path / "resumed")
     assert sorted(first) == sorted(whole)[:3] and sorted(resumed) == sorted(whole)[3:], (sorted(first), sorted(resumed))
     for step, row in {**first, **resumed}.items():

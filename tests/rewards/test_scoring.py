@@ -67,3 +67,41 @@ def test_async_rewards_run_concurrently_and_time_out():
 def test_unknown_policy_is_an_error():
     with pytest.raises(ValueError, match="on_reward_error must be one of"):
         run([raises], on_error="ignore")
+
+
+def test_a_reward_that_never_returns_does_not_keep_the_process_alive(tmp_path):
+    """A busy-looping reward past its timeout is left behind, and the process still exits at once (the
+    reward's thread is a daemon: nothing joins it at exit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "from rlcu.rewards.base import resolve_rewards\nfrom rlcu.rewards.scoring import score\n"
+        "def spins(completions, **kw):\n    while True:\n        pass\n"
+        "out = score(resolve_rewards([spins]), ['p'], ['c'], [[1]], {}, timeout=0.3, on_error='none')\n"
+        "print('scored', out.tolist())\n")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "scored [[nan]]" in done.stdout, done.stderr[-2000:]
+    assert time.perf_counter() - start < 30, "the process waited for the hung reward at exit"
+
+
+def test_a_stop_request_ends_the_wait_for_a_reward_without_timeout():
+    from rlcu.rewards.scoring import RewardInterrupted
+
+    asked = time.perf_counter() + 0.3
+    start = time.perf_counter()
+    with pytest.raises(RewardInterrupted, match="'hangs' was running"):
+        score(resolve_rewards([hangs]), ["p"], ["hang"], [[1]], {}, timeout=None,
+              stop_requested=lambda: time.perf_counter() > asked)
+    assert time.perf_counter() - start < 1.2  # the reward itself sleeps 1.5 s
+
+
+def test_the_default_reward_timeout_is_finite():
+    import inspect
+
+    from rlcu.grpo.module import GRPOModule
+
+    default = inspect.signature(GRPOModule).parameters["reward_timeout"].default
+    assert default is not None and 0 < default <= 600
