@@ -4,9 +4,14 @@
 the target's own folder, flushes it to disk and renames it into place, so a save that fails half-way
 (a full disk, a kill) leaves the previous checkpoint as it was; Lightning's own save stages the file
 in the system temp folder and moves it, which across file systems is a copy that can be cut short.
-Loading a truncated or corrupted file is an error that names the file."""
+
+Each save also writes `NAME.sha256` beside the checkpoint (its sha256 and size). Loading checks the file
+against it first, so bytes damaged anywhere (not only a truncated end, which the unpickler notices) are an
+error that names the file, never a resumed run on wrong weights. A checkpoint without that file (another
+tool's) loads unchecked."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import zipfile
@@ -23,10 +28,41 @@ class CorruptCheckpointError(ValueError):
                          "resume from an earlier checkpoint")
 
 
+class ChecksumMismatch(ValueError):
+    pass
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(path: str | Path) -> None:
+    """Check `path` against the checksum saved with it (if any); a mismatch is a CorruptCheckpointError."""
+    path = Path(path)
+    saved = checksum_path(path)
+    if not saved.is_file():
+        return
+    want, _, size = saved.read_text().strip().partition(" ")
+    got_size = path.stat().st_size
+    if size and int(size) != got_size:
+        raise CorruptCheckpointError(path, ChecksumMismatch(f"{got_size} bytes, {size} when saved"))
+    if file_digest(path) != want:
+        raise CorruptCheckpointError(path, ChecksumMismatch(f"its sha256 differs from {saved.name}"))
+
+
 def load(path: str | Path, map_location: Any = "cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    verify(path)
     try:  # a Lightning checkpoint holds hyper-parameters beside tensors, so it is not weights-only
         return torch.load(path, map_location=map_location, weights_only=False)
     except PermissionError:
@@ -42,15 +78,30 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp_sum = path.with_name(f".{path.name}.sha256.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            _write_synced(tmp_sum, f"{file_digest(tmp)} {tmp.stat().st_size}\n")
             os.replace(tmp, path)
+            os.replace(tmp_sum, checksum_path(path))
         except BaseException:
             tmp.unlink(missing_ok=True)
+            tmp_sum.unlink(missing_ok=True)
             raise
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        checksum_path(Path(path)).unlink(missing_ok=True)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         return load(path, map_location if map_location is not None else "cpu")
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -78,7 +78,6 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
     subcommand's."""
     from lightning.pytorch.cli import LightningCLI
 
-    from rlcu.checkpoint import AtomicCheckpointIO
     from rlcu.data.module import PromptDataModule
     from rlcu.grpo.module import GRPOModule
 
@@ -92,12 +91,17 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
         # Lightning has no public hook between reading a checkpoint's hyper-parameters and building the
         # module; tests/unit/test_cli.py pins the Lightning versions this override was tested with
         def _parse_ckpt_path(self) -> None:
-            from rlcu.checkpoint import CorruptCheckpointError
+            from rlcu.checkpoint import CorruptCheckpointError, verify
 
             sub = self.config.get("subcommand")
             given = {k: self.config[sub].model[k] for k in explicit} if sub else {}
+            ckpt = self.config[sub].get("ckpt_path") if sub else None
             try:  # LightningCLI reads the checkpoint's hyper-parameters here, before rlcu's CheckpointIO sees it
+                if ckpt and Path(ckpt).is_file():
+                    verify(ckpt)
                 super()._parse_ckpt_path()
+            except CorruptCheckpointError:
+                raise
             except (FileNotFoundError, PermissionError):
                 raise
             except Exception as e:
@@ -120,7 +124,8 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
     try:
         return RLCUCLI(GRPOModule, PromptDataModule, run=run, args=cli_args, save_config_kwargs={"overwrite": True},
                        parser_kwargs={"default_env": False, "allow_abbrev": False}, auto_configure_optimizers=False,
-                       trainer_defaults={"plugins": [AtomicCheckpointIO()]})  # atomic saves, clear corrupt errors
+                       # atomic, checksummed saves and clear errors for corrupt checkpoints
+                       trainer_defaults={"plugins": [{"class_path": "rlcu.checkpoint.AtomicCheckpointIO"}]})
     finally:
         sys.argv = argv
 

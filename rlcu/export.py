@@ -9,8 +9,10 @@ from pathlib import Path
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     from rlcu.checkpoint import load
     from rlcu.models.loading import load_model, save_pretrained
+    from rlcu.paths import check_writable_folder
 
     checkpoint = Path(checkpoint)
+    check_writable_folder(out, "export folder")  # before the checkpoint and the model load, not after
     state = load(checkpoint)
     if not isinstance(state, dict) or "state_dict" not in state:
         raise ValueError(f"{checkpoint} is not a Lightning checkpoint (no state_dict)")

@@ -57,11 +57,13 @@ def run(argv: list[str]) -> Path:
     from rlcu.data.prompts import encode_prompt
     from rlcu.grpo.module import resolve_rollout
     from rlcu.models import load_model
+    from rlcu.paths import check_writable_file
     from rlcu.rollout import SamplingParams
 
     args = parser().parse_args(argv)
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
+    check_writable_file(args.output, "--output")  # before the model loads and generates, not after
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = ("bfloat16" if device == "cuda" else "float32") if args.dtype == "auto" else args.dtype
     rows = read_prompts(args.input)
@@ -76,7 +78,6 @@ def run(argv: list[str]) -> Path:
     start = time.perf_counter()
     out = backend.generate([ids for ids in prompt_ids for _ in range(args.n)], sampling)
     seconds = time.perf_counter() - start
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "w") as f:
         for i, (ids, lps, reason) in enumerate(zip(out.completion_ids, out.logprobs, out.finish_reasons)):
             row = rows[i // args.n]

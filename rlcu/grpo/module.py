@@ -181,6 +181,17 @@ class GRPOModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._train_start = time.perf_counter()  # for timing/elapsed: curves against wall time, evaluation included
+        self._apply_optimizer_options()
+
+    def _apply_optimizer_options(self) -> None:
+        """A resumed run restores the optimizer's and the schedule's state, learning rate and betas included:
+        the options of this run (which may differ from the checkpoint's, set on the command line) win."""
+        hp, opt, sched = self.hparams, self.optimizers(), self.lr_schedulers()
+        sched.base_lrs = [hp.learning_rate] * len(opt.param_groups)
+        factor = sched.lr_lambdas[0](sched.last_epoch)
+        for group in opt.param_groups:
+            group.update(lr=hp.learning_rate * factor, initial_lr=hp.learning_rate, weight_decay=hp.weight_decay,
+                         betas=tuple(hp.adam_betas))
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -82,3 +82,32 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
         for key in ("reward", "loss", "learning_rate", "completions/mean_length"):
             assert row[key] == whole[step][key], f"step {step}: {key} {row[key]} != {whole[step][key]}"
     assert len({whole[s]["reward"] for s in whole}) > 1  # the run moved: equal rows are not trivially equal
+
+
+def test_command_line_options_win_over_the_checkpoints(tmp_path, monkeypatch, capsys):
+    """--model.* given with --ckpt_path used to be replaced by the checkpoint's saved values in silence."""
+    monkeypatch.chdir(tmp_path)
+    model = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                           chat_template=CHAT_TEMPLATE)
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in toy_rows(20, seed=2)))
+
+    def run(name, steps, *extra):
+        cli.main(["run", "quickstart", f"--model.model={model}", "--model.max_completion_length=4",
+                  "--model.max_prompt_length=64", "--model.rewards=[tests.helpers.first_token_value]",
+                  "--model.num_generations=4", f"--data.dataset={data}", "--data.dataset_args=null",
+                  "--data.batch_size=4", f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false",
+                  "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path / name}",
+                  "--trainer.callbacks=[]", *extra])
+
+    run("first", 2, "--model.learning_rate=1e-2", "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path}",
+        "--trainer.callbacks.filename=last")
+    capsys.readouterr()
+    run("resumed", 4, f"--ckpt_path={tmp_path / 'last.ckpt'}", "--model.learning_rate=3e-3",
+        "--model.max_completion_length=3")
+    assert "--model.learning_rate=0.003 overrides the checkpoint's 0.01" in capsys.readouterr().err
+    resumed = metrics(tmp_path / "resumed")
+    assert sorted(resumed) == [2, 3] or sorted(resumed) == [3, 4], sorted(resumed)
+    assert [float(r["learning_rate"]) for r in resumed.values()] == pytest.approx([3e-3] * 2)
+    assert all(float(r["completions/max_length"]) <= 3 for r in resumed.values())

@@ -189,3 +189,7 @@ def test_the_private_lightning_parts_rlcu_relies_on_still_exist():
     assert Version("2.5") <= Version(lightning.__version__) < Version("2.7")
     assert "hyper_parameters" in inspect.getsource(LightningCLI._parse_ckpt_path)
     assert "_data_parallel_size" in inspect.getsource(ModelParallelStrategy.setup_environment)
+
+
+def test_runs_save_through_the_atomic_checksummed_checkpoint_io_by_default():
+    assert [p.class_path for p in parse(["run", "quickstart"]).trainer.plugins] == ["rlcu.checkpoint.AtomicCheckpointIO"]

@@ -40,3 +40,24 @@ def test_generate_bad_input_names_the_line(tmp_path, tiny, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", str(tiny), "--input", str(bad), "--output", str(tmp_path / "o.jsonl")])
     assert "needs a 'prompt'" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_is_an_error_before_any_work(tmp_path, tiny, capsys, monkeypatch):
+    """Checked before the model loads (it used to fail after generating, losing the completions); the same
+    for `rlcu export`'s folder."""
+    import rlcu.models
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "t1"}\n')
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setattr(rlcu.models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(blocker / "out.jsonl")])
+    assert e.value.code == 2 and "--output" in capsys.readouterr().err
+    import rlcu.checkpoint
+
+    monkeypatch.setattr(rlcu.checkpoint, "load", lambda *a, **k: pytest.fail("the checkpoint loaded before the check"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(tmp_path / "x.ckpt"), str(blocker / "folder")])
+    assert e.value.code == 2 and "cannot write there" in capsys.readouterr().err

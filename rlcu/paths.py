@@ -1,0 +1,28 @@
+"""Output paths checked before any work, so a long run never ends by failing to write its result."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def check_writable_file(path: str | Path, option: str) -> Path:
+    """The folder of `path` exists (made if needed) and takes a new file; `option` names the flag in errors."""
+    path = Path(path)
+    check_writable_folder(path.parent, option, path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder; give a file path")
+    return path
+
+
+def check_writable_folder(folder: str | Path, option: str, shown: str | Path | None = None) -> Path:
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".rlcu-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{option} {shown or folder}: cannot write there ({e.strerror or e}); "
+                         "choose a writable path") from None
+    return folder
