@@ -115,6 +115,10 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
         def before_instantiate_classes(self) -> None:
             check_sections(self.config[self.subcommand] if self.subcommand else self.config)
 
+        def after_instantiate_classes(self) -> None:
+            global _trainer
+            _trainer = getattr(self, "trainer", None)  # for clean-up if the run fails
+
     # LightningCLI reads the args from sys.argv, and so does the DDP launcher when it starts the other ranks
     # (`python -m rlcu.cli fit --config ...`): both must see the expanded command, not `run RECIPE`
     argv, sys.argv = sys.argv, [sys.argv[0], *args]
@@ -123,11 +127,40 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
         cli_args, run = args[1:], False
     try:
         return RLCUCLI(GRPOModule, PromptDataModule, run=run, args=cli_args, save_config_kwargs={"overwrite": True},
-                       parser_kwargs={"default_env": False, "allow_abbrev": False}, auto_configure_optimizers=False,
+                       parser_kwargs={"default_env": False, "allow_abbrev": False, "exit_on_error": False}, auto_configure_optimizers=False,
                        # atomic, checksummed saves and clear errors for corrupt checkpoints
                        trainer_defaults={"plugins": [{"class_path": "rlcu.checkpoint.AtomicCheckpointIO"}]})
     finally:
         sys.argv = argv
+
+
+def add_progress_bar(cfg) -> None:
+    """rlcu's progress bar (`StepProgressBar`) where the run shows one and its config names none."""
+    import importlib.util
+
+    from jsonargparse import Namespace
+
+    trainer = cfg.trainer
+    if trainer.get("enable_progress_bar") is False or importlib.util.find_spec("rich") is None:
+        return
+    callbacks = trainer.callbacks if isinstance(trainer.callbacks, list) else [c for c in [trainer.callbacks] if c]
+    if any("ProgressBar" in str(getattr(c, "class_path", c)) for c in callbacks):
+        return
+    trainer.callbacks = callbacks + [Namespace(class_path="rlcu.callbacks.StepProgressBar", init_args=Namespace())]
+
+
+def check_output_folders(cfg) -> None:
+    """Where the run writes (the trainer's root, each logger's save_dir) takes files, before anything starts."""
+    from rlcu.paths import check_writable_folder
+
+    trainer = cfg.trainer
+    if trainer.get("default_root_dir"):
+        check_writable_folder(trainer.default_root_dir, "--trainer.default_root_dir")
+    loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
+    for lg in loggers:
+        save_dir = getattr(getattr(lg, "init_args", None), "save_dir", None)
+        if save_dir:
+            check_writable_folder(save_dir, f"the save_dir of {str(lg.class_path).rsplit('.', 1)[-1]}")
 
 
 def explicit_model_flags(args: list[str]) -> list[str]:
@@ -151,6 +184,8 @@ def check_sections(cfg) -> None:
         if section in cfg and not isinstance(cfg[section], Namespace):
             raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
                              f"{cfg[section]!r}; leave it out for the defaults")
+    check_output_folders(cfg)
+    add_progress_bar(cfg)
     loggers = cfg.trainer.logger
     if isinstance(loggers, list) and not wandb_available():
         kept = [lg for lg in loggers if "WandbLogger" not in str(getattr(lg, "class_path", ""))]
@@ -160,9 +195,34 @@ def check_sections(cfg) -> None:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
+    import argparse
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from rlcu.grpo.module import TrainingFault
     from rlcu.rewards.base import RewardError
 
-    return (plugins.UnknownPluginError, RewardError, FileNotFoundError, KeyError, ValueError, TypeError)
+    return (plugins.UnknownPluginError, RewardError, TrainingFault, MisconfigurationException, argparse.ArgumentError,
+            OSError, KeyError, ValueError, TypeError)
+
+
+def did_you_mean(arg: str) -> str | None:
+    """The option closest to an unknown `--section.key[=value]` among the module's, the data's and the trainer's."""
+    import difflib
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    from rlcu.data.module import PromptDataModule
+    from rlcu.grpo.module import GRPOModule
+
+    name = arg.split("=", 1)[0]
+    section, _, key = name.removeprefix("--").partition(".")
+    owner = {"model": GRPOModule, "data": PromptDataModule, "trainer": Trainer}.get(section)
+    if owner is None or not key:
+        return None
+    close = difflib.get_close_matches(key.split(".")[0], inspect.signature(owner.__init__).parameters, n=1)
+    return f"--{section}.{close[0]}" if close else None
 
 
 def expand_run(argv: list[str]) -> list[str]:
@@ -173,8 +233,16 @@ def expand_run(argv: list[str]) -> list[str]:
         return argv
     if len(argv) < 2 or argv[1].startswith("-"):
         raise ValueError(f"usage: rlcu {argv[0]} RECIPE [--section.key=value ...]; recipes: "
-                         f"{', '.join(sorted(recipes()))}")
+                         f"{', '.join(sorted(recipes()))} (rlcu {argv[0]} RECIPE --help lists every option)")
     return [subcommands[argv[0]], "--config", str(find_recipe(argv[1]))] + argv[2:]
+
+
+def print_run_help(command: str) -> None:
+    print(f"usage: rlcu {command} RECIPE [--section.key=value ...]\n\n"
+          f"{'Trains with' if command == 'run' else 'Evaluates held-out accuracy of'} a recipe: a name below or a "
+          f"YAML file. Any setting can be overridden as --section.key=value;\n`rlcu {command} RECIPE --help` "
+          "lists every option with its default.\n\nrecipes:")
+    print_recipes()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,6 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage:\n{USAGE}\n\nLightningCLI subcommands: fit, validate, test, predict (rlcu fit --help)")
         return
+    if argv[0] in ("run", "eval") and argv[1:2] in (["-h"], ["--help"]):
+        return print_run_help(argv[0])
+    if os.getcwd() not in sys.path and "" not in sys.path:  # rewards by import path from here, as `python -m` allows
+        sys.path.insert(0, os.getcwd())
     try:
         if argv[0] == "plugins":
             return print_plugins()
@@ -211,11 +283,34 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(128 + signal.SIGTERM)
         raise
     except user_errors() as e:
+        discard_failed_run()
         if os.environ.get("RLCU_DEBUG"):
             raise
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"rlcu: error: {message}\n(set RLCU_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(f"rlcu: error: {explain(e)} (RLCU_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
+
+
+_trainer = None  # the trainer of the run in progress, once built
+
+
+def discard_failed_run() -> None:
+    if _trainer is not None:
+        from rlcu.loggers import discard_empty_logs
+
+        discard_empty_logs(_trainer)
+
+
+def explain(e: BaseException) -> str:
+    """One line: the error's own message, with the option it most likely meant for an unknown one."""
+    import argparse
+
+    message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    if isinstance(e, OSError) and e.filename:
+        message = f"cannot use {e.filename}: {e.strerror}; free space or choose another path"
+    if isinstance(e, argparse.ArgumentError) and "unrecognized arguments" in message:
+        hints = [did_you_mean(arg) for arg in message.split(":", 1)[1].split()]
+        message += "".join(f"; did you mean {h}?" for h in hints if h)
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import netrc
 import os
+import shutil
 from pathlib import Path
 
 from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
@@ -39,9 +40,39 @@ class WandbLogger(_LightningWandbLogger):
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(project=project, name=name, save_dir=save_dir, offline=offline, **kwargs)
 
+    def log_metrics(self, metrics, step=None) -> None:
+        self._logged_any = True
+        super().log_metrics(metrics, step)
+
     def finalize(self, status: str) -> None:
         # Lightning leaves the wandb run open, so a second fit in the same process would log into it.
         super().finalize(status)
-        if self._experiment is not None:
-            self._experiment.finish(exit_code=0 if status == "success" else 1)
-            self._experiment = None
+        if self._experiment is None:
+            return
+        experiment, self._experiment = self._experiment, None
+        try:  # never let the clean-up hide the error that failed the run
+            run_dir = Path(experiment.dir).parent
+            experiment.finish(exit_code=0 if status == "success" else 1)
+            if status == "failed" and not getattr(self, "_logged_any", False) and run_dir.name.startswith("offline-"):
+                shutil.rmtree(run_dir, ignore_errors=True)  # a run that failed before logging anything: nothing to sync
+                latest = run_dir.parent / "latest-run"
+                if latest.is_symlink() and not latest.exists():
+                    latest.unlink()
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not close the wandb run: %s", e)
+
+
+def discard_empty_logs(trainer) -> None:
+    """After a run failed before its first update: remove each logger's folder that holds nothing but the
+    saved config (no metrics beyond a header, no checkpoint), so failed starts leave no empty version_N."""
+    if trainer is None or trainer.global_step > 0:
+        return
+    for lg in trainer.loggers:
+        folder = getattr(lg, "log_dir", None)
+        if not folder or isinstance(lg, _LightningWandbLogger) or not Path(folder).is_dir():
+            continue
+        folder = Path(folder)
+        metrics = folder / "metrics.csv"
+        if {p.name for p in folder.iterdir()} <= {"config.yaml", "hparams.yaml", "metrics.csv"} and (
+                not metrics.exists() or len(metrics.read_text().splitlines()) <= 1):
+            shutil.rmtree(folder, ignore_errors=True)

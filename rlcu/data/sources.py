@@ -27,14 +27,40 @@ def load_rows(path: str | list[str], split: str = "train", name: str | None = No
         kinds = {LOCAL_FORMATS.get(p.suffix) for p in local}
         if None in kinds or len(kinds) != 1:
             raise ValueError(f"local data files must all be one of {sorted(LOCAL_FORMATS)}; got {[str(p) for p in local]}")
+        for file in local:
+            check_local_file(file)
         return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in local], split="train")
     if isinstance(path, list):
         raise FileNotFoundError(f"data files not found: {files}")
+    if Path(path).suffix in LOCAL_FORMATS or path.startswith((".", "/", "~")):  # a file's name, not a hub id
+        raise FileNotFoundError(f"data file {path} does not exist (a hub dataset is named like 'owner/name')")
     try:
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
         raise RuntimeError(f"could not load dataset {path!r} (split {split!r}): {type(e).__name__}: {e}. Offline? "
                            "Pass local files of the same schema instead.") from e
+
+
+def check_local_file(path: Path) -> None:
+    """An empty file, or a JSON Lines file with a line that is not JSON, is an error naming the file and line."""
+    import json
+
+    if path.stat().st_size == 0:
+        raise ValueError(f"data file {path} is empty; it needs one row per line (JSON Lines) or a table")
+    if path.suffix != ".jsonl":
+        return
+    rows = 0
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"data file {path} holds no rows, only blank lines")
 
 
 def _chat(question: str, instruction: str, system_prompt: str | None) -> list[dict]:

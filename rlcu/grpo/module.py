@@ -53,6 +53,10 @@ def resolve_rollout(spec) -> RolloutBackend:
     return backend
 
 
+class TrainingFault(RuntimeError):
+    """The run cannot go on: too many updates in a row were skipped, or had nothing to learn from."""
+
+
 @dataclass
 class Counters:
     """What the run counts across steps; saved in checkpoints so a resumed run goes on counting."""
@@ -433,7 +437,7 @@ class GRPOModule(L.LightningModule):
         """Every group had zero reward variance and was filtered: no update, so no optimizer step."""
         self.counters.consecutive_skips += 1
         if self.counters.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise RuntimeError(f"{self.counters.consecutive_skips} batches in a row had zero reward variance in every "
+            raise TrainingFault(f"{self.counters.consecutive_skips} batches in a row had zero reward variance in every "
                                "group, so filter_zero_std_groups left nothing to train on; check that the rewards can "
                                "tell completions apart, or set filter_zero_std_groups=false")
         return {"skipped_updates": 1.0}
@@ -444,7 +448,7 @@ class GRPOModule(L.LightningModule):
         c.faults += 1
         c.consecutive_faults += 1
         if c.consecutive_faults >= limit:
-            raise RuntimeError(f"{c.consecutive_faults} updates in a row were skipped for numerical faults, the "
+            raise TrainingFault(f"{c.consecutive_faults} updates in a row were skipped for numerical faults, the "
                                f"last: {what}. Lower the learning rate, check the rewards, or train in a wider dtype "
                                f"(max_consecutive_faults={limit})")
         log.warning("step %d: update skipped: %s", self.global_step, what)

@@ -56,7 +56,8 @@ def score(rewards: list[BoundReward], prompts: list, completions: list, completi
             what = (f"did not return within {timeout} s" if isinstance(result, RewardTimeout)
                     else f"raised {type(result).__name__}: {result}")
             if on_error == "raise":
-                raise RewardError(f"reward {r.name!r} {what}{_locate_failure(r, batch, n, timeout, stop_requested)}") from result
+                where = _locate_failure(r, batch, n, timeout, stop_requested)
+                raise RewardError(f"reward {r.name!r} {what}{where}") from result
             result = [_one_or_none(r, _sample(batch, i, n), timeout, stop_requested) for i in range(n)]
             log.warning("reward %r %s; %d of %d samples scored None", r.name, what, sum(v is None for v in result), n)
         out[:, j] = torch.tensor(_validate(r, result, completions), dtype=torch.float32)
@@ -65,6 +66,9 @@ def score(rewards: list[BoundReward], prompts: list, completions: list, completi
 
 def _validate(r: BoundReward, values, completions) -> list[float]:
     n = len(completions)
+    if values is not None and (isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__")):
+        raise RewardError(f"reward {r.name!r} returned {_preview(values)} ({type(values).__name__}) for {n} "
+                          "completions; it must return a list with one float (or None) per completion")
     values = list(values) if values is not None else None
     if values is None or len(values) != n:
         got = "None" if values is None else f"{len(values)} values"
