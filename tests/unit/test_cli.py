@@ -177,8 +177,9 @@ def test_lightning_sees_the_expanded_command_in_sys_argv(monkeypatch):
 
 
 def test_the_private_lightning_parts_rlcu_relies_on_still_exist():
-    """cli.py overrides LightningCLI._parse_ckpt_path and strategies.py sets ModelParallelStrategy's
-    _data_parallel_size: no public hook does either. Tested with Lightning 2.5-2.6 (pyproject pins <2.7)."""
+    """cli.py overrides LightningCLI._parse_ckpt_path, strategies.py sets ModelParallelStrategy's
+    _data_parallel_size and callbacks/progress.py overrides RichProgressBar._get_train_description: no public
+    hook does any of these. Tested with Lightning 2.5-2.6 (pyproject pins <2.7)."""
     import inspect
 
     import lightning
@@ -189,6 +190,9 @@ def test_the_private_lightning_parts_rlcu_relies_on_still_exist():
     assert Version("2.5") <= Version(lightning.__version__) < Version("2.7")
     assert "hyper_parameters" in inspect.getsource(LightningCLI._parse_ckpt_path)
     assert "_data_parallel_size" in inspect.getsource(ModelParallelStrategy.setup_environment)
+    from lightning.pytorch.callbacks import RichProgressBar  # rlcu.callbacks.StepProgressBar relabels its bar
+
+    assert "max_epochs - 1" in inspect.getsource(RichProgressBar._get_train_description)
 
 
 def test_runs_save_through_the_atomic_checksummed_checkpoint_io_by_default():
