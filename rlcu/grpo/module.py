@@ -35,6 +35,7 @@ from rlcu.grpo.optim import MasterWeightAdamW, lr_lambda
 from rlcu.grpo.options import check_against_model, check_options
 from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
+from rlcu.models.lora import add_lora, lora_disabled
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import NonFiniteReward, resolve_rewards
 from rlcu.rewards.scoring import RewardInterrupted, score
@@ -109,18 +110,24 @@ class GRPOModule(L.LightningModule):
         on_reward_error: str = "raise",
         long_prompts: str = "error",
         old_logprobs: str = "trainer",
+        peft_config: Any = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout))
+        self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout,
+                                                   peft_config=peft_config))
         check_options(self.hparams)
         self.automatic_optimization = False
         self.policy, self.tokenizer = self._policy(model, tokenizer, dtype)
         self.policy.gradient_checkpointing = gradient_checkpointing
+        if peft_config is not None:  # TRL's name: LoRA adapters trained on the frozen base, inside the engine too
+            add_lora(self.policy, peft_config)
         self.rewards = resolve_rewards(rewards, reward_weights)
         names = [r.name for r in self.rewards]
         check_against_model(self.hparams, self.policy.config.max_position_embeddings, names)
-        # beta > 0: a frozen copy of the starting policy for the KL term
-        self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval() if beta != 0.0 else None
+        # beta > 0: a frozen copy of the starting policy for the KL term (with LoRA, the base: adapters off)
+        self.ref_model = None
+        if beta != 0.0 and peft_config is None:
+            self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rollout = resolve_rollout(rollout)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -375,7 +382,12 @@ class GRPOModule(L.LightningModule):
         return self._logprobs_without_grad(self.policy, staged)
 
     def _reference_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
-        return None if self.ref_model is None else self._logprobs_without_grad(self.ref_model, staged)
+        if self.hparams.beta == 0.0:
+            return None
+        if self.ref_model is not None:
+            return self._logprobs_without_grad(self.ref_model, staged)
+        with lora_disabled(self.policy):
+            return self._logprobs_without_grad(self.policy, staged)
 
     def _logprobs_without_grad(self, model, staged: StagedBatch) -> torch.Tensor:
         mbs = staged.micro_batches(self.hparams.micro_batch_size)

@@ -11,11 +11,20 @@ from torch import nn
 
 
 class FusedLinear(nn.Linear):
-    """`parts` maps each HF projection name (a sibling of this module in HF's layout) to its output size."""
+    """`parts` maps each HF projection name (a sibling of this module in HF's layout) to its output size; a
+    projection of one part (o_proj, down_proj) has its own name as its part. `lora`: an optional low-rank
+    adapter (`rlcu/models/lora.py`) added to the output, never merged into the weight."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)
+        self.lora: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora(x)
+        return y
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The output of each part, as views of the fused output."""
@@ -56,5 +65,6 @@ def join_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str 
                 continue  # already fused, or absent: the caller's missing-key check reports it
             if len(present) < len(keys):
                 raise ValueError(f"the weights have {present} but not {sorted(set(keys) - set(present))}")
-            state[fused + kind] = torch.cat([state.pop(k) for k in keys], dim=0)
+            parts = [state.pop(k) for k in keys]
+            state[fused + kind] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # one part: no copy
     return state

@@ -54,7 +54,7 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         kv = self.num_kv_heads * d
         self.qkv_proj = FusedLinear(h, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.o_bias)
+        self.o_proj = FusedLinear(self.num_heads * d, {"o_proj": h}, cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -79,7 +79,7 @@ class MLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": i, "up_proj": i}, False)
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
+        self.down_proj = FusedLinear(i, {"down_proj": cfg.hidden_size}, False)
 
     def forward(self, x):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))

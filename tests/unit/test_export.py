@@ -42,3 +42,34 @@ def test_export_errors_name_the_problem(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             cli.main(["export", argv, str(tmp_path / "out")])
         assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_lora_run_exports_peft_adapters_and_a_merged_folder(tmp_path, monkeypatch):
+    """`--model.peft_config` trains adapters; `rlcu export` writes them in PEFT's format (PEFT loads them onto
+    the transformers model) and `--merge` a full HF folder: the two give the same logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    monkeypatch.chdir(tmp_path)
+    start = tiny_hf_folder(tmp_path / "tiny", "qwen3", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                           chat_template=CHAT_TEMPLATE)
+    cli.main(["run", "quickstart", f"--model.model={start}", "--model.max_completion_length=4",
+              "--model.max_prompt_length=64", "--model.learning_rate=5e-2", "--model.rewards=[tests.helpers.first_token_value]",
+              "--model.peft_config={r: 4, lora_alpha: 8, target_modules: all-linear}",
+              "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+              "--trainer.callbacks=[]", "--trainer.enable_checkpointing=true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true"])
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    cli.main(["export", str(ckpt), str(tmp_path / "adapter")])
+    cli.main(["export", str(ckpt), str(tmp_path / "merged"), "--merge"])
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    base = transformers.AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval()
+    ids = torch.randint(0, 30, (2, 6))
+    with torch.no_grad():
+        a, m, p = adapted(ids).logits, merged(ids).logits, plain(ids).logits
+    assert (a - m).abs().max() < 1e-5
+    assert (a - p).abs().max() > 1e-4, "the adapters changed nothing: a weak test"

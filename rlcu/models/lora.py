@@ -1,0 +1,192 @@
+"""LoRA inside rlcu's own models: each targeted projection gets a low-rank update y += (B A x) * alpha / r,
+computed beside the frozen base weight and never merged, so training, the reference rollout and the
+paged engine all run base + adapter through the same modules, and the engine's next rollout uses the
+adapters the optimizer just stepped (no merge, copy or sync).
+
+Options follow PEFT's `LoraConfig` (`r`, `lora_alpha`, `lora_dropout`, `target_modules`, `bias="none"`,
+`use_rslora`); a PEFT `LoraConfig` object is accepted as is (TRL's `peft_config`). Adapters are saved in
+PEFT's format (`adapter_config.json`, `adapter_model.safetensors`), which `PeftModel.from_pretrained`
+loads onto the transformers model.
+
+A fused projection (q/k/v, gate/up) holds one adapter per targeted part: A stacked as [parts * r, in]
+(one GEMM), B as [sum of the parts' outputs, r] whose row block i multiplies part i's slice of A x."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlcu.models.fused_linear import FusedLinear
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSpec:
+    r: int = 8
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+    bias: str = "none"
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        if self.r < 1:
+            raise ValueError(f"LoRA r must be >= 1, got {self.r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.bias != "none":
+            raise ValueError(f"LoRA bias={self.bias!r} is not supported; rlcu trains adapters with bias='none'")
+        targets = ALL_LINEAR if self.target_modules in ("all-linear", "all_linear") else self.target_modules
+        if isinstance(targets, str):
+            targets = [targets]
+        unknown = sorted(set(targets) - set(ALL_LINEAR))
+        if unknown:
+            raise ValueError(f"unknown LoRA target_modules {unknown}; rlcu's models have {list(ALL_LINEAR)} "
+                             "(or 'all-linear')")
+        self.target_modules = [t for t in ALL_LINEAR if t in targets]
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def of(cls, config) -> "LoraSpec":
+        """From a LoraSpec, a mapping of its fields, or a PEFT `LoraConfig` (read by attribute)."""
+        if isinstance(config, LoraSpec):
+            return config
+        names = [f for f in cls.__dataclass_fields__]
+        if isinstance(config, dict):
+            unknown = sorted(set(config) - set(names) - {"task_type", "peft_type"})
+            if unknown:
+                raise ValueError(f"unknown LoRA option(s) {unknown}; options: {names}")
+            return cls(**{k: v for k, v in config.items() if k in names})
+        if type(config).__name__ == "LoraConfig":
+            values = {n: getattr(config, n) for n in names if hasattr(config, n)}
+            if isinstance(values.get("target_modules"), set):
+                values["target_modules"] = sorted(values["target_modules"])
+            if values.get("target_modules") is None:
+                values["target_modules"] = ["q_proj", "v_proj"]  # PEFT's default for Llama-family models
+            return cls(**values)
+        raise TypeError(f"a LoRA config is a LoraConfig, a mapping or a LoraSpec, got {type(config).__name__}")
+
+
+class LoraAdapter(nn.Module):
+    """The low-rank update of one (fused) projection, for the parts in `targets`."""
+
+    def __init__(self, base: FusedLinear, spec: LoraSpec, targets: list[str]):
+        super().__init__()
+        self.targets, self.scaling, self.r = targets, spec.scaling, spec.r
+        self.part_sizes = dict(base.parts)
+        out = sum(self.part_sizes[t] for t in targets)
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(len(targets) * spec.r, base.in_features, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(out, spec.r, **kw))  # zero: the model starts as the base
+        for i in range(len(targets)):  # as PEFT initialises each part's A
+            nn.init.kaiming_uniform_(self.lora_A[i * spec.r:(i + 1) * spec.r], a=math.sqrt(5))
+        self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The update of the whole fused output (zeros for parts without an adapter)."""
+        h = F.linear(self.dropout(x), self.lora_A)
+        outs, row, slot = [], 0, 0
+        for part, size in self.part_sizes.items():
+            if part in self.targets:
+                outs.append(F.linear(h[..., slot * self.r:(slot + 1) * self.r], self.lora_B[row:row + size]))
+                row, slot = row + size, slot + 1
+            else:
+                outs.append(h.new_zeros(*h.shape[:-1], size))
+        return torch.cat(outs, dim=-1) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """B A * scaling as a [out, in] weight update of the fused projection (for merging)."""
+        blocks, row, slot = [], 0, 0
+        for part, size in self.part_sizes.items():
+            if part in self.targets:
+                a = self.lora_A[slot * self.r:(slot + 1) * self.r]
+                blocks.append(self.lora_B[row:row + size] @ a)
+                row, slot = row + size, slot + 1
+            else:
+                blocks.append(self.lora_A.new_zeros(size, self.lora_A.shape[1]))
+        return torch.cat(blocks) * self.scaling
+
+
+def adapters(model: nn.Module) -> list[tuple[str, FusedLinear]]:
+    """(module name, projection) of every projection that carries an adapter."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FusedLinear) and m.lora is not None]
+
+
+def add_lora(model: nn.Module, config) -> LoraSpec:
+    """Freeze every base parameter and give each targeted projection an adapter; returns the spec."""
+    spec = LoraSpec.of(config)
+    if adapters(model):
+        raise ValueError("this model already has LoRA adapters")
+    model.requires_grad_(False)
+    for _, m in list(model.named_modules()):
+        if isinstance(m, FusedLinear):
+            targets = [p for p in m.parts if p in spec.target_modules]
+            if targets:
+                m.lora = LoraAdapter(m, spec, targets)
+    model.lora_spec = spec
+    return spec
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """The base model: every adapter off while the block runs (a KL reference without a second copy)."""
+    found = [m.lora for _, m in adapters(model)]
+    for lora in found:
+        lora.enabled = False
+    try:
+        yield model
+    finally:
+        for lora in found:
+            lora.enabled = True
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold every adapter into its base weight and remove it (for export)."""
+    with torch.no_grad():
+        for _, m in adapters(model):
+            m.weight += m.lora.delta_weight().to(m.weight.dtype)
+            m.lora = None
+    if hasattr(model, "lora_spec"):
+        del model.lora_spec
+
+
+def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's names: base_model.model.<HF module path>.lora_A.weight / lora_B.weight."""
+    state = {}
+    for name, m in adapters(model):
+        parent = name.rpartition(".")[0]
+        lora, row = m.lora, 0
+        for slot, part in enumerate(lora.targets):
+            size = lora.part_sizes[part]
+            hf = f"base_model.model.{parent}.{part}"  # a one-part projection's part is its own name
+            state[f"{hf}.lora_A.weight"] = lora.lora_A[slot * lora.r:(slot + 1) * lora.r].detach().contiguous().cpu()
+            state[f"{hf}.lora_B.weight"] = lora.lora_B[row:row + size].detach().contiguous().cpu()
+            row += size
+    return state
+
+
+def save_adapter(model: nn.Module, folder: str | Path, base_model_name_or_path: str | None = None) -> Path:
+    """Write the adapters as PEFT does: `adapter_config.json` and `adapter_model.safetensors`."""
+    from safetensors.torch import save_file
+
+    spec: LoraSpec = getattr(model, "lora_spec", None)
+    if spec is None:
+        raise ValueError("this model has no LoRA adapters to save")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(peft_state_dict(model), folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = dict(asdict(spec), peft_type="LORA", task_type="CAUSAL_LM", inference_mode=True, fan_in_fan_out=False,
+                  base_model_name_or_path=base_model_name_or_path, modules_to_save=None, init_lora_weights=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
