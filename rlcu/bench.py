@@ -25,15 +25,24 @@ QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, interm
                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
                  tie_word_embeddings=True, qk_norm=True)
 STANDARD = "qwen3-0.6b-random"
+# larger Qwen3 shapes with random weights, as ../shared/peers/common.py's SHAPE=1.7b|4b|8b (8B: untied embeddings)
+SHAPES = {STANDARD: {},
+          "qwen3-1.7b-random": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                    num_attention_heads=16, num_key_value_heads=8),
+          "qwen3-4b-random": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                  num_attention_heads=32, num_key_value_heads=8),
+          "qwen3-8b-random": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)}
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
 
 
-def random_model(device: str, dtype: torch.dtype, seed: int = 0):
-    """The standard workload's model, initialised as transformers does (normal, std 0.02)."""
+def random_model(device: str, dtype: torch.dtype, seed: int = 0, shape: str = STANDARD):
+    """The standard workload's model (or a larger shape of it), initialised as transformers does (normal, std 0.02)."""
     from rlcu.models.config import ModelConfig
     from rlcu.models.llama import CausalLM
 
-    cfg = ModelConfig(**QWEN3_06B, eos_token_id=QWEN3_06B["vocab_size"] - 1, pad_token_id=QWEN3_06B["vocab_size"] - 2)
+    fields = dict(QWEN3_06B, **SHAPES[shape])
+    cfg = ModelConfig(**fields, eos_token_id=fields["vocab_size"] - 1, pad_token_id=fields["vocab_size"] - 2)
     torch.manual_seed(seed)
     with torch.device(device):
         model = CausalLM(cfg)
@@ -45,10 +54,14 @@ def random_model(device: str, dtype: torch.dtype, seed: int = 0):
 def build_model(name: str, device: str, dtype: str):
     from rlcu.models.loading import load_model, resolve_dtype
 
-    if name == STANDARD:
-        return random_model(device, resolve_dtype(dtype))
+    if name in SHAPES:
+        return random_model(device, resolve_dtype(dtype), shape=name)
     model, tok = load_model(name, dtype=dtype)
     return model.to(device), tok
+
+
+def lora_config(rank: int) -> dict | None:
+    return {"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"} if rank else None
 
 
 def random_prompt_ids(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -61,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("rollout", "step"):
         s = sub.add_parser(name, allow_abbrev=False)
-        s.add_argument("--model", default=STANDARD, help=f"{STANDARD} or any model rlcu loads")
+        s.add_argument("--model", default=STANDARD, help=f"{', '.join(SHAPES)} (random weights) or any model rlcu loads")
         s.add_argument("--prompt_len", type=int, default=128)
         s.add_argument("--new_tokens", type=int, default=512)
         s.add_argument("--dtype", default="bfloat16")
@@ -88,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no_gradient_checkpointing", action="store_true", help="keep activations: faster, more memory")
     s.add_argument("--keep_memory", action="store_true", help="keep the KV pool and CUDA graphs between rollouts")
     s.add_argument("--packing", action="store_true", help="padding-free training forward (varlen flash attention)")
+    s.add_argument("--lora_rank", type=int, default=0,
+                   help="train LoRA adapters of this rank on all linear layers (alpha 2 x rank, as the peer's LORA=R)")
     s.add_argument("--profile", metavar="DIR",
                    help="profile one extra step (not in the timings): GPU time by phase and kernel, DIR/trace.json")
     return p
@@ -158,7 +173,8 @@ def bench_step(args) -> dict:
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
-                        gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing)
+                        gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
+                        peft_config=lora_config(args.lora_rank))
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
     profile: dict = {}
@@ -199,7 +215,7 @@ def bench_step(args) -> dict:
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
-                lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
+                lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix, lora_rank=args.lora_rank,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))

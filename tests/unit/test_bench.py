@@ -71,3 +71,10 @@ def test_bench_rejects_truncated_options_and_unknown_choices(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv])
     assert e.value.code == 2 and argv[1] in capsys.readouterr().err
+
+
+def test_bench_step_trains_lora_adapters(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path / "tiny", "qwen3")
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--lora_rank", "4"])
+    assert last_json(capsys)["lora_rank"] == 4
