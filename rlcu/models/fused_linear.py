@@ -23,7 +23,7 @@ class FusedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.lora is not None and self.lora.enabled:
-            y = y + self.lora(x)
+            y = self.lora.add_to(y, x)
         return y
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -93,17 +93,25 @@ class LoraAdapter(nn.Module):
         self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
         self.enabled = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The update of the whole fused output (zeros for parts without an adapter)."""
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then one GEMM with a
+        block-diagonal B that adds every part's update to y in place of a separate add (untargeted parts'
+        rows of it are zero)."""
         h = F.linear(self.dropout(x), self.lora_A)
-        outs, row, slot = [], 0, 0
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), self.block_diagonal_b().t(),
+                          alpha=self.scaling)
+        return out.view(y.shape)
+
+    def block_diagonal_b(self) -> torch.Tensor:
+        """[fused output, parts * r]: part i's rows of B in its own column block."""
+        b = self.lora_B.new_zeros(sum(self.part_sizes.values()), self.lora_A.shape[0])
+        start, row, slot = 0, 0, 0
         for part, size in self.part_sizes.items():
             if part in self.targets:
-                outs.append(F.linear(h[..., slot * self.r:(slot + 1) * self.r], self.lora_B[row:row + size]))
+                b[start:start + size, slot * self.r:(slot + 1) * self.r] = self.lora_B[row:row + size]
                 row, slot = row + size, slot + 1
-            else:
-                outs.append(h.new_zeros(*h.shape[:-1], size))
-        return torch.cat(outs, dim=-1) * self.scaling
+            start += size
+        return b
 
     def delta_weight(self) -> torch.Tensor:
         """B A * scaling as a [out, in] weight update of the fused projection (for merging)."""
