@@ -4,14 +4,25 @@
 - the clipped surrogate per token with `epsilon_low/high` (DAPO's clip-higher);
 - the sequence-level importance ratio of GSPO;
 - the k3 estimator of KL to a frozen reference (Schulman's approximation, used by GRPO);
-- aggregation `grpo | bnpo | dr_grpo | dapo` of per-token losses into the micro-batch loss.
+- aggregation `grpo | bnpo | dr_grpo | dapo` of per-token losses into the micro-batch loss;
+- TRL 1.16's newer losses: CISPO (MiniMax-M1: clipped, detached importance weights times the logprob),
+  SAPO (a sigmoid gate instead of a hard clip), LUSPO (GSPO's sequence loss summed over each sequence's
+  tokens), VESPO (a Gamma weighting of the sequence-level ratio times the logprob);
+- the entropy controls: the top-entropy token mask (Beyond the 80/20 Rule) and the entropy bonus with
+  Skywork-OR1's adaptive coefficient;
+- advantage estimators beside GRPO's group normalisation: RLOO's leave-one-out baseline and REINFORCE++'s
+  batch-normalised advantages.
 
 Tensors are [B, T] per token with a 0/1 `mask` over completion tokens, [B] per sequence."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SCALES = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
 STD_EPS = 1e-4  # TRL's: keeps a near-constant group from exploding its advantages
@@ -73,20 +84,107 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(r) - r - 1
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """The settings of the newer loss types and of the KL term, with TRL 1.16's names and defaults."""
+    delta: float | None = None  # INTELLECT-2's two-sided clip: the unclipped ratio is capped at delta
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = True  # the k3 KL times the importance weight (TRL's default since 1.x)
+
+
 def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_high=0.2, level="token",
-                   ref_logps=None, beta=0.0):
-    """Clipped surrogate -min(w A, clip(w, 1-eps_low, 1+eps_high) A) (+ beta * k3 KL).
+                   ref_logps=None, beta=0.0, loss_type="grpo", options: LossOptions = LossOptions(), token_mask=None):
+    """The policy loss per token (+ beta * k3 KL), as TRL's `_compute_loss` forms it:
+
+    grpo / bnpo / dr_grpo / dapo / luspo: -min(w A, clip(w, 1-eps_low, 1+eps_high) A), w capped at `delta` if set;
+    cispo: -sg(min(w, eps_high)) A log pi;  sapo: -(4 / tau) sigmoid(tau (w - 1)) A with tau by the sign of A;
+    vespo: -sg(phi(w_seq)) A log pi with phi the Gamma weight of the sequence ratio (`gamma_weights`).
+    `token_mask` (the top-entropy mask) multiplies the policy term only, before the KL is added.
 
     Returns (loss [B, T] or [B, 1], importance weight w, per-token KL or None)."""
+    log_ratio = logps - old_logps
     coef_1 = torch.exp(log_importance_weights(logps, old_logps, mask, level))
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
     adv = advantages.unsqueeze(1)
-    loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    if loss_type == "cispo":
+        loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * logps
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
+        loss = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
+    elif loss_type == "vespo":
+        loss = -gamma_weights(adv, log_ratio, mask, options) * adv * logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        capped = torch.clamp(coef_1, max=options.delta) if options.delta is not None else coef_1
+        loss = -torch.min(capped * adv, coef_2 * adv)
+    if token_mask is not None:
+        loss = loss * token_mask
     kl = None
     if beta != 0.0:
         kl = k3_kl(logps, ref_logps)
+        if options.use_bias_correction_kl:
+            kl = kl * coef_1
         loss = loss + beta * kl
     return loss, coef_1, kl
+
+
+@torch.no_grad()
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                  options: LossOptions = LossOptions()) -> torch.Tensor:
+    """VESPO's phi(w) = e^lambda w^k e^(-lambda w) (so phi(1) = 1) of the sequence ratio w = exp(sum of the
+    token log-ratios, each clamped to [-20, 20]), with (k, lambda) by the sign of A; [B, 1], no gradient."""
+    low = math.log(1e-8)
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, low, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, options.vespo_k_pos, options.vespo_k_neg)
+    lam = torch.where(positive, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The top-`quantile` of completion tokens by entropy (`top_entropy_quantile`; 1.0 keeps all): tokens at
+    or above the (1 - quantile) quantile of the masked entropies; bool [B, T]."""
+    valid = entropies[mask.bool()].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    threshold = torch.quantile(valid, 1 - quantile)
+    return ((entropies * mask) >= threshold) & mask.bool()
+
+
+def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, num_micro_batches: int = 1) -> torch.Tensor:
+    """The mean entropy over `mask`'s tokens (the loss subtracts entropy_coef times it), this micro-batch's share."""
+    return (entropies * mask).sum() / mask.sum().clamp(min=1.0) / num_micro_batches
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """Skywork-OR1's controller, once per optimizer step: up by `delta` while the entropy is at or below the
+    target, down otherwise, within [low, high]."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other G - 1 rewards of its group
+    = G / (G - 1) (r_i - group mean). NaN (unscorable) rewards are left out of the baselines and get 0."""
+    grouped = rewards.view(-1, num_generations)
+    valid = ~torch.isnan(grouped)
+    total = torch.nansum(grouped, dim=1, keepdim=True)
+    others = (valid.sum(1, keepdim=True) - valid.long()).clamp(min=1)
+    baseline = (total - torch.nan_to_num(grouped)) / others
+    return torch.nan_to_num(grouped - baseline, nan=0.0).view(-1)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): the reward's deviation from the batch mean over the batch's standard deviation
+    (a global baseline and normalisation, no per-prompt group). NaN rewards get 0."""
+    centred = rewards - torch.nanmean(rewards)
+    std = nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
+    return torch.nan_to_num(centred / (std + STD_EPS), nan=0.0)
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
@@ -94,21 +192,24 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, 
     """The micro-batch's share of the step loss, so that gradients summed over micro-batches equal
     TRL's for the same step (the `/ num_micro_batches` is TRL's gradient-accumulation normaliser).
 
-    grpo: mean over sequences of each sequence's token mean (DeepSeekMath).
+    grpo, sapo: mean over sequences of each sequence's token mean (DeepSeekMath).
     bnpo: token mean over the micro-batch.
     dr_grpo: token sum / (sequences x max_completion_length) (Dr. GRPO: no length bias).
-    dapo: token sum / completion tokens in the whole step batch (`num_items_in_batch`)."""
+    dapo, cispo, vespo: token sum / completion tokens in the whole step batch (`num_items_in_batch`).
+    luspo: mean over sequences of each sequence's token sum (LUSPO: GSPO scaled by length)."""
     per_token = per_token.expand_as(mask) if per_token.shape != mask.shape else per_token
     masked = per_token * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / num_micro_batches
+    if loss_type == "luspo":
+        return masked.sum(-1).mean() / num_micro_batches
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0) / num_micro_batches
     if loss_type == "dr_grpo":
         return masked.sum() / (mask.shape[0] * max_completion_length) / num_micro_batches
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_batch is None:
-            raise ValueError("loss_type 'dapo' needs num_items_in_batch (completion tokens in the step batch)")
+            raise ValueError(f"loss_type {loss_type!r} needs num_items_in_batch (completion tokens in the step batch)")
         return masked.sum() / torch.as_tensor(num_items_in_batch, dtype=masked.dtype).clamp(min=1.0)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 

@@ -64,6 +64,8 @@ class Counters:
     consecutive_skips: int = 0  # batches in a row that filter_zero_std_groups left empty
     faults: int = 0  # updates skipped for numerical faults, in all
     consecutive_faults: int = 0
+    entropy_coef: float | None = None  # use_adaptive_entropy: the coefficient now (None: entropy_coef's start)
+    last_entropy: float = math.inf  # use_adaptive_entropy: the mean entropy of the last optimizer step
 
 
 class GRPOModule(L.LightningModule):
@@ -111,6 +113,22 @@ class GRPOModule(L.LightningModule):
         long_prompts: str = "error",
         old_logprobs: str = "trainer",
         peft_config: Any = None,
+        advantage_estimator: str = "grpo",
+        delta: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        use_bias_correction_kl: bool = True,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        entropy_target: float = 0.2,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout,
@@ -131,9 +149,13 @@ class GRPOModule(L.LightningModule):
         self.rollout = resolve_rollout(rollout)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
+                                                  vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+                                                  use_bias_correction_kl)
         self.accuracy_index = names.index(accuracy_reward) if accuracy_reward else 0
         self.counters = Counters()
         self.last_rollout: ScoredRollout | None = None  # for callbacks
+        self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
 
     @staticmethod
@@ -273,6 +295,10 @@ class GRPOModule(L.LightningModule):
         scored = self.score(rows, rollout)
         rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
         scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
+        if hp.advantage_estimator == "rloo":
+            scored.advantages = grpo_loss.rloo_advantages(rewards, hp.num_generations)
+        elif hp.advantage_estimator == "reinforce_pp":
+            scored.advantages = grpo_loss.reinforce_pp_advantages(rewards)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages, pad, hp.mask_truncated_completions)
         keep = ~is_std_zero if hp.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
@@ -363,6 +389,8 @@ class GRPOModule(L.LightningModule):
                 return self._fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
             losses.append(float(loss))
             grad_norms.append(norm)
+            if hp.use_adaptive_entropy:
+                self._update_entropy_coef()
         out = stats.result()
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
                    learning_rate=self.lr_schedulers().get_last_lr()[0])
@@ -370,6 +398,8 @@ class GRPOModule(L.LightningModule):
         out["logprob_mismatch/max"] = float(gap[1])
         self.counters.consecutive_faults = 0
         out["faults/skipped_updates"] = float(self.counters.faults)
+        if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
+            out["entropy_coef"] = self._entropy_coef_now() if not hp.use_adaptive_entropy else self.counters.entropy_coef
         return out
 
     def _old_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
@@ -395,25 +425,63 @@ class GRPOModule(L.LightningModule):
 
     def _accumulate(self, staged: StagedBatch, old, ref, loss_items, stats: LossStats, gap: list | None):
         """Forward and backward over the micro-batches, gradients summed; returns the loss (device)."""
-        hp, b = self.hparams, staged.rows
-        mbs = staged.micro_batches(hp.micro_batch_size)
+        b, num = staged.rows, len(staged.micro_batches(self.hparams.micro_batch_size))
         self.optimizers().zero_grad()
         total = torch.zeros((), device=self.device)
-        for rows in mbs:
-            logps, entropy = self._logps(self.policy, staged, rows, grad=True)
-            mask, adv = b.loss_mask[rows].float(), b.advantages[rows]
-            old_lp = old[rows] if old is not None else logps.detach()
-            ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
-                                                     hp.importance_sampling_level,
-                                                     ref[rows] if ref is not None else None, hp.beta)
-            loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, len(mbs), loss_items)
+        self._entropy_window = torch.zeros(2, device=self.device)  # sum and tokens of the bonus's entropies
+        for rows in staged.micro_batches(self.hparams.micro_batch_size):
+            loss, logps, entropy, coef, kl, mask = self._micro_batch_loss(staged, rows, old, ref, loss_items, num)
             self.manual_backward(loss)
             total += loss.detach()
             if gap is not None:  # sampler vs trainer logprobs of the same tokens under the same weights
-                diff = (logps.detach() - b.sampler_logps[rows]).abs() * mask
+                diff = (logps - b.sampler_logps[rows]).abs() * mask
                 gap[0], gap[1] = gap[0] + diff.sum(), torch.maximum(gap[1], diff.max())
-            stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, hp.epsilon, self.epsilon_high))
+            adv = b.advantages[rows]
+            stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, self.hparams.epsilon, self.epsilon_high))
         return total
+
+    def _micro_batch_loss(self, staged: StagedBatch, rows: slice, old, ref, loss_items, num_micro_batches: int):
+        """One micro-batch's loss as TRL's `_compute_loss` forms it: policy term (top-entropy tokens only when
+        top_entropy_quantile < 1), KL, the aggregation, the entropy bonus. Returns (loss, logps, entropy, w, KL,
+        mask), all but the loss detached."""
+        hp, b = self.hparams, staged.rows
+        logps, entropy = self._logps(self.policy, staged, rows, grad=True)
+        mask, adv = b.loss_mask[rows].float(), b.advantages[rows]
+        old_lp = old[rows] if old is not None else logps.detach()
+        top = None
+        if hp.top_entropy_quantile < 1.0:
+            top = grpo_loss.high_entropy_mask(entropy.detach(), mask, hp.top_entropy_quantile).to(mask.dtype)
+        ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
+                                                 hp.importance_sampling_level, ref[rows] if ref is not None else None,
+                                                 hp.beta, hp.loss_type, self.loss_options, top)
+        loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, num_micro_batches,
+                                        loss_items)
+        if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
+            effective = mask if top is None else mask * top
+            loss = loss - self._entropy_coef_now() * grpo_loss.entropy_bonus(entropy, effective, num_micro_batches)
+            self._entropy_window += torch.stack([(entropy.detach() * effective).sum(), effective.sum()])
+        return loss, logps.detach(), entropy.detach(), coef.detach(), kl.detach() if kl is not None else None, mask
+
+    def _entropy_coef_now(self) -> float:
+        """The entropy bonus's coefficient: entropy_coef, or with use_adaptive_entropy the controller's, applied
+        only while the last step's entropy was at or below entropy_target (TRL's rule)."""
+        hp, c = self.hparams, self.counters
+        if not hp.use_adaptive_entropy:
+            return hp.entropy_coef
+        coef = hp.entropy_coef if c.entropy_coef is None else c.entropy_coef
+        return coef if c.last_entropy <= hp.entropy_target else 0.0
+
+    def _update_entropy_coef(self) -> None:
+        """After an optimizer step: the adaptive controller moves the coefficient by the step's mean entropy."""
+        hp, c = self.hparams, self.counters
+        window = self._entropy_window
+        if self.world_size > 1:
+            window = self.trainer.strategy.reduce(window, reduce_op="sum")
+        c.last_entropy = float(window[0] / window[1].clamp(min=1.0))
+        start = hp.entropy_coef if c.entropy_coef is None else c.entropy_coef
+        c.entropy_coef = grpo_loss.adaptive_entropy_coef(start, c.last_entropy, hp.entropy_target,
+                                                         hp.entropy_coef_delta, hp.entropy_coef_min,
+                                                         hp.entropy_coef_max)
 
     def _optimizer_step(self) -> float:
         """Clip, step, schedule; returns the gradient norm, and takes no step when it is not finite."""

@@ -2,11 +2,13 @@
 got and what it takes."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
-from rlcu.grpo.loss import LEVELS, LOSS_TYPES, SCALES
+from rlcu.grpo.loss import ADVANTAGE_ESTIMATORS, LEVELS, LOSS_TYPES, SCALES
 from rlcu.rewards.scoring import ON_ERROR
 
+log = logging.getLogger(__name__)
 SCHEDULES = ("constant", "linear", "cosine")
 LONG_PROMPTS = ("error", "truncate_left")  # a prompt over max_prompt_length: stop at set-up, or keep its end
 # num_iterations > 1 needs the sampling-time logprobs: recomputed by a forward pass ("trainer"), or the ones
@@ -15,11 +17,12 @@ OLD_LOGPROBS = ("trainer", "engine")
 
 CHOICES = {"loss_type": LOSS_TYPES, "importance_sampling_level": LEVELS, "scale_rewards": SCALES,
            "lr_scheduler": SCHEDULES, "long_prompts": LONG_PROMPTS, "old_logprobs": OLD_LOGPROBS,
-           "on_reward_error": ON_ERROR}
+           "on_reward_error": ON_ERROR, "advantage_estimator": ADVANTAGE_ESTIMATORS}
 MINIMUM = {"num_generations": (2, " (GRPO compares completions within a group)"), "micro_batch_size": (1, ""),
            "num_iterations": (1, ""), "max_prompt_length": (1, ""), "max_completion_length": (1, ""),
            "max_consecutive_faults": (1, ""), "eval_num_samples": (0, " (0 or 1: greedy only)"),
-           "epsilon": (0, ""), "warmup_steps": (0, ""), "learning_rate": (0, "")}
+           "epsilon": (0, ""), "warmup_steps": (0, ""), "learning_rate": (0, ""), "top_entropy_quantile": (0, ""),
+           "entropy_coef_delta": (0, ""), "sapo_temperature_pos": (1e-6, ""), "sapo_temperature_neg": (1e-6, "")}
 
 
 def check_options(options: Mapping) -> None:
@@ -30,6 +33,14 @@ def check_options(options: Mapping) -> None:
     for name, (low, why) in MINIMUM.items():
         if options[name] < low:
             raise ValueError(f"{name} must be >= {low}{why}, got {options[name]}")
+    if options["top_entropy_quantile"] > 1:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got {options['top_entropy_quantile']}")
+    if options["entropy_coef_min"] > options["entropy_coef_max"]:
+        raise ValueError("entropy_coef_min must be <= entropy_coef_max")
+    if options["loss_type"] == "luspo" and options["importance_sampling_level"] != "sequence":
+        log.warning("loss_type='luspo' is meant with importance_sampling_level='sequence' (the paper's setup)")
+    if options["loss_type"] == "vespo" and options["importance_sampling_level"] != "token":
+        log.warning("VESPO computes sequence-level weights itself; importance_sampling_level should be 'token'")
     timeout = options["reward_timeout"]
     if timeout is not None and timeout <= 0:
         raise ValueError(f"reward_timeout must be a positive number of seconds or null (no limit), got {timeout}")

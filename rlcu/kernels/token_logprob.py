@@ -33,11 +33,19 @@ def token_logprob_reference(logits: torch.Tensor, targets: torch.Tensor, tempera
     return logp, -(z.exp().mul_(z)).sum(-1), lse
 
 
-def token_logprob_backward_reference(logits, targets, lse, grad_logp, temperature: float = 1.0):
-    """d(sum grad_logp * logp) / d logits = grad_logp * (onehot(target) - softmax) / temperature."""
-    grad = (_widened(logits) / temperature).sub_(lse[:, None]).exp_()  # softmax
-    g = grad_logp[:, None].to(grad.dtype)
-    grad.mul_(-g).scatter_add_(1, targets[:, None], g)
+def token_logprob_backward_reference(logits, targets, lse, grad_logp, temperature: float = 1.0, entropy=None,
+                                     grad_entropy=None):
+    """d(sum g * logp + ge * H) / d logits = [g (onehot(target) - p) - ge p (log p + H)] / temperature, with
+    p = softmax(logits / temperature) and H its entropy (the entropy term only when `grad_entropy` is given)."""
+    log_p = (_widened(logits) / temperature).sub_(lse[:, None])
+    p = log_p.exp()
+    g = grad_logp[:, None].to(p.dtype)
+    if grad_entropy is not None:
+        ge = grad_entropy[:, None].to(p.dtype)
+        grad = log_p.add_(entropy[:, None].to(p.dtype)).mul_(p).mul_(-ge).sub_(p * g)
+    else:
+        grad = p.mul_(-g)
+    grad.scatter_add_(1, targets[:, None], g)
     return grad.div_(temperature).to(logits.dtype)
 
 
@@ -72,20 +80,28 @@ if HAS_TRITON:
         tl.store(LSE + row, lse)
 
     @triton.jit
-    def _token_logprob_backward_kernel(LOGITS, TARGETS, LSE, GRAD, stride_row, vocab, inv_temperature,
-                                       BLOCK: tl.constexpr):
+    def _token_logprob_backward_kernel(LOGITS, TARGETS, LSE, GRAD, ENTROPY, GRAD_ENTROPY, stride_row, vocab,
+                                       inv_temperature, BLOCK: tl.constexpr, WITH_ENTROPY: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = LOGITS + row * stride_row
         cols = tl.arange(0, BLOCK)
         lse = tl.load(LSE + row)
         g = tl.load(GRAD + row)
         target = tl.load(TARGETS + row)
+        h = 0.0
+        ge = 0.0
+        if WITH_ENTROPY:
+            h = tl.load(ENTROPY + row)
+            ge = tl.load(GRAD_ENTROPY + row)
         for start in range(0, vocab, BLOCK):
             idx = start + cols
             mask = idx < vocab
-            z = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32) * inv_temperature
-            grad = (tl.where(idx == target, g, 0.0) - g * tl.exp(z - lse)) * inv_temperature
-            tl.store(base + idx, grad.to(LOGITS.dtype.element_ty), mask=mask)
+            log_p = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32) * inv_temperature - lse
+            p = tl.exp(log_p)
+            grad = tl.where(idx == target, g, 0.0) - g * p
+            if WITH_ENTROPY:
+                grad -= ge * p * (log_p + h)
+            tl.store(base + idx, (grad * inv_temperature).to(LOGITS.dtype.element_ty), mask=mask)
 
 
 def token_logprob_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -97,18 +113,24 @@ def token_logprob_triton(logits: torch.Tensor, targets: torch.Tensor, temperatur
     return logp, entropy, lse
 
 
-def token_logprob_backward_triton_(logits, targets, lse, grad_logp, temperature: float = 1.0) -> torch.Tensor:
+def token_logprob_backward_triton_(logits, targets, lse, grad_logp, temperature: float = 1.0, entropy=None,
+                                   grad_entropy=None) -> torch.Tensor:
     """As the reference, written over `logits` (which the caller recomputed and no longer needs)."""
     n, vocab = logits.shape
     assert logits.stride(-1) == 1
-    _token_logprob_backward_kernel[(n,)](logits, targets, lse, grad_logp.float().contiguous(), logits.stride(0),
-                                         vocab, 1.0 / temperature, BLOCK=BLOCK)
+    with_entropy = grad_entropy is not None
+    ent = entropy.float().contiguous() if with_entropy else lse
+    grad_ent = grad_entropy.float().contiguous() if with_entropy else lse
+    _token_logprob_backward_kernel[(n,)](logits, targets, lse, grad_logp.float().contiguous(), ent, grad_ent,
+                                         logits.stride(0), vocab, 1.0 / temperature, BLOCK=BLOCK,
+                                         WITH_ENTROPY=with_entropy)
     return logits
 
 
 class LinearTokenLogprob(torch.autograd.Function):
-    """(log softmax(hidden @ weight.T / T)[target], entropy) per row; the entropy is a metric, never trained on.
-    Triton kernels where `use_triton` says so, the references elsewhere (the CPU)."""
+    """(log softmax(hidden @ weight.T / T)[target], entropy) per row, both differentiable (the entropy for
+    an entropy bonus; its gradient is computed only when a loss uses it). Triton kernels where `use_triton`
+    says so, the references elsewhere (the CPU)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature):
@@ -117,18 +139,20 @@ class LinearTokenLogprob(torch.autograd.Function):
         ctx.fused = use_triton(hidden)
         forward = token_logprob_triton if ctx.fused else token_logprob_reference
         logps, entropy, lse = forward(F.linear(hidden, weight), targets, temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an unused entropy brings None, not a row of zeros to multiply
         return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lse)
         enabled, dtype = ctx.autocast
         backward = token_logprob_backward_triton_ if ctx.fused else token_logprob_backward_reference
         with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
-            grad = backward(F.linear(hidden, weight), targets, lse, grad_logps, ctx.temperature)
+            grad = backward(F.linear(hidden, weight), targets, lse, grad_logps, ctx.temperature, entropy, grad_entropy)
             grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
             grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
             grad_weight = (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None

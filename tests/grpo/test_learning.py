@@ -11,11 +11,15 @@ VARIANTS = {
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence"),
     "kl+reuse": dict(loss_type="dapo", beta=0.04, num_iterations=2),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),  # the ScaleRL paper's eps_max
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo"),
+    "rloo": dict(loss_type="dapo", advantage_estimator="rloo"),
+    "reinforce_pp": dict(loss_type="dapo", advantage_estimator="reinforce_pp"),
+    "top-entropy+bonus": dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.001),
+    "adaptive entropy": dict(loss_type="dapo", use_adaptive_entropy=True, entropy_target=1.0),
 }
-
-
-
-
 
 
 @pytest.mark.slow

@@ -174,3 +174,25 @@ def test_packing_makes_the_same_update(tmp_path):
     assert max((states[0][k] - initial[k]).abs().max().item() for k in initial) > 1e-3
     worst = max((states[0][k] - states[1][k]).abs().max().item() for k in initial)
     assert worst < 1e-5, f"packed training differs by {worst:.2e}"
+
+
+def test_adaptive_entropy_control_moves_the_coefficient_each_step(tiny, tmp_path):
+    """Skywork-OR1's controller: with the entropy below the target the coefficient rises by entropy_coef_delta
+    each optimizer step (and is applied from the second step, once an entropy was measured)."""
+    module = make(tiny, use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.005, entropy_target=100.0)
+    metrics = fit(module, toy_rows(12), 3, tmp_path)
+    assert [round(m["entropy_coef"], 6) for m in metrics if "entropy_coef" in m] == [0.015, 0.02, 0.025]
+    assert module.counters.last_entropy < 100.0
+
+
+def test_an_entropy_bonus_changes_the_update(tiny, tmp_path):
+    """The bonus trains through the entropy (its gradient reaches the weights): same data, same seed, other weights."""
+    def trained(**kw):
+        model, tok = load_model(tiny_hf_folder(tmp_path / "m2", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                               head_dim=8))
+        tok.chat_template = CHAT_TEMPLATE
+        module = make((model, tok), **kw)
+        fit(module, toy_rows(4), 1, tmp_path / str(len(kw)))
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert not torch.allclose(trained(), trained(entropy_coef=0.5))

@@ -1,0 +1,125 @@
+"""Every loss type against TRL 1.16's own `GRPOTrainer._compute_loss`, run on the same float64 tensors (TRL's
+method with a stand-in for the trainer around it: no model, one process): the loss and its gradient with
+respect to the logprobs, with masks, a KL term, two-sided clipping, the top-entropy mask and the entropy bonus.
+Also the advantage estimators against their papers' formulas, written out."""
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlcu.grpo import loss as L
+
+trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+B, T, G = 6, 7, 3
+
+
+class OneProcess:
+    """What TRL's loss asks of accelerate, for a single process."""
+    num_processes, sync_gradients = 1, True
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def trl_loss(tensors, loss_type, level="token", beta=0.0, delta=None, quantile=1.0, entropy_coef=0.0,
+             epsilon=0.2, epsilon_high=0.28, num_micro_batches=1):
+    logps, old, ref, adv, mask, entropies = tensors
+    args = SimpleNamespace(delta=delta, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                           vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=True,
+                           steps_per_generation=num_micro_batches, entropy_target=0.2)
+    trainer = SimpleNamespace(
+        args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=epsilon,
+        epsilon_high=epsilon_high, top_entropy_quantile=quantile, off_policy_mask_threshold=None, use_vllm=False,
+        vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=num_micro_batches,
+        max_completion_length=T + 3, accelerator=OneProcess(), model=SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list)}, aux_loss_enabled=False, entropy_coef=entropy_coef,
+        use_adaptive_entropy=False, _entropy_bonus_enabled=entropy_coef != 0.0,
+        get_gamma_weights=trl_trainer.GRPOTrainer.get_gamma_weights,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None))
+    trainer.get_high_entropy_mask = lambda e, m, t: trl_trainer.GRPOTrainer.get_high_entropy_mask(trainer, e, m, t)
+    inputs = dict(prompt_ids=torch.zeros(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
+                  completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
+                  old_per_token_logps=old, ref_per_token_logps=ref, num_items_in_batch=mask.sum())
+    return trl_trainer.GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
+def ours(tensors, loss_type, level="token", beta=0.0, delta=None, quantile=1.0, entropy_coef=0.0, epsilon=0.2,
+         epsilon_high=0.28):
+    logps, old, ref, adv, mask, entropies = tensors
+    token_mask = L.high_entropy_mask(entropies, mask, quantile) if quantile < 1.0 else None
+    ptl, _, _ = L.per_token_loss(logps, old, adv, mask, epsilon, epsilon_high, level, ref, beta, loss_type,
+                                 L.LossOptions(delta=delta), token_mask)
+    loss = L.aggregate_loss(ptl, mask, loss_type, T + 3, 1, mask.sum())
+    if entropy_coef:
+        effective = mask if token_mask is None else mask * token_mask
+        loss = loss - entropy_coef * L.entropy_bonus(entropies, effective)
+    return loss
+
+
+def random_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logps = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.25).double()
+    mask[:, 0] = 1
+    entropies = torch.rand(B, T, generator=g, dtype=torch.float64) * 4
+    return logps, old, ref, adv, mask, entropies
+
+
+CASES = {
+    "cispo": dict(loss_type="cispo", epsilon_high=0.5), "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", level="sequence"), "vespo": dict(loss_type="vespo"),
+    "grpo": dict(loss_type="grpo"), "bnpo": dict(loss_type="bnpo"), "dr_grpo": dict(loss_type="dr_grpo"),
+    "dapo": dict(loss_type="dapo"), "gspo": dict(loss_type="grpo", level="sequence"),
+    "dapo+kl": dict(loss_type="dapo", beta=0.04), "sapo+kl": dict(loss_type="sapo", beta=0.1),
+    "two-sided clip": dict(loss_type="grpo", delta=1.1),
+    "top-entropy tokens": dict(loss_type="dapo", quantile=0.3), "entropy bonus": dict(loss_type="bnpo", entropy_coef=0.01),
+    "entropy bonus on top tokens": dict(loss_type="vespo", quantile=0.5, entropy_coef=0.02),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_loss_and_gradient_equal_trls(name, seed):
+    tensors = random_tensors(seed)
+    theirs = trl_loss(tensors, **CASES[name])
+    (want,) = torch.autograd.grad(theirs, tensors[0])
+    got_loss = ours(tensors, **CASES[name])
+    (got,) = torch.autograd.grad(got_loss, tensors[0])
+    assert abs(got_loss.item() - theirs.item()) < 1e-6, (got_loss.item(), theirs.item())
+    assert (got - want).abs().max() < 1e-6
+
+
+def test_adaptive_entropy_coefficient_steps_toward_the_target():
+    assert L.adaptive_entropy_coef(0.1, 0.15, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.105)
+    assert L.adaptive_entropy_coef(0.1, 0.25, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.095)
+    assert L.adaptive_entropy_coef(0.999, 0.1, 0.2, 0.005, 0.0, 1.0) == 1.0
+    assert L.adaptive_entropy_coef(0.001, 3.0, 0.2, 0.005, 0.0, 1.0) == 0.0
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(4 * G, generator=g, dtype=torch.float64)
+    want = torch.tensor([rewards[i] - sum(rewards[j] for j in range(i // G * G, i // G * G + G) if j != i) / (G - 1)
+                         for i in range(len(rewards))])
+    assert (L.rloo_advantages(rewards, G) - want).abs().max() < 1e-12
+    rewards[1] = float("nan")  # unscorable: out of its group's baselines, advantage 0
+    got = L.rloo_advantages(rewards, G)
+    assert got[1] == 0 and got[0] == pytest.approx((rewards[0] - rewards[2]).item())
+
+
+def test_reinforce_pp_normalises_over_the_batch():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    want = (rewards - rewards.mean()) / (rewards.std() + L.STD_EPS)
+    assert (L.reinforce_pp_advantages(rewards) - want).abs().max() < 1e-12
