@@ -11,7 +11,6 @@ error that names the file, never a resumed run on wrong weights. A checkpoint wi
 tool's) loads unchecked."""
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import zipfile
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from rlcu.pypi_files import sha256
 
 
 class CorruptCheckpointError(ValueError):
@@ -36,14 +37,6 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify(path: str | Path) -> None:
     """Check `path` against the checksum saved with it (if any); a mismatch is a CorruptCheckpointError."""
     path = Path(path)
@@ -54,7 +47,7 @@ def verify(path: str | Path) -> None:
     got_size = path.stat().st_size
     if size and int(size) != got_size:
         raise CorruptCheckpointError(path, ChecksumMismatch(f"{got_size} bytes, {size} when saved"))
-    if file_digest(path) != want:
+    if sha256(path) != want:
         raise CorruptCheckpointError(path, ChecksumMismatch(f"its sha256 differs from {saved.name}"))
 
 
@@ -84,7 +77,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _write_synced(tmp_sum, f"{file_digest(tmp)} {tmp.stat().st_size}\n")
+            _write_synced(tmp_sum, f"{sha256(tmp)} {tmp.stat().st_size}\n")
             os.replace(tmp, path)
             os.replace(tmp_sum, checksum_path(path))
         except BaseException:

@@ -7,6 +7,17 @@ from rlcu.models import load_model
 from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
 
 
+def train_two_steps(start, tmp_path, *extra):
+    """Two GRPO steps of the quickstart on `start` that save a checkpoint; returns its path."""
+    cli.main(["run", "quickstart", f"--model.model={start}", "--model.max_completion_length=4",
+              "--model.max_prompt_length=64", "--model.rewards=[tests.helpers.first_token_value]",
+              "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+              "--trainer.callbacks=[]", "--trainer.enable_checkpointing=true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true", *extra])
+    return tmp_path / "ckpt" / "last.ckpt"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_exported_checkpoint_loads_in_transformers_with_matching_logits(tmp_path, monkeypatch, family):
     import transformers
@@ -14,13 +25,7 @@ def test_exported_checkpoint_loads_in_transformers_with_matching_logits(tmp_path
     monkeypatch.chdir(tmp_path)
     start = tiny_hf_folder(tmp_path / "tiny", family, vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
                            chat_template=CHAT_TEMPLATE, **({"tie_word_embeddings": True} if family == "qwen3" else {}))
-    cli.main(["run", "quickstart", f"--model.model={start}", "--model.max_completion_length=4",
-              "--model.max_prompt_length=64", "--model.learning_rate=1e-2", "--model.rewards=[tests.helpers.first_token_value]",
-              "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-              "--trainer.callbacks=[]", "--trainer.enable_checkpointing=true",
-              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true"])
-    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    ckpt = train_two_steps(start, tmp_path, "--model.learning_rate=1e-2")
     cli.main(["export", str(ckpt), str(tmp_path / "out")])
 
     trained = {k.removeprefix("policy."): v for k, v in torch.load(ckpt, weights_only=False)["state_dict"].items()}
@@ -53,14 +58,8 @@ def test_a_lora_run_exports_peft_adapters_and_a_merged_folder(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     start = tiny_hf_folder(tmp_path / "tiny", "qwen3", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
                            chat_template=CHAT_TEMPLATE)
-    cli.main(["run", "quickstart", f"--model.model={start}", "--model.max_completion_length=4",
-              "--model.max_prompt_length=64", "--model.learning_rate=5e-2", "--model.rewards=[tests.helpers.first_token_value]",
-              "--model.peft_config={r: 4, lora_alpha: 8, target_modules: all-linear}",
-              "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-              "--trainer.callbacks=[]", "--trainer.enable_checkpointing=true",
-              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true"])
-    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    ckpt = train_two_steps(start, tmp_path, "--model.learning_rate=5e-2",
+                           "--model.peft_config={r: 4, lora_alpha: 8, target_modules: all-linear}")
     cli.main(["export", str(ckpt), str(tmp_path / "adapter")])
     cli.main(["export", str(ckpt), str(tmp_path / "merged"), "--merge"])
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
