@@ -12,7 +12,8 @@ def summary(path: str, world: int) -> dict:
         raise SystemExit(f"{path} has no training steps after the first")
     mean = lambda key: sum(float(r[key]) for r in rows) / len(rows)  # noqa: E731
     per_rank = mean("tokens_per_second")
-    return {"gpus": world, "steps": len(rows), "tok_per_s_per_gpu": round(per_rank), "tok_per_s_total": round(per_rank * world),
+    return {"gpus": world, "steps": len(rows), "tok_per_s_per_gpu": round(per_rank),
+            "tok_per_s_total": round(per_rank * world),
             "generate_s": round(mean("timing/generate"), 3), "train_s": round(mean("timing/train"), 3)}
 
 

@@ -39,7 +39,8 @@ def main(argv=None) -> None:
 
     rlcu = read(args.metrics)
     steps, acc = series(rlcu, "step", "eval/accuracy")
-    fig, axes = plt.subplots(1, 3 if acc else 2, figsize=(15 if acc else 10, 4))  # a run without held-out evaluation: no panel
+    # a run without held-out evaluation: no accuracy panel
+    fig, axes = plt.subplots(1, 3 if acc else 2, figsize=(15 if acc else 10, 4))
     if acc:
         axes[0].plot(steps, acc, marker="o", label="rlcu")
         axes[0].set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="eval/accuracy")

@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("rollout", "step"):
         s = sub.add_parser(name, allow_abbrev=False)
-        s.add_argument("--model", default=STANDARD, help=f"{', '.join(SHAPES)} (random weights) or any model rlcu loads")
+        s.add_argument("--model", default=STANDARD,
+                       help=f"{', '.join(SHAPES)} (random weights) or any model rlcu loads")
         s.add_argument("--prompt_len", type=int, default=128)
         s.add_argument("--new_tokens", type=int, default=512)
         s.add_argument("--dtype", default="bfloat16")
@@ -139,7 +140,8 @@ def bench_rollout(args) -> dict:
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
                 lookahead=args.lookahead, shared_prefix=args.shared_prefix,
-                tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best), ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
+                tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best),
+                ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
 
 
@@ -157,7 +159,8 @@ def bench_step(args) -> dict:
         try:
             os.makedirs(args.profile, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"--profile {args.profile}: cannot make that folder ({e.strerror}); give a writable path") from e
+            raise ValueError(f"--profile {args.profile}: cannot make that folder ({e.strerror}); "
+                             "give a writable path") from e
     model, tok = build_model(args.model, args.device, args.dtype)
     total_steps = args.steps + (1 if args.profile else 0)
     prompts = random_prompt_ids(args.prompts * total_steps, args.prompt_len, model.config.vocab_size)
@@ -201,7 +204,8 @@ def bench_step(args) -> dict:
                 phases = phase_kernels(self.prof)
                 print_phase_kernels(phases, file=sys.stderr)
                 self.prof.export_chrome_trace(f"{args.profile}/trace.json")
-                profile.update({k: dict(wall_ms=round(v["wall_ms"]), busy_ms=round(v["busy_ms"])) for k, v in phases.items()})
+                profile.update({k: dict(wall_ms=round(v["wall_ms"]), busy_ms=round(v["busy_ms"]))
+                                for k, v in phases.items()})
                 self.prof = None
 
     trainer = L.Trainer(max_steps=total_steps, accelerator="gpu" if args.device.startswith("cuda") else "cpu",
@@ -215,7 +219,8 @@ def bench_step(args) -> dict:
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
-                lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix, lora_rank=args.lora_rank,
+                lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
+                lora_rank=args.lora_rank,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))

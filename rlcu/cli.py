@@ -127,7 +127,8 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
         cli_args, run = args[1:], False
     try:
         return RLCUCLI(GRPOModule, PromptDataModule, run=run, args=cli_args, save_config_kwargs={"overwrite": True},
-                       parser_kwargs={"default_env": False, "allow_abbrev": False, "exit_on_error": False}, auto_configure_optimizers=False,
+                       parser_kwargs={"default_env": False, "allow_abbrev": False, "exit_on_error": False},
+                       auto_configure_optimizers=False,
                        # atomic, checksummed saves and clear errors for corrupt checkpoints
                        trainer_defaults={"plugins": [{"class_path": "rlcu.checkpoint.AtomicCheckpointIO"}]})
     finally:

@@ -51,6 +51,7 @@ def run(argv: list[str]) -> Path:
     p.add_argument("checkpoint", help="a Lightning .ckpt written by rlcu run / rlcu fit")
     p.add_argument("out", help="folder to write")
     p.add_argument("--merge", action="store_true",
-                   help="a LoRA run: fold the adapters into the weights (an HF folder) instead of PEFT's adapter format")
+                   help="a LoRA run: fold the adapters into the weights (an HF folder) "
+                        "instead of PEFT's adapter format")
     args = p.parse_args(argv)
     return export(args.checkpoint, args.out, merge=args.merge)

@@ -89,8 +89,9 @@ def fit(module, rows, steps: int, log_dir, batch_size: int = 4, max_epochs: int 
     from rlcu.data.prompts import collate_rows
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accelerator=accelerator, devices=1, precision=precision, logger=L.loggers.CSVLogger(log_dir), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accelerator=accelerator, devices=1, precision=precision,
+                        logger=L.loggers.CSVLogger(log_dir), enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(module, DataLoader(rows, batch_size=batch_size, collate_fn=collate_rows))
     assert trainer.strategy.root_device.type == ("cuda" if accelerator == "gpu" else "cpu")
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:

@@ -62,7 +62,8 @@ def main(argv=None):
                 control.should_training_stop = True
 
     batch = d["batch_size"] * m["num_generations"]
-    cfg = GRPOConfig(output_dir="/tmp/rlcu-trl-arithmetic", per_device_train_batch_size=min(batch, m["micro_batch_size"]),
+    cfg = GRPOConfig(output_dir="/tmp/rlcu-trl-arithmetic",
+                     per_device_train_batch_size=min(batch, m["micro_batch_size"]),
                      gradient_accumulation_steps=max(1, batch // m["micro_batch_size"]),
                      num_generations=m["num_generations"], max_completion_length=m["max_completion_length"],
                      learning_rate=m["learning_rate"], warmup_steps=m.get("warmup_steps", 0), loss_type=m["loss_type"],
@@ -71,7 +72,8 @@ def main(argv=None):
                      save_strategy="no", use_cpu=not torch.cuda.is_available(),
                      reward_weights=[r.weight for r in rewards])
     model = args.model or str(resolve_source(m["model"]))
-    trainer = GRPOTrainer(model=model, reward_funcs=[as_trl(r) for r in rewards], args=cfg, train_dataset=train, callbacks=[Log()])
+    trainer = GRPOTrainer(model=model, reward_funcs=[as_trl(r) for r in rewards], args=cfg, train_dataset=train,
+                          callbacks=[Log()])
     try:
         trainer.train()
     finally:

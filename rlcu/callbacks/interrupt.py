@@ -36,4 +36,5 @@ class SaveOnInterrupt(OnExceptionCheckpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
             super().on_exception(trainer, pl_module, exception)
-            rank_zero_info(f"saved {self.ckpt_path} at step {trainer.global_step}; resume with --ckpt_path={self.ckpt_path}")
+            rank_zero_info(f"saved {self.ckpt_path} at step {trainer.global_step}; "
+                           f"resume with --ckpt_path={self.ckpt_path}")

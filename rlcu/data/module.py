@@ -34,8 +34,9 @@ class EpochSampler(DistributedSampler):
         self._resume = (epoch, rows_done)
 
     def __iter__(self):
-        order = (torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
-                 if self.shuffle else torch.arange(self.num_rows)).tolist()
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = (torch.randperm(self.num_rows, generator=generator) if self.shuffle
+                 else torch.arange(self.num_rows)).tolist()
         order += order[:len(self) * self.num_replicas - len(order)]  # every rank gets as many rows
         mine = order[self.rank::self.num_replicas]
         skip = 0
@@ -87,7 +88,8 @@ class PromptDataModule(L.LightningDataModule):
         elif self.dataset_args:
             raise ValueError("dataset_args apply only when dataset is a name or files, not to rows given directly")
         if self.max_samples is not None:
-            rows = rows.select(range(min(self.max_samples, len(rows)))) if hasattr(rows, "select") else rows[:self.max_samples]
+            keep = min(self.max_samples, len(rows))
+            rows = rows.select(range(keep)) if hasattr(rows, "select") else rows[:keep]
         if len(rows) == 0:
             raise ValueError(f"the training dataset {self.dataset if isinstance(self.dataset, str) else ''} is empty")
         columns = set(rows.column_names) if hasattr(rows, "column_names") else set(rows[0])

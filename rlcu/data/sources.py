@@ -27,7 +27,8 @@ def load_rows(path: str | list[str], split: str = "train", name: str | None = No
             local = sorted(p for p in local[0].iterdir() if p.suffix in LOCAL_FORMATS)
         kinds = {LOCAL_FORMATS.get(p.suffix) for p in local}
         if None in kinds or len(kinds) != 1:
-            raise ValueError(f"local data files must all be one of {sorted(LOCAL_FORMATS)}; got {[str(p) for p in local]}")
+            raise ValueError(f"local data files must all be one of {sorted(LOCAL_FORMATS)}; "
+                             f"got {[str(p) for p in local]}")
         for file in local:
             check_local_file(file)
         return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in local], split="train")

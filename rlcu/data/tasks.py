@@ -12,7 +12,8 @@ COUNTDOWN_QUESTION = ("Using the numbers {nums}, create an equation that equals 
 def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+") -> list[dict]:
     """'What is A + B? Give only the final number.' (chat prompts) with the answer as a string."""
     if n < 1 or digits < 1 or not ops or set(ops) - set("+-*"):
-        raise ValueError(f"arithmetic needs n >= 1, digits >= 1 and ops from '+-*', got n={n}, digits={digits}, ops={ops!r}")
+        raise ValueError(f"arithmetic needs n >= 1, digits >= 1 and ops from '+-*', "
+                         f"got n={n}, digits={digits}, ops={ops!r}")
     rng = random.Random(seed)
     lo, hi = (10 ** (digits - 1) if digits > 1 else 0), 10 ** digits - 1
     rows = []

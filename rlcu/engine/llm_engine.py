@@ -66,7 +66,8 @@ class EngineConfig:
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError(f"block_size and max_num_seqs must be >= 1, got {self.block_size}, {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes each step)")
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs "
+                             "(every running sequence decodes each step)")
 
 
 class LLMEngine:
@@ -172,7 +173,8 @@ class LLMEngine:
         stops = frozenset(sampling.stop_token_ids)
         parents: list[Sequence] = []
         for i, prompt in enumerate(prompt_token_ids):
-            if parents and prompt_token_ids[i - 1] == prompt and parents[-1].pending_forks + 1 < self.config.max_num_seqs:
+            same = parents and prompt_token_ids[i - 1] == prompt
+            if same and parents[-1].pending_forks + 1 < self.config.max_num_seqs:
                 parents[-1].pending_forks += 1
                 continue
             parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i))

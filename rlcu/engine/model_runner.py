@@ -75,7 +75,8 @@ class ModelRunner:
             seq.num_computed_tokens += n
         dev = self.device
         tiles = None if not use_triton(self.k_cache) else query_tiles(cu, BLOCK_M, dev)
-        attention = PagedAttention(self, torch.tensor(slots, device=dev), torch.tensor(cu, dtype=torch.int32, device=dev),
+        attention = PagedAttention(self, torch.tensor(slots, device=dev),
+                                   torch.tensor(cu, dtype=torch.int32, device=dev),
                                    torch.tensor(ctx, dtype=torch.int32, device=dev), padded_table(tables).to(dev),
                                    decode_only=False, tiles=tiles)
         hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
@@ -83,7 +84,8 @@ class ModelRunner:
             return hidden.new_empty(0, self.model.config.vocab_size), []
         return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]), sampling  # samplers upcast as they read
 
-    def decode(self, seqs: list[Sequence], bs: int, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
+    def decode(self, seqs: list[Sequence], bs: int,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """One new token per sequence: the hot loop of a rollout, kept to a few list comprehensions.
         `ids` (on the device): the tokens to compute, when the host has not appended them yet (the
         engine's look-ahead); by default each sequence's next uncomputed token."""

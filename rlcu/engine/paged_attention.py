@@ -25,7 +25,8 @@ class PagedAttention:
                  num_splits: int | None = None, tiles=None, groups=None, prefix_splits: int | None = None):
         """`runner`: the ModelRunner whose pool this reads. `groups`: (order, starts, shared, skip) of
         `prefix_groups` on the device, for shared-prefix decode."""
-        self.runner, self.slots, self.cu, self.ctx, self.tables = runner, slots, cu_seqlens_q, context_lens, block_tables
+        self.runner, self.slots, self.cu = runner, slots, cu_seqlens_q
+        self.ctx, self.tables = context_lens, block_tables
         self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
         self.prefix_splits = prefix_splits
         self.scale = runner.model.config.head_dim ** -0.5
@@ -42,8 +43,8 @@ class PagedAttention:
                 q, k = q_norm(q), k_norm(k)
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:
-            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale, self.num_splits,
-                                              self.prefix_splits)
+            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale,
+                                              self.num_splits, self.prefix_splits)
         elif self.decode_only:
             out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
         else:

@@ -1,6 +1,7 @@
 """The one place each GRPO metric is defined. Names follow TRL's GRPOTrainer so dashboards carry over:
 reward, reward_std, rewards/<name>/mean|std, frac_reward_zero_std, completions/*, clip_ratio/*,
-entropy, kl, plus rlcu's timing/* (generate, score, train; elapsed: seconds since training started), tokens_per_second, memory/generate_GB and memory/train_GB (CUDA peaks of
+entropy, kl, plus rlcu's timing/* (generate, score, train; elapsed: seconds since training started),
+tokens_per_second, memory/generate_GB and memory/train_GB (CUDA peaks of
 each phase, set in the module), faults/skipped_updates and eval/*."""
 from __future__ import annotations
 

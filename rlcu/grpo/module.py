@@ -379,7 +379,8 @@ class GRPOModule(L.LightningModule):
         old, ref = self._old_logprobs(staged), self._reference_logprobs(staged)
         loss_items = staged.num_items  # dapo's normaliser: the step's completion tokens over every rank
         if self.world_size > 1:  # DDP averages gradients, so each rank divides by the global count / world size
-            loss_items = self.trainer.strategy.reduce(loss_items.to(self.device), reduce_op="sum").cpu() / self.world_size
+            total = self.trainer.strategy.reduce(loss_items.to(self.device), reduce_op="sum")
+            loss_items = total.cpu() / self.world_size
         stats, losses, grad_norms = LossStats(), [], []
         gap = [torch.zeros((), device=self.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
         for it in range(hp.num_iterations):
@@ -399,7 +400,8 @@ class GRPOModule(L.LightningModule):
         self.counters.consecutive_faults = 0
         out["faults/skipped_updates"] = float(self.counters.faults)
         if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
-            out["entropy_coef"] = self._entropy_coef_now() if not hp.use_adaptive_entropy else self.counters.entropy_coef
+            out["entropy_coef"] = (self.counters.entropy_coef if hp.use_adaptive_entropy
+                                   else self._entropy_coef_now())
         return out
 
     def _old_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:

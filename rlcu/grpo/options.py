@@ -34,7 +34,8 @@ def check_options(options: Mapping) -> None:
         if options[name] < low:
             raise ValueError(f"{name} must be >= {low}{why}, got {options[name]}")
     if options["top_entropy_quantile"] > 1:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got {options['top_entropy_quantile']}")
+        raise ValueError("top_entropy_quantile must be in [0, 1] (1 keeps every token), "
+                         f"got {options['top_entropy_quantile']}")
     if options["entropy_coef_min"] > options["entropy_coef_max"]:
         raise ValueError("entropy_coef_min must be <= entropy_coef_max")
     if options["loss_type"] == "luspo" and options["importance_sampling_level"] != "sequence":

@@ -4,7 +4,8 @@ Triton: one program per (sequence, KV head, split). It serves every query head o
 once (any group size, padded to a power of two), walks its share of the sequence's tokens in tiles of
 `block_n` (gathered across cache blocks) with an online softmax, and writes a partial output with its
 log-sum-exp; the splits are then combined. Split-KV keeps all SMs busy when there are few sequences
-with long contexts. Each sequence divides its own tokens among the splits, so the launch depends on no host-side length and can be captured in a CUDA graph.
+with long contexts. Each sequence divides its own tokens among the splits, so the launch depends on no
+host-side length and can be captured in a CUDA graph.
 Shared-prefix decode (shared_prefix_decode.py) runs this kernel after its own: each sequence then reads only
 the tokens past its group's shared prompt, starting from the partial softmax of those."""
 from __future__ import annotations
@@ -29,7 +30,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # NaN * 0 through, so zero them
     k = k.masked_fill(~mask[:, None, :, None], 0)
     v = v.masked_fill(~mask[:, None, :, None], 0)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale,
+                                         enable_gqa=True)
     return out[:, :, 0]
 
 

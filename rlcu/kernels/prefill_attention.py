@@ -60,7 +60,8 @@ if HAS_TRITON:
         rmask = rows < n_q
         q_pos = ctx - n_q + rows
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + (start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+        q = tl.load(Q + (start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None],
+                    other=0.0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)

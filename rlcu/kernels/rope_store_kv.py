@@ -82,8 +82,9 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=No
     assert not norm or q_weight.dtype == k_weight.dtype == q.dtype, "q/k norm weights in q's dtype only"
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     _rope_store_kv_kernel[(t, hq + hkv)](q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
-                                         q_weight if norm else q, k_weight if norm else k, eps, q.stride(0), q.stride(1),
-                                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+                                         q_weight if norm else q, k_weight if norm else k, eps,
+                                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                         cos.stride(0),
                                          HQ=hq, HKV=hkv, HALF=d // 2, NORM=norm)
     return q_out
 

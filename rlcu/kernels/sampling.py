@@ -11,7 +11,8 @@ on its seed alone, so a request's completion does not change with the batch it h
 Triton (per-row seeds, temperature > 0): without filters, each row's vocabulary is shared among
 several programs whose partial maxima, sums and Gumbel-max winners a second kernel merges (a GRPO
 rollout's usual case, kept short so that few rows still fill the GPU). With filters, one program per
-row streams the vocabulary in chunks, never sorting. Top-k and top-p become thresholds on the scaled logits, found by bisection (a kept token is
+row streams the vocabulary in chunks, never sorting. Top-k and top-p become thresholds on the scaled logits,
+found by bisection (a kept token is
 one above the threshold; min-p's threshold is max + log(min_p)), and the draw is a Gumbel-max over the
 kept tokens with Philox noise."""
 from __future__ import annotations

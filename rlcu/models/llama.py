@@ -50,7 +50,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         kv = self.num_kv_heads * d
         self.qkv_proj = FusedLinear(h, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)

@@ -114,7 +114,8 @@ def publish_folder(tmp: Path, out: Path) -> Path:
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     if not (folder / files[0]).exists():
         raise FileNotFoundError(f"{folder} has no safetensors weights (model.safetensors or an index)")
     state = {}

@@ -63,4 +63,5 @@ def full_parameters(model: nn.Module):
             g._forward_pre_hooks, g._forward_hooks = pre, post
         for g in groups:
             g.reshard()
-            g.set_reshard_after_forward(g is not model, recurse=False)  # the root stays gathered between forward and backward
+            # the root stays gathered between forward and backward
+            g.set_reshard_after_forward(g is not model, recurse=False)

@@ -70,6 +70,7 @@ class CountdownEquation(Reward):
         for c, ns, t in zip(completions, nums, targets):
             text = completion_text(c)
             result = evaluate(equation_of(text))
-            ok = result is not None and sorted(result[1]) == sorted(int(n) for n in ns) and result[0] == Fraction(int(t))
+            ok = (result is not None and sorted(result[1]) == sorted(int(n) for n in ns)
+                  and result[0] == Fraction(int(t)))
             out.append(1.0 if ok else self.format_score if _ANSWER.search(text) else 0.0)
         return out

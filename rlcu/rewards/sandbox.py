@@ -39,7 +39,8 @@ def check(ok, what):
 for procs in sys.argv[8:]:  # the program's control groups: every process it starts is counted there
     with open(procs, "w") as f:
         f.write(str(os.getpid()))
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 check(libc.unshare(0x40000000 | 0x00020000 | 0x20000000) == 0, "unshare(network, mount, pid)")
 check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0, "making mounts private")
 source = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)  # the given files, read before /tmp is covered

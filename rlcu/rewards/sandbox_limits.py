@@ -82,7 +82,8 @@ class ControlGroup:
         try:
             v2 = _v2_dir()
             if v2 is not None:
-                self._make(f"{v2}/{name}", {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": max_processes})
+                limits = {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": max_processes}
+                self._make(f"{v2}/{name}", limits)
             else:
                 for base, controller in _v1_dirs() or []:
                     limits = ({"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}

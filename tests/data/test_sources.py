@@ -47,7 +47,8 @@ def test_math_loader_on_local_files():
 
 
 def test_bad_data_fails_at_setup_with_the_fix():
-    with pytest.raises(KeyError, match=r"the gsm8k loader needs the column\(s\) \['question', 'answer'\]; the data has"):
+    needs = r"the gsm8k loader needs the column\(s\) \['question', 'answer'\]; the data has"
+    with pytest.raises(KeyError, match=needs):
         build_dataset("gsm8k", {"path": str(FIXTURES / "math.jsonl")})
     with pytest.raises(KeyError, match=r"lacks the column\(s\) \['prompt'\]; it has \['answer', 'question'\]"):
         PromptDataModule(str(FIXTURES / "no_prompt.jsonl")).setup()

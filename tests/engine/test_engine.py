@@ -82,7 +82,8 @@ def test_forked_samples_count_against_max_num_seqs(tmp_path, monkeypatch):
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
     sizes = []
     real = runner.ModelRunner.decode
-    monkeypatch.setattr(runner.ModelRunner, "decode", lambda self, seqs, *a, **k: sizes.append(len(seqs)) or real(self, seqs, *a, **k))
+    monkeypatch.setattr(runner.ModelRunner, "decode",
+                        lambda self, seqs, *a, **k: sizes.append(len(seqs)) or real(self, seqs, *a, **k))
     prompts = [p for p in PROMPTS for _ in range(4)]
     sp = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[EOS])
     got = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(prompts, sp)
@@ -189,8 +190,10 @@ def test_shared_prefix_by_default_only_on_large_decode_steps(tmp_path, monkeypat
     monkeypatch.setattr(runner, "SHARED_PREFIX_MIN_SEQS", 10)
     steps, grouped = [], []
     real_decode, real_shared = runner.ModelRunner.decode, paged.shared_prefix_decode_triton
-    monkeypatch.setattr(runner.ModelRunner, "decode", lambda self, seqs, *a, **k: steps.append(len(seqs)) or real_decode(self, seqs, *a, **k))
-    monkeypatch.setattr(paged, "shared_prefix_decode_triton", lambda q, *a: grouped.append(q.shape[0]) or real_shared(q, *a))
+    monkeypatch.setattr(runner.ModelRunner, "decode",
+                        lambda self, seqs, *a, **k: steps.append(len(seqs)) or real_decode(self, seqs, *a, **k))
+    monkeypatch.setattr(paged, "shared_prefix_decode_triton",
+                        lambda q, *a: grouped.append(q.shape[0]) or real_shared(q, *a))
     prompts = [p for p in PROMPTS[:4] for _ in range(3)]
     sp = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=5)
     got = LLMEngine(model, EngineConfig(block_size=4)).generate(prompts, sp)

@@ -35,7 +35,8 @@ def test_many_requests_hold_no_more_than_what_runs_at_once(model):
     got = bounded.generate(prompts, sp)
     assert bounded.stats["num_blocks"] <= (8 + 1) * 1  # longest: 5 tokens, one block of 16
     assert bounded.stats["preemptions"] == 0  # the bound never makes the scheduler preempt
-    roomy = LLMEngine(model, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=700)).generate(prompts, sp)
+    roomy = LLMEngine(model, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=700))
+    roomy = roomy.generate(prompts, sp)
     assert got.completion_ids == roomy.completion_ids and got.logprobs == roomy.logprobs
 
 

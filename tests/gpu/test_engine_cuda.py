@@ -80,7 +80,8 @@ def test_lookahead_with_cuda_graphs_matches_step_by_step(tmp_path, max_num_seqs)
     sp = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29], seed=7)
     ahead = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=True, max_num_seqs=max_num_seqs))
     got = ahead.generate(prompts, sp)
-    want = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=False, max_num_seqs=max_num_seqs)).generate(prompts, sp)
+    plain = LLMEngine(model, EngineConfig(cuda_graphs=True, lookahead=False, max_num_seqs=max_num_seqs))
+    want = plain.generate(prompts, sp)
     assert ahead.stats["lookahead_steps"] > 0 and ahead.runner.graphs.graphs
     # rows computed for sequences that stopped change a step's graph bucket, and with it cuBLAS's
     # summation order: a near-tie may flip one draw

@@ -42,7 +42,8 @@ def test_module_accuracy_is_the_greedy_accuracy(tmp_path):
     module.setup("validate")
     metrics = evaluate(module, rows)
     ids = [tok(r["prompt"], add_special_tokens=False).input_ids for r in rows]
-    greedy = module.rollout.generate(ids, SamplingParams(max_tokens=3, temperature=0, stop_token_ids=module.stop_token_ids))
+    greedy = module.rollout.generate(ids, SamplingParams(max_tokens=3, temperature=0,
+                                                         stop_token_ids=module.stop_token_ids))
     expected = sum(c[0] == r["target"] for c, r in zip(greedy.completion_ids, rows) if c) / len(rows)
     assert metrics["eval/accuracy"] == pytest.approx(expected)
     assert 0 <= metrics["eval/mean@3"] <= metrics["eval/pass@3"] <= 1
@@ -68,7 +69,8 @@ def test_rlcu_eval_reproduces_the_final_metrics_from_the_checkpoint(tmp_path, mo
     data = tmp_path / "toy.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in toy_rows(64, seed=1)))
     common = [f"--model.model={model}", "--model.max_completion_length=4", "--model.max_prompt_length=64",
-              "--model.rewards=[tests.helpers.first_token_value]", "--model.eval_num_samples=2", f"--data.dataset={data}",
+              "--model.rewards=[tests.helpers.first_token_value]", "--model.eval_num_samples=2",
+              f"--data.dataset={data}",
               "--data.dataset_args=null", "--data.val_size=8", "--data.batch_size=4",
               "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
               "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]"]

@@ -112,7 +112,8 @@ def test_clear_errors(tiny, tmp_path):
 
     with pytest.raises(RewardError, match="reward 'broken' raised RuntimeError: grader offline on sample 0"):
         fit(make(tiny, rewards=[broken]), toy_rows(4), 1, tmp_path)
-    with pytest.raises(RewardError, match="'math_answer' needs the dataset column 'answer'; the batch has \\['target'\\]"):
+    needs = "'math_answer' needs the dataset column 'answer'; the batch has \\['target'\\]"
+    with pytest.raises(RewardError, match=needs):
         fit(make(tiny, rewards=["math_answer"]), toy_rows(4), 1, tmp_path)
 
 

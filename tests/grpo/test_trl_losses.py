@@ -84,7 +84,8 @@ CASES = {
     "dapo": dict(loss_type="dapo"), "gspo": dict(loss_type="grpo", level="sequence"),
     "dapo+kl": dict(loss_type="dapo", beta=0.04), "sapo+kl": dict(loss_type="sapo", beta=0.1),
     "two-sided clip": dict(loss_type="grpo", delta=1.1),
-    "top-entropy tokens": dict(loss_type="dapo", quantile=0.3), "entropy bonus": dict(loss_type="bnpo", entropy_coef=0.01),
+    "top-entropy tokens": dict(loss_type="dapo", quantile=0.3),
+    "entropy bonus": dict(loss_type="bnpo", entropy_coef=0.01),
     "entropy bonus on top tokens": dict(loss_type="vespo", quantile=0.5, entropy_coef=0.02),
 }
 

@@ -37,8 +37,8 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
     module = GRPOModule(folder, rewards=[token_value], rollout=PromptSeeded(), num_generations=G,
                         max_completion_length=4, learning_rate=1e-2, micro_batch_size=4)
     data = PromptDataModule(toy_rows(16, seed=3), batch_size=batch_size, seed=1)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -96,8 +96,9 @@ def test_a_recipe_runs_under_ddp_from_the_command_line(tmp_path):
     from tests.helpers import CHAT_TEMPLATE
 
     folder = tiny_hf_folder(tmp_path / "tiny", "llama", chat_template=CHAT_TEMPLATE)
-    cmd = [sys.executable, "-m", "rlcu.cli", "run", "arithmetic", f"--model.model={folder}", "--trainer.accelerator=cpu",
-           "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.precision=32-true", "--trainer.max_steps=3",
+    cmd = [sys.executable, "-m", "rlcu.cli", "run", "arithmetic", f"--model.model={folder}",
+           "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.precision=32-true",
+           "--trainer.max_steps=3",
            "--trainer.val_check_interval=2", "--data.val_size=16", "--data.batch_size=2", "--model.eval_at_start=false"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -75,7 +75,8 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / 'interrupted.ckpt'}")
-    assert not [w for w in caught if "not resumable" in str(w.message)], "Lightning thinks the data loader cannot resume"
+    resumable = not [w for w in caught if "not resumable" in str(w.message)]
+    assert resumable, "Lightning thinks the data loader cannot resume"
     whole, first, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "first"), metrics(tmp_path / "resumed")
     assert sorted(first) == sorted(whole)[:3] and sorted(resumed) == sorted(whole)[3:], (sorted(first), sorted(resumed))
     for step, row in {**first, **resumed}.items():
@@ -97,8 +98,8 @@ def test_command_line_options_win_over_the_checkpoints(tmp_path, monkeypatch, ca
                   "--model.max_prompt_length=64", "--model.rewards=[tests.helpers.first_token_value]",
                   "--model.num_generations=4", f"--data.dataset={data}", "--data.dataset_args=null",
                   "--data.batch_size=4", f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false",
-                  "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path / name}",
-                  "--trainer.callbacks=[]", *extra])
+                  "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                  f"--trainer.logger.save_dir={tmp_path / name}", "--trainer.callbacks=[]", *extra])
 
     run("first", 2, "--model.learning_rate=1e-2", "--trainer.enable_checkpointing=true",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path}",

@@ -40,5 +40,6 @@ def test_garbage_past_the_context_never_leaks():
     clean = decode_attention_reference(q, k, v, table, ctx, 0.125)
     k.view(-1, 3, 64)[table[0, 0].long() * 16 + 5:table[0, 0].long() * 16 + 16] = float("nan")
     v[table[1, 1].long(), 4:] = float("nan")
-    for out in (decode_attention_reference(q, k, v, table, ctx, 0.125), decode_attention_triton(q, k, v, table, ctx, 0.125)):
+    both = (decode_attention_reference(q, k, v, table, ctx, 0.125), decode_attention_triton(q, k, v, table, ctx, 0.125))
+    for out in both:
         assert torch.allclose(out, clean, atol=2e-5)

@@ -84,7 +84,8 @@ def test_dense_cache_decode_equals_full_forward(tmp_path):
         steps = [model.lm_head(model(ids, pos, cache.step(mask.bool())))[:, -1]]
         for i in range(extra.shape[1]):
             pos = pos[:, -1:] + 1
-            steps.append(model.lm_head(model(extra[:, i:i + 1], pos, cache.step(torch.ones(2, 1, dtype=torch.bool))))[:, -1])
+            hidden = model(extra[:, i:i + 1], pos, cache.step(torch.ones(2, 1, dtype=torch.bool)))
+            steps.append(model.lm_head(hidden)[:, -1])
     expected = full[:, ids.shape[1] - 1:]
     assert (torch.stack(steps, 1) - expected).abs().max() < ATOL
 

@@ -27,11 +27,12 @@ def test_correct_and_wrong_programs():
 
 HOSTILE = {
     "infinite loop": ("while True:\n    pass", "pass"),
-    "fork bomb": ("import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)",
-                  "pass"),
+    "fork bomb": ("import os, time\nwhile True:\n    try:\n        os.fork()\n"
+                  "    except OSError:\n        time.sleep(0.01)", "pass"),
     "memory hog": ("hog = bytearray(8 << 30)", "assert len(hog) == 8 << 30"),
     # its folder and /tmp are one private tmpfs: every other path is read-only
-    "write outside its folder": (f"def attack():\n    for path in ('{ROOT}/rlcu-pwned', '/root/rlcu-pwned', '/etc/rlcu-pwned'):\n"
+    "write outside its folder": ("def attack():\n"
+                                 f"    for path in ('{ROOT}/rlcu-pwned', '/root/rlcu-pwned', '/etc/rlcu-pwned'):\n"
                                  "        try:\n            open(path, 'w').write('x')\n            return True\n"
                                  "        except OSError:\n            pass\n    return False",
                                  "assert attack()"),
@@ -49,7 +50,8 @@ HOSTILE = {
                   "    except OSError:\n        return False", "assert attack()"),
     "read other processes' command lines": (
         "import os\ndef attack():\n    lines = []\n    for pid in os.listdir('/proc'):\n        try:\n"
-        "            lines.append(open(f'/proc/{pid}/cmdline', 'rb').read())\n        except OSError:\n            pass\n"
+        "            lines.append(open(f'/proc/{pid}/cmdline', 'rb').read())\n"
+        "        except OSError:\n            pass\n"
         "    return any(b'pytest' in line or b'rlcu' in line for line in lines)", "assert attack()"),
 }
 
@@ -104,7 +106,8 @@ def test_files_in_tmp_and_dev_shm_do_not_outlive_the_program():
 def test_memory_is_limited_for_the_sandbox_as_a_whole():
     """Five processes of 400 MB each under memory_mb=512: the sandbox's limit, not each process's."""
     program = ("import os, time\ndef attack():\n    kids = []\n    for _ in range(5):\n        pid = os.fork()\n"
-               "        if pid == 0:\n            hog = b'x' * (400 << 20)  # every page written\n            time.sleep(0.5)\n"
+               "        if pid == 0:\n            hog = b'x' * (400 << 20)  # every page written\n"
+               "            time.sleep(0.5)\n"
                "            os._exit(0)\n        kids.append(pid)\n"
                "    return all(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)")
     reward = CodeTests(timeout=10.0, memory_mb=512)

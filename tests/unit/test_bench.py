@@ -33,7 +33,8 @@ def test_bench_step_reports_each_phase(tmp_path, capsys):
     assert set(out["steady"]) == {"total", "generate", "score", "train"}
     assert out["gradient_checkpointing"] is True  # what the module ran with: TRL's default
     main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
-          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--no_gradient_checkpointing"])
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1",
+          "--no_gradient_checkpointing"])
     assert last_json(capsys)["gradient_checkpointing"] is False
     assert out["steady"]["generate"] + out["steady"]["train"] <= out["steady"]["total"] * 1.01
 
@@ -65,7 +66,8 @@ def test_bench_rejects_bad_lengths(tmp_path):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("argv", [["step", "--prompt", "8"], ["rollout", "--new_token", "8"], ["step", "--shared_prefix", "yes"]])
+@pytest.mark.parametrize("argv", [["step", "--prompt", "8"], ["rollout", "--new_token", "8"],
+                                  ["step", "--shared_prefix", "yes"]])
 def test_bench_rejects_truncated_options_and_unknown_choices(argv, capsys):
     """A truncated option name is an error, not the option it begins (argparse's abbreviations are off)."""
     with pytest.raises(SystemExit) as e:

@@ -25,7 +25,8 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint(tmp_path, mon
         io.save_checkpoint({"step": 2, "w": torch.arange(2000)}, path)
     monkeypatch.setattr(torch, "save", real_save)
     assert path.read_bytes() == before and load(path)["step"] == 1
-    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt", "last.ckpt.sha256"], "a temporary file was left"
+    left = sorted(p.name for p in path.parent.iterdir())
+    assert left == ["last.ckpt", "last.ckpt.sha256"], "a temporary file was left"
 
 
 def test_truncated_checkpoint_is_named(tmp_path, capsys, monkeypatch):

@@ -58,7 +58,10 @@ def sweep_argument_lines(sweep: dict) -> list[list[str]]:
     for i in range(width):
         line = []
         for name, p in params.items():
-            value = p["value"] if "value" in p else p["values"][i % len(p["values"])] if "values" in p else p["min" if i % 2 else "max"]
+            if "value" in p:
+                value = p["value"]
+            else:
+                value = p["values"][i % len(p["values"])] if "values" in p else p["min" if i % 2 else "max"]
             line.append(f"--{name}={value}")
         lines.append(line)
     return lines
@@ -99,8 +102,9 @@ def tiny_model(tmp_path):
 
 
 def fast_run(tiny_model, tmp_path, *extra):
-    return ["run", "quickstart", f"--model.model={tiny_model}", "--model.max_completion_length=4", "--trainer.max_steps=2",
-            "--trainer.logger+=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
+    return ["run", "quickstart", f"--model.model={tiny_model}", "--model.max_completion_length=4",
+            "--trainer.max_steps=2", "--trainer.logger+=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}",
             "--trainer.enable_progress_bar=false", "--model.max_prompt_length=64", *extra]
 
 
@@ -196,4 +200,5 @@ def test_the_private_lightning_parts_rlcu_relies_on_still_exist():
 
 
 def test_runs_save_through_the_atomic_checksummed_checkpoint_io_by_default():
-    assert [p.class_path for p in parse(["run", "quickstart"]).trainer.plugins] == ["rlcu.checkpoint.AtomicCheckpointIO"]
+    plugins = parse(["run", "quickstart"]).trainer.plugins
+    assert [p.class_path for p in plugins] == ["rlcu.checkpoint.AtomicCheckpointIO"]

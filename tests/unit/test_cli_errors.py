@@ -61,7 +61,8 @@ def run_command(tiny, folder, *extra) -> subprocess.CompletedProcess:
 BAD = {
     "negative max_steps": (["--trainer.max_steps=-5"], "max_steps"),
     "empty training file": (["--data.dataset=empty.jsonl", "--data.dataset_args=null"], "empty.jsonl is empty"),
-    "malformed JSON Lines": (["--data.dataset=broken.jsonl", "--data.dataset_args=null"], "broken.jsonl:2 is not valid JSON"),
+    "malformed JSON Lines": (["--data.dataset=broken.jsonl", "--data.dataset_args=null"],
+                             "broken.jsonl:2 is not valid JSON"),
     "a data file that does not exist": (["--data.dataset=nonexist.jsonl", "--data.dataset_args=null"],
                                         "nonexist.jsonl does not exist"),
     "a reward returning one float": (["--model.rewards=[my_rewards.one_float]"], "reward 'one_float' returned 1.0"),
@@ -92,7 +93,8 @@ def test_disk_full_while_saving_is_one_line(tiny, folder, capsys, monkeypatch):
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(SystemExit) as e:
-        run(tiny, "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        run(tiny, "--trainer.enable_checkpointing=true",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             f"--trainer.callbacks.dirpath={folder / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1")
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("rlcu: error:")]

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2] / "rlcu"
 LAYERS = ["kernels", "models", "engine", "rollout", "grpo"]  # each may import those before it
 TOP = {"cli", "callbacks", "bench", "generate", "export"}  # may import everything
 LEAF_PACKAGES = {"rewards", "data"}  # may import themselves and the shared modules
-SHARED = {"__init__", "contracts", "plugins", "hparams", "text", "paths", "pypi_files", "checkpoint", "loggers", "profiling",
-          "strategies"}
+SHARED = {"__init__", "contracts", "plugins", "hparams", "text", "paths", "pypi_files", "checkpoint", "loggers",
+          "profiling", "strategies"}
 
 
 def part(module: str) -> str:

@@ -14,7 +14,8 @@ def test_first_party_plugin_package_is_found_by_short_name():
     assert "repetition_penalty" in plugins.available("rewards")
     r = resolve_reward({"name": "repetition_penalty", "weight": 0.5, "init_args": {"ngram_size": 2}})
     assert r.name == "repetition_penalty" and r.weight == 0.5
-    assert r.fn(prompts=["p"] * 2, completions=["a b a b", "a b c d"], completion_ids=[[], []]) == pytest.approx([-1 / 3, 0.0])
+    got = r.fn(prompts=["p"] * 2, completions=["a b a b", "a b c d"], completion_ids=[[], []])
+    assert got == pytest.approx([-1 / 3, 0.0])
 
 
 def test_import_paths_work_without_registration():
