@@ -311,6 +311,8 @@ def explain(e: BaseException) -> str:
     if isinstance(e, argparse.ArgumentError) and "unrecognized arguments" in message:
         hints = [did_you_mean(arg) for arg in message.split(":", 1)[1].split()]
         message += "".join(f"; did you mean {h}?" for h in hints if h)
+        if not any(hints):
+            message += "; `rlcu run RECIPE --help` lists every option"
     return " ".join(message.split())
 
 

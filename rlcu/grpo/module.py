@@ -427,12 +427,12 @@ class GRPOModule(L.LightningModule):
 
     def _accumulate(self, staged: StagedBatch, old, ref, loss_items, stats: LossStats, gap: list | None):
         """Forward and backward over the micro-batches, gradients summed; returns the loss (device)."""
-        b, num = staged.rows, len(staged.micro_batches(self.hparams.micro_batch_size))
+        b, mbs = staged.rows, staged.micro_batches(self.hparams.micro_batch_size)
         self.optimizers().zero_grad()
         total = torch.zeros((), device=self.device)
         self._entropy_window = torch.zeros(2, device=self.device)  # sum and tokens of the bonus's entropies
-        for rows in staged.micro_batches(self.hparams.micro_batch_size):
-            loss, logps, entropy, coef, kl, mask = self._micro_batch_loss(staged, rows, old, ref, loss_items, num)
+        for rows in mbs:
+            loss, logps, entropy, coef, kl, mask = self._micro_batch_loss(staged, rows, old, ref, loss_items, len(mbs))
             self.manual_backward(loss)
             total += loss.detach()
             if gap is not None:  # sampler vs trainer logprobs of the same tokens under the same weights
