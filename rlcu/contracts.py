@@ -1,8 +1,10 @@
 """What the layers hand each other: the sampling request (`SamplingParams`), its answer (`RolloutBatch`),
-and stop handling (EOS ids, stop strings). A leaf module, so that the engine, the rollout backends and
-the GRPO module share these types without importing each other."""
+stop handling (EOS ids, stop strings), and the turn protocol of multi-turn episodes (`Turn`, `Reply`,
+`Continuation`). A leaf module, so that the engine, the rollout backends, the agents and the GRPO module
+share these types without importing each other."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -41,10 +43,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings (the completion keeps the tokens that spell them)
     seed: int | None = None
+    # episodes: max_tokens bounds the whole completion (every turn and every appended token); this bounds
+    # each turn the model samples (None: only max_tokens)
+    max_turn_tokens: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens must be >= 1 or None, got {self.max_turn_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -56,11 +63,15 @@ class SamplingParams:
 @dataclass
 class RolloutBatch:
     """One completion per prompt row. `completion_ids` include the stop token when one was sampled;
-    `logprobs[i][j]` is the sampler's log softmax(logits / temperature) of `completion_ids[i][j]`."""
+    `logprobs[i][j]` is the sampler's log softmax(logits / temperature) of `completion_ids[i][j]`.
+    In episodes the completion holds every turn and the tokens appended between them; `tool_mask[i][j]`
+    (TRL's name) is 1 where the model sampled the token and 0 where a continuation appended it (logprob
+    0.0 there). Without a continuation `tool_mask` is None: every token was sampled."""
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]  # "stop" (a stop token was sampled) or "length" (max_tokens reached)
+    tool_mask: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -69,3 +80,26 @@ class RolloutBatch:
         n = len(self.prompt_ids)
         if not (len(self.completion_ids) == len(self.logprobs) == len(self.finish_reasons) == n):
             raise ValueError("RolloutBatch fields must have one entry per prompt row")
+        if self.tool_mask is not None and [len(m) for m in self.tool_mask] != [len(c) for c in self.completion_ids]:
+            raise ValueError("RolloutBatch.tool_mask must have one entry per completion token")
+
+
+@dataclass
+class Turn:
+    """A turn that ended, as a rollout backend hands it to the continuation."""
+    request: int  # the row of the request list
+    completion_ids: list[int]  # the episode so far: every turn and every appended token
+    finish_reason: str  # the turn's: "stop" or "length" (max_tokens or max_turn_tokens reached)
+
+
+@dataclass
+class Reply:
+    """The continuation's answer: tokens to append (prefilled, not sampled) before the model's next turn,
+    or, with `token_ids` None, the end of the episode."""
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # when the episode ends: its reason (None: the last turn's)
+
+
+# Called from worker threads, one call per ended turn, so that a slow tool does not hold up the decoding
+# of other episodes; calls for different requests may run at the same time.
+Continuation = Callable[[Turn], Reply]

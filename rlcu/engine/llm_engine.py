@@ -2,15 +2,21 @@
 cache, sharing each prompt's blocks among its samples (the prompt is prefilled once, then forked).
 
 `generate()` plans the requests, sets up the model runner (KV pool, CUDA graphs), then calls `step()`
-until the scheduler has nothing left: schedule, run, sample, post-process."""
+until the scheduler has nothing left: schedule, run, sample, post-process.
+
+With a `continuation` a request is an episode of turns: when a turn ends, its sequence is parked with
+its KV blocks and the continuation runs in a worker thread (a tool call, an environment's answer) while
+the other episodes decode; its reply's tokens are appended and only they are prefilled before the next
+turn. Parked blocks are taken back under memory pressure, and every block is free when generate() returns."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
-from rlcu.contracts import RolloutBatch, SamplingParams, StopStrings
+from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, StopStrings, Turn
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner
 from rlcu.engine.paged_attention import cache_dtype
@@ -59,6 +65,7 @@ class EngineConfig:
     # None: from SHARED_PREFIX_MIN_SEQS sequences per decode step, where it pays (docs/engine.md);
     # True: at any batch size (a warning where it cannot run); False: never
     shared_prefix: bool | None = None
+    continuation_workers: int = 16  # threads that run continuations (tools, environments) beside decoding
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
@@ -78,15 +85,20 @@ class LLMEngine:
         self.stats: dict[str, int] = {}
         self._said_no_shared_prefix = False
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 continuation: Continuation | None = None) -> RolloutBatch:
+        """Completions of the prompts; with a `continuation`, episodes of several turns (module docstring)."""
         # never inference tensors, even when called from Lightning's validation loop: a kept pool is
         # written again by later rollouts outside inference mode
         with torch.inference_mode(False), torch.no_grad():
             parents = self._requests(prompt_token_ids, sampling)
             self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held()))
-            self._start(parents, sampling)
-            while not self.scheduler.is_finished():
-                self.step()
+            self._start(parents, sampling, continuation is not None)
+            if continuation is None:
+                while not self.scheduler.is_finished():
+                    self.step()
+            else:
+                self._run_episodes(continuation)
             return self._result(prompt_token_ids)
 
     def release(self, force: bool = False) -> None:
@@ -113,7 +125,7 @@ class LLMEngine:
             self._lookahead_steps += self._ahead is not None
         if ready is not None:
             ready.synchronize()
-        self.scheduler.postprocess(owners, host_tokens.tolist(), host_logprobs.tolist())
+        self._turns_ended += self.scheduler.postprocess(owners, host_tokens.tolist(), host_logprobs.tolist())
         if self._ahead is not None and any(s.finish_reason for s in self._ahead[0]):  # rows computed for nothing
             keep = [i for i, s in enumerate(self._ahead[0]) if s.finish_reason is None]
             self._ahead = ([self._ahead[0][i] for i in keep], self._ahead[1][to_device(keep, self.runner.device)]
@@ -146,7 +158,7 @@ class LLMEngine:
         their length now are left out; one that samples a stop token is computed for nothing and dropped.
         Returns None (the caller schedules normally) when the step would need a block the pool lacks."""
         bm = self.scheduler.bm
-        keep = [i for i, s in enumerate(seqs) if s.num_completion_tokens + 1 < s.max_tokens]
+        keep = [i for i, s in enumerate(seqs) if s.num_completion_tokens + 1 < s.turn_limit]
         grow = [seqs[i] for i in keep if not bm.tail_has_room(seqs[i])]
         if not keep or sum(bm.blocks_needed(s, 1) for s in grow) > bm.num_free:
             return None
@@ -158,6 +170,38 @@ class LLMEngine:
         self._copy_pending_blocks()
         logits, seqs = self.runner.decode(seqs, bm.block_size, ids=tokens)
         return seqs, logits
+
+    # ---- episodes ------------------------------------------------------------------------------------
+    def _run_episodes(self, continuation: Continuation) -> None:
+        """Steps while continuations run beside them; when nothing is left to compute, wait for a reply."""
+        pending: dict[Future, object] = {}
+        pool = ThreadPoolExecutor(self.config.continuation_workers, thread_name_prefix="rlcu-turn")
+        try:
+            while True:
+                for seq in self._turns_ended:
+                    turn = Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason)
+                    pending[pool.submit(continuation, turn)] = seq
+                self._turns_ended = []
+                idle = self.scheduler.is_finished() and self._ahead is None
+                if idle and not pending:
+                    return
+                done = wait(pending, return_when=FIRST_COMPLETED)[0] if idle else [f for f in pending if f.done()]
+                for future in done:
+                    self._apply_reply(pending.pop(future), future.result())
+                if not self.scheduler.is_finished() or self._ahead is not None:
+                    self.step()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _apply_reply(self, seq, reply: Reply) -> None:
+        if not isinstance(reply, Reply):
+            raise TypeError(f"a continuation must return a Reply, got {type(reply).__name__}")
+        if reply.token_ids is None:
+            self.scheduler.end(seq, reply.finish_reason)
+        elif not reply.token_ids:
+            raise ValueError("a continuation replied with no tokens: reply Reply(None) to end the episode")
+        else:
+            self.scheduler.resume(seq, list(reply.token_ids), self._sampling.max_turn_tokens)
 
     def _copy_pending_blocks(self) -> None:
         bm = self.scheduler.bm
@@ -177,7 +221,8 @@ class LLMEngine:
             if same and parents[-1].pending_forks + 1 < self.config.max_num_seqs:
                 parents[-1].pending_forks += 1
                 continue
-            parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i))
+            parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i,
+                                    turn_limit=sampling.max_turn_tokens or 0))
         return parents
 
     def _pool_bytes_held(self) -> int:
@@ -203,10 +248,11 @@ class LLMEngine:
                         "decoding with the plain attention kernel instead")
         self.runner.param_addresses = addresses
 
-    def _start(self, parents: list[Sequence], sampling: SamplingParams) -> None:
+    def _start(self, parents: list[Sequence], sampling: SamplingParams, episodes: bool = False) -> None:
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   StopStrings(self.tokenizer, sampling.stop))
+                                   StopStrings(self.tokenizer, sampling.stop), parks=episodes)
+        self._turns_ended: list[Sequence] = []
         for seq in parents:
             self.scheduler.add(seq)
         self._sampling = sampling
@@ -217,11 +263,13 @@ class LLMEngine:
     def _result(self, prompt_token_ids: list[list[int]]) -> RolloutBatch:
         scheduler, bm = self.scheduler, self.scheduler.bm
         self.stats = {"steps": self._steps, "lookahead_steps": self._lookahead_steps,
-                      "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks}
+                      "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks,
+                      "prefill_tokens": scheduler.num_prefill_tokens}
         self.scheduler = None
         if bm.num_free != bm.num_blocks:
             raise AssertionError(f"{bm.num_blocks - bm.num_free} KV blocks leaked")
         ordered = [scheduler.finished[i] for i in range(len(prompt_token_ids))]
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_token_ids],
                             completion_ids=[s.completion_token_ids for s in ordered],
-                            logprobs=[s.logprobs for s in ordered], finish_reasons=[s.finish_reason for s in ordered])
+                            logprobs=[s.logprobs for s in ordered], finish_reasons=[s.finish_reason for s in ordered],
+                            tool_mask=[s.sampled_mask for s in ordered] if scheduler.parks else None)

@@ -5,7 +5,12 @@ recomputed from its tokens. Nothing is ever dropped.
 
 After the model has run a step, the scheduler owns what happens next: it forks the samples of
 prompts whose prefill completed (`fork_prefilled`), then appends the sampled tokens, applies stops
-and finishes sequences (`postprocess`)."""
+and finishes sequences (`postprocess`).
+
+In episodes (`parks=True`) a sequence whose turn ends is parked instead of finished: it leaves the
+running batch but keeps its KV blocks, so that when it is resumed with appended tokens only those are
+prefilled. Parked sequences, and resumed ones waiting behind the head of the queue, give their blocks
+back first when the pool runs short (they are recomputed from their tokens when they run again)."""
 from __future__ import annotations
 
 from collections import deque
@@ -17,14 +22,17 @@ from rlcu.engine.sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 stop_strings: StopStrings | None = None):
+                 stop_strings: StopStrings | None = None, parks: bool = False):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.stop_strings = stop_strings
+        self.parks = parks
         self.finished: dict[int, Sequence] = {}  # request index -> its finished sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []  # turn ended, waiting for the continuation's reply
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens computed by prefill chunks (prompts, appended tokens, recomputes)
         self.prefilled = False  # whether the last schedule() included a prefill chunk (else: decodes only)
 
     def add(self, seq: Sequence) -> None:
@@ -36,6 +44,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
+        """Nothing to compute now: no sequence runs or waits (parked ones wait on their continuation)."""
         return not self.waiting and not self.running
 
     def preempt(self, seq: Sequence) -> None:
@@ -62,6 +71,8 @@ class Scheduler:
                 budget -= 1
                 continue
             while self.bm.blocks_needed(seq, 1) > self.bm.num_free:
+                if self._reclaim():
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -74,10 +85,13 @@ class Scheduler:
             seq = self.waiting[0]
             chunk = min(seq.num_uncomputed_tokens, budget, self._capacity(seq))
             if chunk <= 0:
+                if not self.running and self._reclaim():
+                    continue  # nothing running would free blocks: take back those of idle sequences
                 break
             self.bm.reserve(seq, chunk)
             batch.append((seq, chunk))
             budget -= chunk
+            self.num_prefill_tokens += chunk
             self.prefilled = True
             if chunk == seq.num_uncomputed_tokens:  # prefill completes: it samples this step and then decodes
                 self.waiting.popleft()
@@ -86,6 +100,15 @@ class Scheduler:
             else:
                 break  # a partial chunk used the rest of the budget or of the pool
         return batch
+
+    def _reclaim(self) -> bool:
+        """Free the blocks of one idle sequence: a parked one, else one waiting behind the queue's head."""
+        idle = [s for s in self.parked if s.block_table] or [s for s in list(self.waiting)[1:] if s.block_table]
+        if not idle:
+            return False
+        self.bm.free_sequence(idle[-1])
+        self.num_preemptions += 1
+        return True
 
     def _admits(self, seq: Sequence) -> bool:
         """Room among the running sequences for `seq` and the samples it will fork, counting the samples still
@@ -99,11 +122,6 @@ class Scheduler:
         room_in_tail = (-seq.num_computed_tokens) % bs if seq.block_table else 0
         free = self.bm.num_free - (1 if room_in_tail and self.bm.shared_partial_tail(seq) else 0)
         return max(0, room_in_tail + free * bs)
-
-    def finish(self, seq: Sequence) -> None:
-        seq.status = Status.FINISHED
-        self.running.remove(seq)
-        self.bm.free_sequence(seq)
 
     def fork_prefilled(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """After a step with prefill: each sequence whose prompt is now computed forks its pending samples,
@@ -122,13 +140,37 @@ class Scheduler:
             owners += family
         return owners, rows
 
-    def postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
-        """Append each sequence's sampled token; finish those that stopped or reached their length."""
-        stops = self.stop_strings
+    def postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+        """Append each sequence's sampled token; finish those that stopped or reached their length, or in
+        episodes park them. Returns the sequences parked now."""
+        stops, parked = self.stop_strings, []
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             seq.append(token, logprob)
             if seq.finish_reason is None and stops and stops.hit(seq.completion_token_ids):
                 seq.finish_reason = "stop"
-            if seq.finish_reason is not None:
-                self.finish(seq)
-                self.finished[seq.request_index] = seq
+            if seq.finish_reason is None:
+                continue
+            self.running.remove(seq)
+            if self.parks:
+                seq.status = Status.PARKED
+                self.parked.append(seq)
+                parked.append(seq)
+            else:
+                self.end(seq)
+        return parked
+
+    def resume(self, seq: Sequence, token_ids: list[int], max_turn_tokens: int | None) -> None:
+        """A parked sequence takes its next turn after `token_ids`, which its next prefill computes."""
+        self.parked.remove(seq)
+        seq.extend(token_ids, max_turn_tokens)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def end(self, seq: Sequence, finish_reason: str | None = None) -> None:
+        """The sequence is done (its episode, in episodes): its blocks go back to the pool."""
+        if seq.status is Status.PARKED:
+            self.parked.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = finish_reason or seq.finish_reason
+        self.bm.free_sequence(seq)
+        self.finished[seq.request_index] = seq

@@ -1,4 +1,8 @@
-"""A sequence: one prompt plus its growing completion, and where its KV lives in the paged cache."""
+"""A sequence: one prompt plus its growing completion, and where its KV lives in the paged cache.
+
+In an episode (a rollout with a continuation) the completion grows in turns: the model samples until a
+stop or the turn's length, then the continuation appends tokens it did not sample (a tool's result, an
+environment's message), which `appended` records so they can be masked out of the loss."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +15,7 @@ _ids = count()
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
+    PARKED = auto()  # a turn ended: its KV stays in the pool while the continuation decides what comes next
     FINISHED = auto()
 
 
@@ -28,6 +33,11 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     pending_forks: int = 0  # samples still to fork from this sequence once its prompt is prefilled
+    turn_limit: int = 0  # completion tokens at which the current turn ends ("length"); 0: max_tokens
+    appended: list[tuple[int, int]] = field(default_factory=list)  # [start, end) completion spans not sampled
+
+    def __post_init__(self):
+        self.turn_limit = min(self.turn_limit or self.max_tokens, self.max_tokens)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -49,11 +59,33 @@ class Sequence:
         self.logprobs.append(logprob)
         if token in self.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.num_completion_tokens >= self.max_tokens:
+        elif self.num_completion_tokens >= self.turn_limit:
             self.finish_reason = "length"
+
+    def extend(self, token_ids: list[int], max_turn_tokens: int | None) -> None:
+        """Append tokens the model did not sample and open its next turn (of at most `max_turn_tokens`)."""
+        start = self.num_completion_tokens
+        if start + len(token_ids) >= self.max_tokens:
+            raise ValueError(f"appending {len(token_ids)} tokens to a completion of {start} leaves no room to sample "
+                             f"within max_tokens={self.max_tokens}; end the episode instead")
+        self.token_ids += token_ids
+        self.logprobs += [0.0] * len(token_ids)
+        self.appended.append((start, start + len(token_ids)))
+        end = self.num_completion_tokens
+        self.turn_limit = self.max_tokens if max_turn_tokens is None else min(self.max_tokens, end + max_turn_tokens)
+        self.finish_reason = None
+
+    @property
+    def sampled_mask(self) -> list[int]:
+        """1 for each completion token the model sampled, 0 for appended ones (TRL's `tool_mask`)."""
+        mask = [1] * self.num_completion_tokens
+        for start, end in self.appended:
+            mask[start:end] = [0] * (end - start)
+        return mask
 
     def fork(self) -> "Sequence":
         """A sibling sharing everything computed so far (the caller shares the blocks)."""
         return Sequence(list(self.token_ids), self.num_prompt_tokens, self.max_tokens, self.stop_token_ids,
                         self.request_index, status=self.status, block_table=list(self.block_table),
-                        num_computed_tokens=self.num_computed_tokens, logprobs=list(self.logprobs))
+                        num_computed_tokens=self.num_computed_tokens, logprobs=list(self.logprobs),
+                        turn_limit=self.turn_limit, appended=list(self.appended))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from rlcu.contracts import RolloutBatch, SamplingParams
+from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, Turn
 
-__all__ = ["RolloutBackend", "RolloutBatch", "SamplingParams"]
+__all__ = ["Continuation", "Reply", "RolloutBackend", "RolloutBatch", "SamplingParams", "Turn"]
 
 
 @runtime_checkable
@@ -16,7 +16,9 @@ class RolloutBackend(Protocol):
         """Bind to a GRPOModule; `module.policy` is the live model whose parameters are used in place."""
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        ...
+        """One completion per prompt. A backend may also take `continuation=` (a `Continuation`) and run
+        multi-turn episodes itself; for one that does not, the module runs them turn by turn
+        (`rollout/turns.py`)."""
 
     def release(self) -> None:
         """Free generation memory (KV cache) before the training phase."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from rlcu.contracts import RolloutBatch, SamplingParams
+from rlcu.contracts import Continuation, RolloutBatch, SamplingParams
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 
 
@@ -30,10 +30,12 @@ class NativeRollout:
     def setup(self, module) -> None:
         self.engine = LLMEngine(module.policy, self.config, tokenizer=getattr(module, "tokenizer", None))
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 continuation: Continuation | None = None) -> RolloutBatch:
+        """Completions; with a `continuation`, episodes whose KV stays in the pool between turns."""
         if self.engine is None:
             raise RuntimeError("NativeRollout.generate() called before setup(module)")
-        return self.engine.generate(prompt_token_ids, sampling)
+        return self.engine.generate(prompt_token_ids, sampling, continuation)
 
     def release(self) -> None:
         if self.engine is not None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.contracts import StopStrings
+from rlcu.contracts import Continuation, StopStrings
 from rlcu.kernels.sampling import sample
 from rlcu.models.attention import DenseKVCache
 from rlcu.rollout.base import RolloutBatch, SamplingParams
+from rlcu.rollout.turns import generate_in_turns
 
 
 class ReferenceRollout:
@@ -26,7 +27,11 @@ class ReferenceRollout:
         pass  # the model is the module's own: nothing to sync
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 continuation: Continuation | None = None) -> RolloutBatch:
+        """Completions; with a `continuation`, episodes turn by turn, each turn prefilling its whole history."""
+        if continuation is not None:
+            return generate_in_turns(self.generate, prompt_token_ids, sampling, continuation)
         if self.model is None:
             raise RuntimeError("ReferenceRollout.generate() called before setup(module)")
         if any(len(p) == 0 for p in prompt_token_ids):

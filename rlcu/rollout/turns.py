@@ -1,0 +1,68 @@
+"""Episodes on a backend that only generates single turns: each turn is a new request holding the whole
+history so far, prefilled again. The native engine keeps each episode's KV in its pool instead (see
+`engine/llm_engine.py`); both follow the same `Turn` / `Reply` protocol, so a continuation (tools,
+environments) runs unchanged on either, and greedy episodes agree token for token."""
+from __future__ import annotations
+
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, Turn
+
+TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
+
+
+def takes_continuation(generate) -> bool:
+    """Whether a backend's generate() runs episodes itself (a `continuation` parameter)."""
+    return "continuation" in inspect.signature(generate).parameters
+
+
+def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                      continuation: Continuation, workers: int = 16) -> RolloutBatch:
+    """`generate(prompt_token_ids, sampling) -> RolloutBatch` called once per turn (and per remaining budget)."""
+    n = len(prompt_token_ids)
+    completions: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    masks: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    active, turn = list(range(n)), 0
+    with ThreadPoolExecutor(workers, thread_name_prefix="rlcu-turn") as pool:
+        while active:
+            ended = _one_turn(generate, prompt_token_ids, sampling, turn, active, completions, logprobs, masks)
+            replies = list(pool.map(continuation, [Turn(i, list(completions[i]), reason) for i, reason in ended]))
+            active = []
+            for (i, reason), reply in zip(ended, replies):
+                if not isinstance(reply, Reply):
+                    raise TypeError(f"a continuation must return a Reply, got {type(reply).__name__}")
+                if reply.token_ids is None:
+                    reasons[i] = reply.finish_reason or reason
+                    continue
+                if not reply.token_ids or len(completions[i]) + len(reply.token_ids) >= sampling.max_tokens:
+                    raise ValueError(f"episode {i}: a reply must append at least one token and leave room to sample "
+                                     f"within max_tokens={sampling.max_tokens}; reply Reply(None) to end it")
+                completions[i] += reply.token_ids
+                logprobs[i] += [0.0] * len(reply.token_ids)
+                masks[i] += [0] * len(reply.token_ids)
+                active.append(i)
+            turn += 1
+    return RolloutBatch([list(p) for p in prompt_token_ids], completions, logprobs, reasons, tool_mask=masks)
+
+
+def _one_turn(generate, prompts, sampling, turn, active, completions, logprobs, masks) -> list[tuple[int, str]]:
+    """Sample the next turn of each active episode; requests are grouped by the tokens they may still take."""
+    budgets: dict[int, list[int]] = {}
+    for i in active:
+        left = sampling.max_tokens - len(completions[i])
+        budgets.setdefault(min(left, sampling.max_turn_tokens or left), []).append(i)
+    ended = []
+    seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
+    for budget, rows in budgets.items():
+        out = generate([prompts[i] + completions[i] for i in rows],
+                       replace(sampling, max_tokens=budget, max_turn_tokens=None, seed=seed))
+        for i, ids, lps, reason in zip(rows, out.completion_ids, out.logprobs, out.finish_reasons):
+            completions[i] += ids
+            logprobs[i] += lps
+            masks[i] += [1] * len(ids)
+            ended.append((i, reason))
+    return ended
