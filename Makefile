@@ -6,11 +6,11 @@ BIN := $(VENV)/bin
 
 .PHONY: install quickstart lint test test-fast
 
-$(VENV)/.installed: pyproject.toml plugins/rlcu-repetition/pyproject.toml
+$(VENV)/.installed: pyproject.toml plugins/rlcu-repetition/pyproject.toml plugins/rlcu-guess-number/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]" -e plugins/rlcu-repetition
+	$(BIN)/pip install -q -e ".[test]" -e plugins/rlcu-repetition -e plugins/rlcu-guess-number
 	touch $@
 
 install: $(VENV)/.installed

@@ -6,7 +6,7 @@
     rlcu generate --input P.jsonl --output O.jsonl [--model M --rollout native --temperature 0 ...]
     rlcu export CKPT DIR                        a checkpoint's policy as an HF folder (safetensors, tokenizer)
     rlcu bench rollout|step [--sequences N | --prompts P --generations G] [--new_tokens L ...]
-    rlcu plugins                                rewards and rollout backends found through entry points
+    rlcu plugins                                rewards, rollout backends and environments (entry points)
     rlcu recipes                                the shipped recipes
 
 Any field can be overridden as `--model.learning_rate=1e-5` (the form wandb sweep agents pass); the

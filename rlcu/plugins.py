@@ -1,12 +1,13 @@
-"""Plugins are Python entry points. A package registers rewards under `rlcu.rewards` and rollout
-backends under `rlcu.rollouts`; YAML names them by short name or by import path (`pkg.module:attr`
-or `pkg.module.attr`). Plain Python objects work everywhere too: no registry is required."""
+"""Plugins are Python entry points. A package registers rewards under `rlcu.rewards`, rollout backends
+under `rlcu.rollouts` and multi-turn environments under `rlcu.environments`; YAML names them by short
+name or by import path (`pkg.module:attr` or `pkg.module.attr`). Plain Python objects work everywhere
+too: no registry is required."""
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import EntryPoint, entry_points
 
-GROUPS = {"rewards": "rlcu.rewards", "rollouts": "rlcu.rollouts"}
+GROUPS = {"rewards": "rlcu.rewards", "rollouts": "rlcu.rollouts", "environments": "rlcu.environments"}
 
 
 class UnknownPluginError(LookupError):
@@ -14,7 +15,7 @@ class UnknownPluginError(LookupError):
 
 
 def available(kind: str) -> dict[str, EntryPoint]:
-    """Short name -> entry point, for kind 'rewards' or 'rollouts'."""
+    """Short name -> entry point, for a kind of GROUPS ('rewards', 'rollouts', 'environments')."""
     if kind not in GROUPS:
         raise ValueError(f"unknown plugin kind {kind!r}; kinds: {sorted(GROUPS)}")
     return {ep.name: ep for ep in entry_points(group=GROUPS[kind])}
@@ -43,22 +44,27 @@ def load(kind: str, name: str):
         "or give an import path such as 'my_pkg.rewards:my_reward'.")
 
 
+def _unpack(kind: str, spec, extra_keys: tuple[str, ...] = ()):
+    """(target, init_args, extras) of a spec; a mapping is {name | class_path: ..., init_args: {...}, extras...}."""
+    if not isinstance(spec, dict):
+        return spec, {}, {}
+    spec = dict(spec)
+    target = spec.pop("name", None) or spec.pop("class_path", None)
+    init_args = spec.pop("init_args", None) or {}
+    extras = {k: spec.pop(k) for k in extra_keys if k in spec}
+    if target is None or spec:
+        allowed = ["name (or class_path)", "init_args", *extra_keys]
+        raise ValueError(f"a {kind[:-1]} given as a mapping takes {allowed}; got unexpected keys "
+                         f"{sorted(spec) or ['(no name)']}")
+    return target, init_args, extras
+
+
 def build(kind: str, spec, extra_keys: tuple[str, ...] = ()):
     """An object from a spec: an instance (returned as is), a class (instantiated), a short name or
     import path, or a mapping {name | class_path: ..., init_args: {...}, <extra_keys>...}.
 
     Returns (object, extras): `extras` holds the mapping's `extra_keys` (for example a reward's weight)."""
-    extras, init_args = {}, {}
-    if isinstance(spec, dict):
-        spec = dict(spec)
-        target = spec.pop("name", None) or spec.pop("class_path", None)
-        init_args = spec.pop("init_args", None) or {}
-        extras = {k: spec.pop(k) for k in extra_keys if k in spec}
-        if target is None or spec:
-            allowed = ["name (or class_path)", "init_args", *extra_keys]
-            raise ValueError(f"a {kind[:-1]} given as a mapping takes {allowed}; got unexpected keys "
-                             f"{sorted(spec) or ['(no name)']}")
-        spec = target
+    spec, init_args, extras = _unpack(kind, spec, extra_keys)
     if isinstance(spec, str):
         spec = load(kind, spec)
     if isinstance(spec, type):
@@ -66,3 +72,15 @@ def build(kind: str, spec, extra_keys: tuple[str, ...] = ()):
     elif init_args:
         raise ValueError(f"init_args were given for {getattr(spec, '__name__', spec)!r}, which is not a class")
     return spec, extras
+
+
+def factory(kind: str, spec):
+    """A zero-argument callable that makes a new object per call (an environment per episode), from a
+    callable (a class or a function, returned as is), a short name or import path, or a mapping
+    {name | class_path: ..., init_args: {...}}."""
+    spec, init_args, _ = _unpack(kind, spec)
+    if isinstance(spec, str):
+        spec = load(kind, spec)
+    if not callable(spec):
+        raise TypeError(f"a {kind[:-1]} factory must be callable (a class or a function), got {type(spec).__name__}")
+    return (lambda: spec(**init_args)) if init_args else spec

@@ -9,6 +9,7 @@ from typing import Any
 
 from rlcu.data.packaged import choose
 from rlcu.data.tasks import TASKS
+from rlcu.plugins import import_path
 from rlcu.text import last_boxed
 
 GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final number after '####'."
@@ -113,14 +114,18 @@ LOADERS = {"gsm8k": gsm8k, "math": math, "math500": math500}
 
 
 def build_dataset(source: str | list[str], args: dict[str, Any] | None = None, split: str = "train"):
-    """Rows for `source`: a task name, a loader name, or a dataset path / hub name with a 'prompt' column."""
+    """Rows for `source`: a task name, a loader name, an import path of a function returning rows
+    ('rlcu_guess_number:games', called with `args`), or a dataset path / hub name with a 'prompt' column."""
     import datasets
 
     args = dict(args or {})
-    if isinstance(source, str) and source in TASKS:
+    generator = TASKS.get(source) if isinstance(source, str) else None
+    if generator is None and isinstance(source, str) and ":" in source and not Path(source).exists():
+        generator = import_path(source)
+    if generator is not None:
         if "split" in args:
-            raise ValueError("embedded tasks are generated: use 'seed' and 'n' instead of 'split'")
-        return datasets.Dataset.from_list(TASKS[source](**args))
+            raise ValueError("generated tasks take 'seed' and 'n' (or their own arguments), not 'split'")
+        return datasets.Dataset.from_list(generator(**args))
     if isinstance(source, str) and source in LOADERS:
         return LOADERS[source](split=args.pop("split", split), **args)
     ds = load_rows(source, args.pop("split", split), args.pop("name", None))

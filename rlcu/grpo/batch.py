@@ -10,18 +10,26 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rlcu.agents import EpisodeRunner
 from rlcu.contracts import RolloutBatch
+
+
+@dataclass
+class Sampled:
+    """A rollout, and with tools or environments the episodes behind it (messages, environments, counts)."""
+    batch: RolloutBatch
+    episodes: EpisodeRunner | None = None
 
 
 @dataclass
 class GRPOBatch:
     input_ids: torch.Tensor  # [N, P + C] long: prompt then completion, as TRL lays them out
     attention_mask: torch.Tensor  # [N, P + C] long: 1 on real tokens
-    loss_mask: torch.Tensor  # [N, C] long: completion tokens that carry loss
+    loss_mask: torch.Tensor  # [N, C] long: sampled completion tokens that carry loss (not tool / environment ones)
     advantages: torch.Tensor  # [N] float
     sampler_logps: torch.Tensor  # [N, C] float: the sampler's logprob of each token (0 on padding)
     truncated: torch.Tensor  # [N] bool: stopped by max_completion_length
-    lengths: torch.Tensor  # [N] long: completion tokens
+    lengths: torch.Tensor  # [N] long: completion tokens the model sampled (TRL's count in episodes)
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch, advantages: torch.Tensor, pad_id: int,
@@ -40,10 +48,14 @@ class GRPOBatch:
                 sampler_logps[i, :len(ci)] = torch.tensor(lp)
         truncated = torch.tensor([r == "length" for r in rollout.finish_reasons])
         loss_mask = completion_mask.clone()
+        if rollout.tool_mask is not None:  # tokens a tool or an environment added carry no loss
+            for i, mask in enumerate(rollout.tool_mask):
+                loss_mask[i, :len(mask)] *= torch.tensor(mask, dtype=torch.long)
+        sampled = loss_mask.sum(1)
         if mask_truncated:
             loss_mask[truncated] = 0
         return cls(torch.cat([prompt, completion], 1), torch.cat([prompt_mask, completion_mask], 1), loss_mask,
-                   advantages, sampler_logps, truncated, completion_mask.sum(1))
+                   advantages, sampler_logps, truncated, sampled)
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -1,6 +1,6 @@
 """Held-out evaluation of a GRPO module: generate with its own rollout backend, greedy and sampled, and
-score with its rewards. Plain functions over the module's public methods (`encode`, `sampling_params`,
-`generate`, `score`); Lightning's validation loop and `rlcu eval` call them through the module."""
+score with its rewards. Plain functions over the module's public methods (`sample`, `sampling_params`,
+`score`); Lightning's validation loop and `rlcu eval` call them through the module."""
 from __future__ import annotations
 
 import torch
@@ -16,16 +16,15 @@ def evaluate(module, rows: list[dict]) -> dict[str, float]:
     training temperature. A completion is correct when the accuracy reward (`accuracy_reward`, else the
     first reward) gives it at least 1."""
     hp, correct_at = module.hparams, module.accuracy_index
-    prompt_ids = [module.encode(r["prompt"], i) for i, r in enumerate(rows)]
-    greedy = module.generate(prompt_ids, module.sampling_params(greedy=True))
+    greedy = module.sample(rows, 1, module.sampling_params(greedy=True))
     per_func = module.score(rows, greedy, 1).rewards
     sampled = None
     k = hp.eval_num_samples
     if k > 1:
-        samples = module.generate([p for p in prompt_ids for _ in range(k)], module.sampling_params(seed=hp.seed))
+        samples = module.sample(rows, k, module.sampling_params(seed=hp.seed))
         sampled = (module.score(rows, samples, k).rewards[:, correct_at] >= 1.0).view(len(rows), k)
     weights = torch.tensor([r.weight for r in module.rewards])
-    lengths = torch.tensor([len(c) for c in greedy.completion_ids])
+    lengths = torch.tensor([len(c) for c in greedy.batch.completion_ids])
     return eval_metrics(per_func[:, correct_at] >= 1.0, grpo_loss.combine_rewards(per_func, weights), lengths, sampled)
 
 

@@ -24,11 +24,12 @@ from torch import nn
 from torch.profiler import record_function
 
 from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
-from rlcu.contracts import RolloutBatch, SamplingParams, eos_token_ids
+from rlcu.agents import AgentOptions, EpisodeRunner
+from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, eos_token_ids
 from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, is_conversational
 from rlcu.grpo import evaluation
 from rlcu.grpo import loss as grpo_loss
-from rlcu.grpo.batch import GRPOBatch, ScoredRollout, StagedBatch
+from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout, StagedBatch
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW, lr_lambda
@@ -37,9 +38,10 @@ from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora, lora_disabled
 from rlcu.models.sharding import full_parameters, is_sharded, shard
-from rlcu.rewards.base import NonFiniteReward, resolve_rewards
+from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
 from rlcu.rewards.scoring import RewardInterrupted, score
 from rlcu.rollout.base import RolloutBackend
+from rlcu.rollout.turns import generate_in_turns, takes_continuation
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
@@ -129,17 +131,28 @@ class GRPOModule(L.LightningModule):
         entropy_coef_max: float = 1.0,
         entropy_coef_delta: float = 0.005,
         entropy_target: float = 0.2,
+        tools: list | None = None,
+        environment_factory: Any = None,
+        max_tool_calling_iterations: int | None = None,
+        tool_format: str = "template",
+        tool_timeout: float | None = 60.0,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout,
-                                                   peft_config=peft_config))
+                                                   peft_config=peft_config, tools=tools,
+                                                   environment_factory=environment_factory))
         check_options(self.hparams)
         self.automatic_optimization = False
         self.policy, self.tokenizer = self._policy(model, tokenizer, dtype)
         self.policy.gradient_checkpointing = gradient_checkpointing
         if peft_config is not None:  # TRL's name: LoRA adapters trained on the frozen base, inside the engine too
             add_lora(self.policy, peft_config)
-        self.rewards = resolve_rewards(rewards, reward_weights)
+        # tools / environments (TRL's names): multi-turn episodes, run as a continuation of the rollout
+        self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, tool_format,
+                                        max_tool_calling_iterations, max_completion_length, tool_timeout)
+        environment_rewards = [BoundReward(fn, name, 1.0) for name, fn in
+                               (self.agent.environments.rewards() if self.agent and self.agent.environments else [])]
+        self.rewards = resolve_rewards(rewards, reward_weights, environment_rewards)
         names = [r.name for r in self.rewards]
         check_against_model(self.hparams, self.policy.config.max_position_embeddings, names)
         # beta > 0: a frozen copy of the starting policy for the KL term (with LoRA, the base: adapters off)
@@ -283,16 +296,15 @@ class GRPOModule(L.LightningModule):
         self.last_rollout = scored
         return None
 
-    def _rollout(self, rows: list[dict]) -> RolloutBatch:
+    def _rollout(self, rows: list[dict]) -> Sampled:
         hp = self.hparams
-        prompt_ids = [self.encode(r["prompt"], i) for i, r in enumerate(rows)]
         sampling = self.sampling_params(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
-        return self.generate([ids for ids in prompt_ids for _ in range(hp.num_generations)], sampling)
+        return self.sample(rows, hp.num_generations, sampling)
 
-    def _score_step(self, rows: list[dict], rollout: RolloutBatch):
+    def _score_step(self, rows: list[dict], sampled: Sampled):
         """Rewards, advantages and the training batch; which rows train (filter_zero_std_groups); metrics."""
         hp = self.hparams
-        scored = self.score(rows, rollout)
+        scored, rollout = self.score(rows, sampled), sampled.batch
         rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
         scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
         if hp.advantage_estimator == "rloo":
@@ -304,6 +316,8 @@ class GRPOModule(L.LightningModule):
         keep = ~is_std_zero if hp.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
         metrics = reward_metrics(scored.rewards, [r.name for r in self.rewards], rewards, is_std_zero)
         metrics.update(completion_metrics(grpo_batch.lengths, grpo_batch.truncated))
+        if sampled.episodes is not None:
+            metrics.update(sampled.episodes.metrics())
         if self.world_size > 1 and hp.filter_zero_std_groups:
             # DDP: every rank runs the same micro-batches (each backward is a collective), so the filtered
             # rows stay and lose their loss mask; the step is skipped only when no rank kept anything
@@ -320,13 +334,31 @@ class GRPOModule(L.LightningModule):
                               top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
                               stop=list(hp.stop or []), seed=seed)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        """A rollout on the policy in eval mode; the backend's memory is given back for training after."""
+    def sample(self, rows: list[dict], g: int, sampling: SamplingParams) -> Sampled:
+        """`g` completions per row, adjacent; with tools or environments, `g` episodes per row."""
+        if self.agent is None:
+            prompt_ids = [self.encode(r["prompt"], i) for i, r in enumerate(rows)]
+            return Sampled(self.generate([ids for ids in prompt_ids for _ in range(g)], sampling))
+        trainer = self._attached_trainer()
+        runner = EpisodeRunner([r for r in rows for _ in range(g)], self.agent,
+                               (lambda: trainer.received_sigterm) if trainer else None)
+        for i, ids in enumerate(runner.prompt_ids[::g]):
+            self.check_prompt_length(len(ids), i)
+        return Sampled(self.generate(runner.prompt_ids, sampling, runner), runner)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 continuation: Continuation | None = None) -> RolloutBatch:
+        """A rollout on the policy in eval mode; the backend's memory is given back for training after. A
+        backend that cannot run episodes itself runs them turn by turn (`rollout/turns.py`)."""
         was_training = self.policy.training
         self.policy.eval()
         try:
             with full_parameters(self.policy):  # FSDP: the whole model for the rollout, sharded again after
-                return self.rollout.generate(prompt_ids, sampling)
+                if continuation is None:
+                    return self.rollout.generate(prompt_ids, sampling)
+                if takes_continuation(self.rollout.generate):
+                    return self.rollout.generate(prompt_ids, sampling, continuation=continuation)
+                return generate_in_turns(self.rollout.generate, prompt_ids, sampling, continuation)
         finally:
             self.rollout.release()
             self.policy.train(was_training)
@@ -336,23 +368,34 @@ class GRPOModule(L.LightningModule):
         ids = encode_prompt(self.tokenizer, prompt)
         if not ids:
             raise ValueError(f"prompt {index} encodes to no tokens")
-        limit = self.hparams.max_prompt_length
-        if len(ids) > limit:
-            if self.hparams.long_prompts == "error":
-                raise ValueError(f"prompt {index} has {len(ids)} tokens, more than max_prompt_length={limit}; raise "
-                                 "max_prompt_length, shorten the prompt, or set long_prompts=truncate_left")
-            if truncate:
-                ids = ids[-limit:]  # the end holds the question and the generation prompt
+        if self.check_prompt_length(len(ids), index) and truncate:
+            ids = ids[-self.hparams.max_prompt_length:]  # the end holds the question and the generation prompt
         return ids
 
-    def score(self, rows: list[dict], rollout: RolloutBatch, g: int | None = None) -> ScoredRollout:
-        """Each reward of each completion; rows[i]'s columns go to its `g` completions (TRL's contract)."""
+    def check_prompt_length(self, length: int, index: int) -> bool:
+        """Whether the prompt is over max_prompt_length (an error unless long_prompts=truncate_left)."""
+        limit = self.hparams.max_prompt_length
+        if length > limit and (self.hparams.long_prompts == "error" or self.agent is not None):
+            raise ValueError(f"prompt {index} has {length} tokens, more than max_prompt_length={limit}; raise "
+                             "max_prompt_length, shorten the prompt"
+                             + ("" if self.agent else ", or set long_prompts=truncate_left"))
+        return length > limit
+
+    def score(self, rows: list[dict], sampled: Sampled, g: int | None = None) -> ScoredRollout:
+        """Each reward of each completion; rows[i]'s columns go to its `g` completions (TRL's contract). An
+        episode's completion is its messages after the prompt; rewards also get `environments` (TRL's)."""
         g = self.hparams.num_generations if g is None else g
-        texts = decode_completions(self.tokenizer, rollout.completion_ids)
+        rollout, episodes = sampled.batch, sampled.episodes
         prompts = [r["prompt"] for r in rows for _ in range(g)]
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                       for p, t in zip(prompts, texts)]
+        if episodes is not None:
+            completions = episodes.completions
+        else:
+            texts = decode_completions(self.tokenizer, rollout.completion_ids)
+            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                           for p, t in zip(prompts, texts)]
         columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+        if episodes is not None and episodes.environments is not None:
+            columns["environments"] = episodes.environments
         trainer = self._attached_trainer()
         try:
             values = score(self.rewards, prompts, completions, rollout.completion_ids, columns,

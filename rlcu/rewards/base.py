@@ -61,16 +61,18 @@ def resolve_reward(spec) -> BoundReward:
     return BoundReward(fn, _name_of(fn), float(weight))
 
 
-def resolve_rewards(specs, weights: list[float] | None = None) -> list[BoundReward]:
+def resolve_rewards(specs, weights: list[float] | None = None, extra: list[BoundReward] = ()) -> list[BoundReward]:
+    """The rewards of `specs` with `weights`, then `extra` ones that carry their own (an environment's)."""
     specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
-    if not specs:
-        raise ValueError("at least one reward is needed")
+    if not specs and not extra:
+        raise ValueError("at least one reward is needed (or an environment that defines get_reward)")
     bound = [resolve_reward(s) for s in specs]
     if weights is not None:
         if len(weights) != len(bound):
             raise ValueError(f"reward_weights has {len(weights)} values for {len(bound)} rewards")
         for b, w in zip(bound, weights):
             b.weight = float(w)
+    bound += list(extra)
     names = [b.name for b in bound]
     if len(set(names)) != len(names):
         raise ValueError(f"two rewards share a name in {names}; give one a 'name' so their metrics differ")

@@ -6,34 +6,24 @@ bound each call by a timeout, and decide what a failing reward does.
 and keeps going. NaN or Inf is a numerical fault (`NonFiniteReward`), which the GRPO module turns into
 a skipped update.
 
-A synchronous reward runs in a daemon thread while the caller waits in short slices: a call past its
-timeout is left running there (Python cannot stop a thread) and its result ignored, and since the thread
-is a daemon, nothing waits for it when the run ends. `stop_requested` (the trainer's SIGTERM flag) is
-checked while waiting, so a hung reward does not keep a run from stopping."""
+Each call is bounded as `rlcu/calls.py` bounds user code (a daemon thread, or an event loop for `async
+def`); `stop_requested` (the trainer's SIGTERM flag) is checked while waiting, so a hung reward does not
+keep a run from stopping."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable
 
 import torch
 
+from rlcu.calls import CallInterrupted, CallTimeout, bounded, call_bounded, is_async
 from rlcu.rewards.base import BoundReward, NonFiniteReward, RewardError, _preview
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "none")
 FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-POLL_SECONDS = 0.1  # how often a wait for a reward looks at its deadline and at `stop_requested`
-
-
-class RewardTimeout(TimeoutError):
-    pass
 
 
 class RewardInterrupted(RuntimeError):
@@ -53,7 +43,7 @@ def score(rewards: list[BoundReward], prompts: list, completions: list, completi
     out = torch.empty(n, len(rewards), dtype=torch.float32)
     for j, (r, result) in enumerate(zip(rewards, results)):
         if isinstance(result, BaseException):
-            what = (f"did not return within {timeout} s" if isinstance(result, RewardTimeout)
+            what = (f"did not return within {timeout} s" if isinstance(result, CallTimeout)
                     else f"raised {type(result).__name__}: {result}")
             if on_error == "raise":
                 where = _locate_failure(r, batch, n, timeout, stop_requested)
@@ -94,10 +84,10 @@ def _call_all(rewards: list[BoundReward], batch: dict, timeout: float | None,
               stop_requested: Callable[[], bool] | None = None) -> list:
     """Each reward's values, or the exception it raised; async rewards run concurrently."""
     results: list = [None] * len(rewards)
-    pending = {j: r for j, r in enumerate(rewards) if _is_async(r.fn)}
+    pending = {j: r for j, r in enumerate(rewards) if is_async(r.fn)}
     if pending:
         async def gather():
-            return await asyncio.gather(*(_bounded(r.fn(**batch), timeout) for r in pending.values()),
+            return await asyncio.gather(*(bounded(r.fn(**batch), timeout) for r in pending.values()),
                                         return_exceptions=True)
         for j, value in zip(pending, asyncio.run(gather())):
             results[j] = value
@@ -108,45 +98,10 @@ def _call_all(rewards: list[BoundReward], batch: dict, timeout: float | None,
 
 
 def _call(r: BoundReward, batch: dict, timeout: float | None, stop_requested: Callable[[], bool] | None = None):
-    if _is_async(r.fn):
-        try:
-            return asyncio.run(_bounded(r.fn(**batch), timeout))
-        except Exception as e:
-            return e
-    return _in_daemon_thread(r, batch, timeout, stop_requested)
-
-
-def _in_daemon_thread(r: BoundReward, batch: dict, timeout: float | None, stop_requested: Callable[[], bool] | None):
-    """The reward's values or the exception it raised; a RewardTimeout past `timeout`."""
-    done, box = threading.Event(), {}
-
-    def target():
-        try:
-            box["value"] = r.fn(**batch)
-        except BaseException as e:  # noqa: BLE001 - returned to the caller, which decides
-            box["value"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=f"reward-{r.name}", daemon=True).start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not done.wait(POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))):
-        if stop_requested is not None and stop_requested():
-            raise RewardInterrupted(f"the run was asked to stop while reward {r.name!r} was running")
-        if deadline is not None and time.monotonic() >= deadline:
-            return RewardTimeout(f"reward {r.name!r} timed out")
-    return box["value"]
-
-
-async def _bounded(coroutine, timeout: float | None):
     try:
-        return await asyncio.wait_for(coroutine, timeout)
-    except asyncio.TimeoutError:
-        raise RewardTimeout("timed out") from None
-
-
-def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        return call_bounded(r.fn, batch, timeout, f"reward {r.name!r}", stop_requested)
+    except CallInterrupted as e:
+        raise RewardInterrupted(f"the run was asked to stop while reward {r.name!r} was running") from e
 
 
 def _sample(batch: dict, i: int, n: int) -> dict:
