@@ -4,6 +4,7 @@ vocabulary, as `../shared/peers` builds it for TRL). Completions run to full len
 do, so that every run generates the same number of tokens.
 
     rlcu bench rollout --sequences 64 --new_tokens 512
+    rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4     (episodes: 4 turns of 128 tokens)
     rlcu bench step --prompts 8 --generations 8 --new_tokens 512
 
 Each prints a table and, last, one JSON line."""
@@ -91,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")
     r.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up run")
+    r.add_argument("--turns", type=int, default=1,
+                   help="multi-turn episodes: new_tokens sampled in this many turns, with --turn_tokens tokens "
+                        "appended after each turn but the last (an instant environment: no tool time)")
+    r.add_argument("--turn_tokens", type=int, default=32, help="tokens the environment appends between turns")
     s = sub.choices["step"]
     s.add_argument("--prompts", type=int, default=8)
     s.add_argument("--generations", type=int, default=8)
@@ -126,23 +131,45 @@ def bench_rollout(args) -> dict:
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
                                            lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix]))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
+    continuation = None
+    if args.turns > 1:
+        sampling, continuation = episodes(args, model.config.vocab_size)
     runs = []
     for i in range(1 + args.repeats):
         _sync(args.device)
         start = time.perf_counter()
-        out = engine.generate(requests, sampling)
+        out = engine.generate(requests, sampling, continuation)
         _sync(args.device)
         runs.append(time.perf_counter() - start)
-        tokens = sum(len(c) for c in out.completion_ids)
+        tokens = sum(map(sum, out.tool_mask)) if out.tool_mask else sum(len(c) for c in out.completion_ids)
         print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {runs[-1]:.2f} s "
               f"= {tokens / runs[-1]:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
     best = min(runs[1:]) if args.repeats else runs[0]
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
-                lookahead=args.lookahead, shared_prefix=args.shared_prefix,
+                lookahead=args.lookahead, shared_prefix=args.shared_prefix, turns=args.turns,
                 tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
+
+
+def episodes(args, vocab_size: int):
+    """Sampling and a continuation for episodes of `args.turns` turns of new_tokens / turns sampled tokens,
+    with `args.turn_tokens` random tokens appended after each turn but the last."""
+    from rlcu.contracts import Reply, SamplingParams
+
+    per_turn = args.new_tokens // args.turns
+    if per_turn < 1 or args.turn_tokens < 1:
+        raise ValueError("--turns must be at most --new_tokens, and --turn_tokens at least 1")
+    appended = random_prompt_ids(1, args.turn_tokens, vocab_size, seed=1)[0]
+    sampling = SamplingParams(max_tokens=per_turn * args.turns + args.turn_tokens * (args.turns - 1) + 1,
+                              max_turn_tokens=per_turn, temperature=1.0, seed=0)
+
+    def continuation(turn):
+        done = (len(turn.completion_ids) + args.turn_tokens) // (per_turn + args.turn_tokens)  # turns sampled
+        return Reply(appended) if done < args.turns else Reply(None)
+
+    return sampling, continuation
 
 
 def bench_step(args) -> dict:

@@ -10,6 +10,13 @@ import lightning.pytorch as L
 from rlcu.rewards.base import completion_text
 
 
+def transcript(completion) -> str:
+    """A completion's text; an episode of several messages as 'role: content' lines."""
+    if isinstance(completion, list) and len(completion) > 1:
+        return "\n".join(f"{m.get('role')}: {m.get('content', '')}" for m in completion)
+    return completion_text(completion)
+
+
 class CompletionsTable(L.Callback):
     def __init__(self, every_n_steps: int = 10, max_rows: int = 16):
         if every_n_steps < 1 or max_rows < 1:
@@ -31,7 +38,7 @@ class CompletionsTable(L.Callback):
         rows = []
         for i in range(min(self.max_rows, len(rollout.completions))):
             row = {"step": step, "prompt": completion_text(rollout.prompts[i]),
-                   "completion": completion_text(rollout.completions[i]),
+                   "completion": transcript(rollout.completions[i]),
                    "advantage": float(rollout.advantages[i])}
             for j, name in enumerate(names):
                 v = float(rollout.rewards[i, j])

@@ -102,14 +102,16 @@ class PromptDataModule(L.LightningDataModule):
         self.train_set, self.val_set = self._hold_out(rows)
 
     def _hold_out(self, rows):
-        """The last `val_size` rows are the held-out split; training never sees a prompt that is in it."""
+        """The last `val_size` rows are the held-out split; training never sees a row that is in it: the same
+        prompt with the same columns (a game's hidden target, say, tells two rows of one prompt apart)."""
         if self.val_size < 0 or self.val_size >= len(rows):
             raise ValueError(f"val_size must be in [0, {len(rows)}) for {len(rows)} rows, got {self.val_size}")
         if not self.val_size:
             return rows, None
         val = [dict(r) for r in list(rows)[len(rows) - self.val_size:]]
-        held = {json.dumps(r[PROMPT], sort_keys=True) for r in val}
-        train = [r for r in list(rows)[:len(rows) - self.val_size] if json.dumps(r[PROMPT], sort_keys=True) not in held]
+        key = lambda r: json.dumps(dict(r), sort_keys=True, default=str)  # noqa: E731
+        held = {key(r) for r in val}
+        train = [r for r in list(rows)[:len(rows) - self.val_size] if key(r) not in held]
         if not train:
             raise ValueError("no training rows are left once the held-out prompts are removed; lower val_size")
         return train, val

@@ -4,6 +4,9 @@ from __future__ import annotations
 import random
 
 ARITHMETIC_QUESTION = "What is {a} {op} {b}? Give only the final number."
+CALCULATOR_QUESTION = ("What is {a} * {b}? First call the calculator: <tool_call>\n{{\"name\": \"calculator\", "
+                       "\"arguments\": {{\"expression\": \"{a} * {b}\"}}}}\n</tool_call>\n"
+                       "Then give only the final number.")
 COUNTDOWN_QUESTION = ("Using the numbers {nums}, create an equation that equals {target}. You can use + - * / and "
                       "brackets, and each number exactly once. Show your work in <think> </think> tags and give the "
                       "final equation in <answer> </answer> tags, for example <answer>(1 + 2) / 3</answer>.")
@@ -22,6 +25,21 @@ def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+") ->
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         rows.append({"prompt": [{"role": "user", "content": ARITHMETIC_QUESTION.format(a=a, op=op, b=b)}],
                      "answer": str(value)})
+    return rows
+
+
+def calculator(n: int = 1000, seed: int = 0, digits: int = 3) -> list[dict]:
+    """'What is A * B?' for random `digits`-digit A and B, with the calculator tool's call shown in the prompt
+    (a small model does not call a tool it has only seen described); the answer as a string."""
+    if n < 1 or digits < 1:
+        raise ValueError(f"calculator needs n >= 1 and digits >= 1, got n={n}, digits={digits}")
+    rng = random.Random(seed)
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        rows.append({"prompt": [{"role": "user", "content": CALCULATOR_QUESTION.format(a=a, b=b)}],
+                     "answer": str(a * b)})
     return rows
 
 
@@ -47,4 +65,4 @@ def countdown(n: int = 1000, seed: int = 0, num_numbers: int = 3, max_number: in
     return rows
 
 
-TASKS = {"arithmetic": arithmetic, "countdown": countdown}
+TASKS = {"arithmetic": arithmetic, "calculator": calculator, "countdown": countdown}

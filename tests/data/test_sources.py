@@ -54,7 +54,7 @@ def test_bad_data_fails_at_setup_with_the_fix():
         PromptDataModule(str(FIXTURES / "no_prompt.jsonl")).setup()
     with pytest.raises(ValueError, match="is empty"):
         PromptDataModule([]).setup()
-    with pytest.raises(ValueError, match="use 'seed' and 'n' instead of 'split'"):
+    with pytest.raises(ValueError, match=r"take 'seed' and 'n' \(or their own arguments\), not 'split'"):
         build_dataset("arithmetic", {"split": "test"})
     with pytest.raises(TypeError):
         build_dataset("arithmetic", {"digitz": 3})

@@ -42,3 +42,12 @@ def test_reward_guide_class_example_scores():
     reward = scope["KeywordReward"](word="so")
     assert reward(["p", "p"], ["so 4", [{"role": "assistant", "content": "4"}]], [[1], [2]]) == [1.0, 0.0]
     assert reward.name == "keyword"
+
+
+@pytest.mark.slow
+def test_agents_guide_example_trains_with_a_tool(smollm2_folder):
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "agents.md")[0], scope)
+    assert scope["trainer"].global_step == 1
+    assert {"tools/call_frequency", "tools/failure_frequency", "episodes/mean_turns"} <= set(
+        scope["trainer"].callback_metrics)

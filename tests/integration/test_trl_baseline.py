@@ -35,3 +35,15 @@ def test_trl_baseline_loads_the_recipes_embedded_model(tmp_path, smollm2_folder)
     spec.loader.exec_module(script)
     rows = script.main(["--out", str(tmp_path / "trl.csv"), "--max_steps", "1"])
     assert len(rows) == 1 and rows[0]["rewards/math_answer/mean"] is not None
+
+
+@pytest.mark.slow
+def test_trl_baseline_runs_the_calculator_recipe_with_its_tool(tmp_path, smollm2_folder):
+    """TRL's GRPOTrainer(tools=[calculator]) on the calculator recipe, one step on the CPU."""
+    pytest.importorskip("trl")
+    spec = importlib.util.spec_from_file_location("trl_baseline_all", SCRIPT.parents[1] / "trl_baseline.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.main(["calculator", "--out", str(tmp_path / "trl.csv"), "--max_steps", "1", "--batch_size", "2",
+                        "--num_generations", "2"])
+    assert len(rows) == 1 and rows[0]["tools/call_frequency"] is not None

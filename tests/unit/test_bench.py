@@ -24,6 +24,15 @@ def test_bench_rollout_generates_full_length(tmp_path, capsys, lookahead):
     assert out["tokens"] == 6 * 7  # no early stop
 
 
+def test_bench_rollout_runs_multi_turn_episodes(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "4",
+          "--generations", "2", "--prompt_len", "5", "--new_tokens", "12", "--turns", "4", "--turn_tokens", "3",
+          "--repeats", "1"])
+    out = last_json(capsys)
+    assert out["turns"] == 4 and out["tokens"] == 4 * 12  # sampled tokens only: the appended ones do not count
+
+
 def test_bench_step_reports_each_phase(tmp_path, capsys):
     folder = tiny_hf_folder(tmp_path, "llama")
     main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
