@@ -120,3 +120,13 @@ def test_a_text_environment_that_runs_out_of_guesses_ends_the_episode(tokenizer)
     runner, _ = episodes(tokenizer, rows, {"name": "guess_number", "init_args": {"max_guesses": 2}},
                          lambda history, turn: "1<|im_end|>")
     assert runner.metrics()["episodes/mean_turns"] == 2 and runner.environments[0].get_reward() == 0.0
+
+
+def test_tool_use_rewards_a_result_followed_by_an_answer():
+    from rlcu.rewards.tools import ToolUse
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    answered = [call, {"role": "tool", "name": "f", "content": "56088"}, {"role": "assistant", "content": "56088"}]
+    again = answered[:2] + [call]
+    failed = [call, {"role": "tool", "name": "f", "content": "{'error': 'boom'}"}, answered[2]]
+    assert ToolUse()(["p"] * 4, [answered, again, failed, "text"], [[1]] * 4) == [1.0, 0.0, 0.0, 0.0]
