@@ -25,6 +25,7 @@ from torch.profiler import record_function
 
 from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
+from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, eos_token_ids
 from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, is_conversational
 from rlcu.grpo import evaluation
@@ -344,7 +345,11 @@ class GRPOModule(L.LightningModule):
                                (lambda: trainer.received_sigterm) if trainer else None)
         for i, ids in enumerate(runner.prompt_ids[::g]):
             self.check_prompt_length(len(ids), i)
-        return Sampled(self.generate(runner.prompt_ids, sampling, runner), runner)
+        try:
+            return Sampled(self.generate(runner.prompt_ids, sampling, runner), runner)
+        except CallInterrupted as e:  # SIGTERM while a tool hangs: stop as Lightning stops on SIGTERM
+            log.warning("%s; stopping", e)
+            raise SIGTERMException from e
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None) -> RolloutBatch:

@@ -166,3 +166,14 @@ def test_the_tokenizers_own_template_renders_tools_and_results(smollm2_folder):
     appended = [t for t, m in zip(out.completion_ids[0], out.tool_mask[0]) if m == 0]
     assert tok.decode(appended) == ("\n<|im_start|>user\n<tool_response>6</tool_response><|im_end|>\n"
                                     "<|im_start|>assistant\n")
+
+
+def test_a_hung_tool_does_not_keep_a_stopping_run_waiting(tokenizer):
+    from rlcu.calls import CallInterrupted
+
+    agent = AgentOptions.build(tokenizer, [sleepy], tool_format_name="hermes", tool_timeout=None,
+                               max_completion_length=200)
+    runner = EpisodeRunner([{"prompt": QUESTION}], agent, stop_requested=lambda: True)
+    backend = ScriptedRollout(tokenizer, lambda history, turn: call("sleepy", seconds=600))
+    with pytest.raises(CallInterrupted, match="tool 'sleepy'"):
+        backend.generate(runner.prompt_ids, SamplingParams(max_tokens=200), runner)
