@@ -63,7 +63,8 @@ class SamplingParams:
 @dataclass
 class RolloutBatch:
     """One completion per prompt row. `completion_ids` include the stop token when one was sampled;
-    `logprobs[i][j]` is the sampler's log softmax(logits / temperature) of `completion_ids[i][j]`.
+    `logprobs[i][j]` is the sampler's log softmax(logits / temperature) of `completion_ids[i][j]` (NaN from a
+    backend that cannot score its samples: the sampler correction then treats them as the trainer's).
     In episodes the completion holds every turn and the tokens appended between them; `tool_mask[i][j]`
     (TRL's name) is 1 where the model sampled the token and 0 where a continuation appended it (logprob
     0.0 there). Without a continuation `tool_mask` is None: every token was sampled."""

@@ -217,7 +217,8 @@ class FixedRollout:
             j = i % G  # requests come as groups of G copies of a prompt
             n = 1 + (sum(p) + j) % 4
             completions.append([(sum(p) * 3 + j * 7 + t) % (self.vocab - 2) for t in range(n)])
-        return RolloutBatch([list(p) for p in prompt_ids], completions, [[0.0] * len(c) for c in completions],
+        unknown = float("nan")  # a backend that cannot score its samples: the sampler correction leaves them be
+        return RolloutBatch([list(p) for p in prompt_ids], completions, [[unknown] * len(c) for c in completions],
                             ["length"] * len(completions))
 
     def release(self):

@@ -11,7 +11,10 @@
 - the entropy controls: the top-entropy token mask (Beyond the 80/20 Rule) and the entropy bonus with
   Skywork-OR1's adaptive coefficient;
 - advantage estimators beside GRPO's group normalisation: RLOO's leave-one-out baseline and REINFORCE++'s
-  batch-normalised advantages.
+  batch-normalised advantages;
+- the correction for a sampler whose logprobs differ from the trainer's (TRL's `vllm_importance_sampling_*`:
+  truncated or masked importance weights, per token or per sequence) and DeepSeek-V3.2's off-policy
+  sequence mask.
 
 Tensors are [B, T] per token with a 0/1 `mask` over completion tokens, [B] per sequence."""
 from __future__ import annotations
@@ -25,6 +28,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SCALES = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
+SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STD_EPS = 1e-4  # TRL's: keeps a near-constant group from exploding its advantages
 
 
@@ -98,13 +102,16 @@ class LossOptions:
 
 
 def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_high=0.2, level="token",
-                   ref_logps=None, beta=0.0, loss_type="grpo", options: LossOptions = LossOptions(), token_mask=None):
+                   ref_logps=None, beta=0.0, loss_type="grpo", options: LossOptions = LossOptions(), token_mask=None,
+                   sampling_ratio=None, keep_sequences=None):
     """The policy loss per token (+ beta * k3 KL), as TRL's `_compute_loss` forms it:
 
     grpo / bnpo / dr_grpo / dapo / luspo: -min(w A, clip(w, 1-eps_low, 1+eps_high) A), w capped at `delta` if set;
     cispo: -sg(min(w, eps_high)) A log pi;  sapo: -(4 / tau) sigmoid(tau (w - 1)) A with tau by the sign of A;
     vespo: -sg(phi(w_seq)) A log pi with phi the Gamma weight of the sequence ratio (`gamma_weights`).
-    `token_mask` (the top-entropy mask) multiplies the policy term only, before the KL is added.
+    The policy term is then multiplied, in TRL's order, by `keep_sequences` (the off-policy mask, [B, 1]),
+    `token_mask` (the top-entropy mask) and `sampling_ratio` (the sampler correction, [B, T] or [B, 1]; VESPO
+    takes it into its weight instead), before the KL is added.
 
     Returns (loss [B, T] or [B, 1], importance weight w, per-token KL or None)."""
     log_ratio = logps - old_logps
@@ -116,13 +123,17 @@ def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_
         tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
         loss = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
     elif loss_type == "vespo":
-        loss = -gamma_weights(adv, log_ratio, mask, options) * adv * logps
+        loss = -gamma_weights(adv, log_ratio, mask, options, sampling_ratio) * adv * logps
     else:
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         capped = torch.clamp(coef_1, max=options.delta) if options.delta is not None else coef_1
         loss = -torch.min(capped * adv, coef_2 * adv)
+    if keep_sequences is not None:
+        loss = loss * keep_sequences
     if token_mask is not None:
         loss = loss * token_mask
+    if sampling_ratio is not None and loss_type != "vespo":
+        loss = loss * sampling_ratio
     kl = None
     if beta != 0.0:
         kl = k3_kl(logps, ref_logps)
@@ -134,17 +145,62 @@ def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_
 
 @torch.no_grad()
 def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-                  options: LossOptions = LossOptions()) -> torch.Tensor:
+                  options: LossOptions = LossOptions(), sampling_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's phi(w) = e^lambda w^k e^(-lambda w) (so phi(1) = 1) of the sequence ratio w = exp(sum of the
-    token log-ratios, each clamped to [-20, 20]), with (k, lambda) by the sign of A; [B, 1], no gradient."""
+    token log-ratios, each clamped to [-20, 20]), with (k, lambda) by the sign of A; [B, 1], no gradient.
+    A per-token `sampling_ratio` (the sampler correction) multiplies w: log w += sum of its clamped logs."""
     low = math.log(1e-8)
     seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if sampling_ratio is not None:
+        seq = seq + torch.clamp(torch.log(sampling_ratio), low, 20.0).sum(-1, keepdim=True)
     log_w = torch.clamp(seq, low, 20.0)
     positive = advantages >= 0
     k = torch.where(positive, options.vespo_k_pos, options.vespo_k_neg)
     lam = torch.where(positive, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@dataclass(frozen=True)
+class SamplingCorrection:
+    """TRL's correction for a sampler that is not the trainer, with TRL's defaults (`vllm_importance_sampling_*`
+    there; rlcu's sampler is its own engine, whose logprobs can still differ from the training forward's by
+    the arithmetic of a different kernel or batch)."""
+    enabled: bool = True
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+    off_policy_mask_threshold: float | None = None
+
+
+@torch.no_grad()
+def sampling_ratio(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                   mode: str = "sequence_mask", clip_min: float | None = None,
+                   clip_max: float | None = 3.0) -> torch.Tensor:
+    """The importance weight pi_old / pi_sampler of the sampled tokens (TRL's vLLM correction): per token
+    ([B, T]) or per sequence (exp of the summed log-ratios, [B, 1]); `*_truncate` clamps it to [clip_min,
+    clip_max], `*_mask` zeroes it outside (TIS and MIS). A sampler logprob of NaN (not known) counts as equal."""
+    if mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"importance sampling mode must be one of {SAMPLING_CORRECTION_MODES}, got {mode!r}")
+    diff = torch.nan_to_num((old_logps - sampler_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@torch.no_grad()
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: keep a sequence ([B, 1] of 1.0) when its advantage is >= 0
+    or its mean KL(sampler || policy) estimate, mean of log pi_sampler - log pi, is at most `threshold`."""
+    kl = torch.nan_to_num(sampler_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:

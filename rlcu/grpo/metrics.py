@@ -1,6 +1,7 @@
 """The one place each GRPO metric is defined. Names follow TRL's GRPOTrainer so dashboards carry over:
 reward, reward_std, rewards/<name>/mean|std, frac_reward_zero_std, completions/*, clip_ratio/*,
-entropy, kl, plus rlcu's timing/* (generate, score, train; elapsed: seconds since training started),
+entropy, kl, sampling/importance_sampling_ratio/min|mean|max (the sampler correction), plus rlcu's
+timing/* (generate, score, train; elapsed: seconds since training started),
 tokens_per_second, memory/generate_GB and memory/train_GB (CUDA peaks of
 each phase, set in the module), faults/skipped_updates and eval/*."""
 from __future__ import annotations
@@ -44,6 +45,7 @@ class LossStats:
         self.counts: dict[str, torch.Tensor] = {}
         self.low_min: torch.Tensor | None = None
         self.high_max: torch.Tensor | None = None
+        self.ratio: list[torch.Tensor] | None = None  # sampler correction: [min, sum, max, count] on the device
 
     def _add(self, key: str, x: torch.Tensor, mask: torch.Tensor):
         if x.shape[1] == 1:  # sequence-level (GSPO): one value per sequence
@@ -67,10 +69,33 @@ class LossStats:
             self.low_min = low_min if self.low_min is None else torch.minimum(self.low_min, low_min)
             self.high_max = high_max if self.high_max is None else torch.maximum(self.high_max, high_max)
 
+    def add_sampling_ratio(self, ratio: torch.Tensor, mask: torch.Tensor):
+        """TRL's sampling/importance_sampling_ratio/*: over completion tokens, or over sequences at sequence level."""
+        with torch.no_grad():
+            if ratio.shape[1] == 1:
+                values = ratio.float().squeeze(1)
+                keep = torch.ones_like(values, dtype=torch.bool)
+            else:
+                values, keep = ratio.float(), mask.bool()
+            inf = torch.tensor(float("inf"), device=ratio.device)
+            part = [torch.where(keep, values, inf).min(), (values * keep).sum(), torch.where(keep, values, -inf).max(),
+                    keep.sum().float()]
+            if self.ratio is None:
+                self.ratio = part
+            else:
+                r = self.ratio
+                self.ratio = [torch.minimum(r[0], part[0]), r[1] + part[1], torch.maximum(r[2], part[2]),
+                              r[3] + part[3]]
+
     def result(self) -> dict[str, float]:
         out = {k: float(self.sums[k]) / max(float(self.counts[k]), 1.0) for k in self.sums}
         if self.sums:
             out["clip_ratio/low_min"], out["clip_ratio/high_max"] = float(self.low_min), float(self.high_max)
+        if self.ratio is not None and float(self.ratio[3]) > 0:
+            low, total, high, count = (float(x) for x in self.ratio)
+            out.update({"sampling/importance_sampling_ratio/min": low,
+                        "sampling/importance_sampling_ratio/mean": total / count,
+                        "sampling/importance_sampling_ratio/max": high})
         return out
 
 

@@ -34,7 +34,7 @@ from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout, StagedBatch
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
 from rlcu.grpo.optim import MasterWeightAdamW, lr_lambda
-from rlcu.grpo.options import check_against_model, check_options
+from rlcu.grpo.options import check_against_model, check_options, sampling_correction
 from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora, lora_disabled
@@ -55,6 +55,18 @@ def resolve_rollout(spec) -> RolloutBackend:
         raise TypeError(f"{type(backend).__name__} is not a rollout backend: it needs setup(module), "
                         "generate(prompt_token_ids, sampling), release() and on_weights_updated()")
     return backend
+
+
+@dataclass
+class MicroBatchLoss:
+    """A micro-batch's loss and what its metrics need, all detached but the loss ([b, C] per token)."""
+    loss: torch.Tensor  # []
+    logps: torch.Tensor
+    entropy: torch.Tensor
+    coef: torch.Tensor  # the importance weight pi / pi_old ([b, C], or [b, 1] at sequence level)
+    kl: torch.Tensor | None
+    mask: torch.Tensor
+    sampling_ratio: torch.Tensor | None  # pi_old / pi_sampler after truncation or masking ([b, C] or [b, 1])
 
 
 class TrainingFault(RuntimeError):
@@ -137,6 +149,15 @@ class GRPOModule(L.LightningModule):
         max_tool_calling_iterations: int | None = None,
         tool_format: str = "template",
         tool_timeout: float | None = 60.0,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "sequence_mask",
+        vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_importance_sampling_clip_min: float | None = None,
+        off_policy_mask_threshold: float | None = None,
+        importance_sampling_correction: bool | None = None,
+        importance_sampling_mode: str | None = None,
+        importance_sampling_clip_max: float | None = None,
+        importance_sampling_clip_min: float | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout,
@@ -166,6 +187,8 @@ class GRPOModule(L.LightningModule):
         self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
                                                   vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
                                                   use_bias_correction_kl)
+        # the sampler's logprobs against the trainer's: TRL's correction, with TRL's names (or the neutral aliases)
+        self.sampling_correction = sampling_correction(self.hparams)
         self.accuracy_index = names.index(accuracy_reward) if accuracy_reward else 0
         self.counters = Counters()
         self.last_rollout: ScoredRollout | None = None  # for callbacks
@@ -480,37 +503,46 @@ class GRPOModule(L.LightningModule):
         total = torch.zeros((), device=self.device)
         self._entropy_window = torch.zeros(2, device=self.device)  # sum and tokens of the bonus's entropies
         for rows in mbs:
-            loss, logps, entropy, coef, kl, mask = self._micro_batch_loss(staged, rows, old, ref, loss_items, len(mbs))
-            self.manual_backward(loss)
-            total += loss.detach()
+            out = self._micro_batch_loss(staged, rows, old, ref, loss_items, len(mbs))
+            self.manual_backward(out.loss)
+            total += out.loss.detach()
             if gap is not None:  # sampler vs trainer logprobs of the same tokens under the same weights
-                diff = (logps - b.sampler_logps[rows]).abs() * mask
+                diff = (out.logps - b.sampler_logps[rows]).abs() * out.mask
                 gap[0], gap[1] = gap[0] + diff.sum(), torch.maximum(gap[1], diff.max())
             adv = b.advantages[rows]
-            stats.add(mask, entropy, kl, *grpo_loss.clip_masks(coef, adv, self.hparams.epsilon, self.epsilon_high))
+            stats.add(out.mask, out.entropy, out.kl, *grpo_loss.clip_masks(out.coef, adv, self.hparams.epsilon,
+                                                                           self.epsilon_high))
+            if out.sampling_ratio is not None and gap is not None:
+                stats.add_sampling_ratio(out.sampling_ratio, out.mask)
         return total
 
-    def _micro_batch_loss(self, staged: StagedBatch, rows: slice, old, ref, loss_items, num_micro_batches: int):
+    def _micro_batch_loss(self, staged: StagedBatch, rows: slice, old, ref, loss_items,
+                          num_micro_batches: int) -> MicroBatchLoss:
         """One micro-batch's loss as TRL's `_compute_loss` forms it: policy term (top-entropy tokens only when
-        top_entropy_quantile < 1), KL, the aggregation, the entropy bonus. Returns (loss, logps, entropy, w, KL,
-        mask), all but the loss detached."""
-        hp, b = self.hparams, staged.rows
+        top_entropy_quantile < 1; corrected for the sampler and masked off-policy as configured), KL, the
+        aggregation, the entropy bonus."""
+        hp, b, sc = self.hparams, staged.rows, self.sampling_correction
         logps, entropy = self._logps(self.policy, staged, rows, grad=True)
-        mask, adv = b.loss_mask[rows].float(), b.advantages[rows]
+        mask, adv, sampler = b.loss_mask[rows].float(), b.advantages[rows], b.sampler_logps[rows]
         old_lp = old[rows] if old is not None else logps.detach()
-        top = None
+        top = ratio = keep = None
         if hp.top_entropy_quantile < 1.0:
             top = grpo_loss.high_entropy_mask(entropy.detach(), mask, hp.top_entropy_quantile).to(mask.dtype)
+        if sc.enabled:  # pi_old / pi_sampler: TRL's TIS / MIS weight
+            ratio = grpo_loss.sampling_ratio(old_lp, sampler, mask, sc.mode, sc.clip_min, sc.clip_max)
+        if sc.off_policy_mask_threshold is not None:
+            keep = grpo_loss.off_policy_mask(adv, logps, sampler, mask, sc.off_policy_mask_threshold)
         ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
                                                  hp.importance_sampling_level, ref[rows] if ref is not None else None,
-                                                 hp.beta, hp.loss_type, self.loss_options, top)
+                                                 hp.beta, hp.loss_type, self.loss_options, top, ratio, keep)
         loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, num_micro_batches,
                                         loss_items)
         if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
             effective = mask if top is None else mask * top
             loss = loss - self._entropy_coef_now() * grpo_loss.entropy_bonus(entropy, effective, num_micro_batches)
             self._entropy_window += torch.stack([(entropy.detach() * effective).sum(), effective.sum()])
-        return loss, logps.detach(), entropy.detach(), coef.detach(), kl.detach() if kl is not None else None, mask
+        return MicroBatchLoss(loss, logps.detach(), entropy.detach(), coef.detach(),
+                              kl.detach() if kl is not None else None, mask, ratio)
 
     def _entropy_coef_now(self) -> float:
         """The entropy bonus's coefficient: entropy_coef, or with use_adaptive_entropy the controller's, applied

@@ -5,7 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from rlcu.grpo.loss import ADVANTAGE_ESTIMATORS, LEVELS, LOSS_TYPES, SCALES
+from rlcu.grpo.loss import (
+    ADVANTAGE_ESTIMATORS,
+    LEVELS,
+    LOSS_TYPES,
+    SAMPLING_CORRECTION_MODES,
+    SCALES,
+    SamplingCorrection,
+)
 from rlcu.rewards.scoring import ON_ERROR
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,40 @@ def check_options(options: Mapping) -> None:
     timeout = options["reward_timeout"]
     if timeout is not None and timeout <= 0:
         raise ValueError(f"reward_timeout must be a positive number of seconds or null (no limit), got {timeout}")
+
+
+# rlcu's neutral names for TRL's options of the sampler correction (TRL names them after vLLM, its sampler)
+ALIASES = {"importance_sampling_correction": "vllm_importance_sampling_correction",
+           "importance_sampling_mode": "vllm_importance_sampling_mode",
+           "importance_sampling_clip_max": "vllm_importance_sampling_clip_max",
+           "importance_sampling_clip_min": "vllm_importance_sampling_clip_min"}
+TRL_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
+                "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": None}
+
+
+def sampling_correction(options: Mapping) -> SamplingCorrection:
+    """The sampler correction from TRL's names or their aliases (an alias given wins over TRL's default; both
+    given and different is an error), checked."""
+    values = {}
+    for alias, name in ALIASES.items():
+        value = options[name]
+        if options[alias] is not None:
+            if value != TRL_DEFAULTS[name] and value != options[alias]:
+                raise ValueError(f"{alias} and {name} are one option (rlcu's name and TRL's); give only one")
+            value = options[alias]
+        values[name] = value
+    mode = values["vllm_importance_sampling_mode"]
+    if mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {SAMPLING_CORRECTION_MODES}, got {mode!r}")
+    low, high = values["vllm_importance_sampling_clip_min"], values["vllm_importance_sampling_clip_max"]
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be <= vllm_importance_sampling_clip_max "
+                         f"({high})")
+    enabled = bool(values["vllm_importance_sampling_correction"])
+    if enabled and options["loss_type"] == "vespo" and mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
+                         f"(TRL's rule), got {mode!r}; or set vllm_importance_sampling_correction=false")
+    return SamplingCorrection(enabled, mode, low, high, options["off_policy_mask_threshold"])
 
 
 def check_against_model(options: Mapping, context_length: int, reward_names: list[str]) -> None:

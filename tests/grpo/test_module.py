@@ -57,9 +57,12 @@ def test_metrics_carry_trl_names_and_timings(tiny, tmp_path):
     for name in ("reward", "reward_std", "rewards/match_target/mean", "frac_reward_zero_std", "completions/mean_length",
                  "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                  "entropy", "loss", "grad_norm", "learning_rate", "timing/generate", "timing/score", "timing/train",
-                 "tokens_per_second", "logprob_mismatch/max"):
+                 "tokens_per_second", "logprob_mismatch/max", "sampling/importance_sampling_ratio/mean"):
         assert name in step, name
     assert step["logprob_mismatch/max"] < 1e-4  # sampler and trainer agree on the same weights
+    # so TRL's default correction (sequence_mask) keeps every sequence at a ratio of 1
+    assert abs(step["sampling/importance_sampling_ratio/min"] - 1) < 1e-3
+    assert abs(step["sampling/importance_sampling_ratio/max"] - 1) < 1e-3
     assert 1 <= step["completions/mean_length"] <= 4
 
 
@@ -104,6 +107,14 @@ def test_clear_errors(tiny, tmp_path):
         make(tiny, max_prompt_length=1000, max_completion_length=100)
     with pytest.raises(ValueError, match="needs its tokenizer"):
         GRPOModule(tiny[0], rewards=[match_target])
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of"):
+        make(tiny, vllm_importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="importance_sampling_mode and vllm_importance_sampling_mode are one option"):
+        make(tiny, vllm_importance_sampling_mode="token_mask", importance_sampling_mode="sequence_truncate")
+    with pytest.raises(ValueError, match="loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate'"):
+        make(tiny, loss_type="vespo")
+    assert make(tiny, importance_sampling_mode="token_truncate").sampling_correction.mode == "token_truncate"
+    assert not make(tiny, importance_sampling_correction=False).sampling_correction.enabled
     with pytest.raises(ValueError, match=r"prompt 0 has 5 tokens, more than max_prompt_length=3"):
         fit(make(tiny, max_prompt_length=3), [{"prompt": "t1 t2 t3 t4 t5", "target": 8}] * 4, 1, tmp_path)
 
@@ -197,3 +208,22 @@ def test_an_entropy_bonus_changes_the_update(tiny, tmp_path):
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     assert not torch.allclose(trained(), trained(entropy_coef=0.5))
+
+
+def test_the_sampler_correction_masks_sequences_the_sampler_scored_far_off(tiny, tmp_path):
+    from rlcu.rollout.reference import ReferenceRollout
+
+    class Skewed(ReferenceRollout):
+        """Says its first sample of each call was 20x less likely per token than it was."""
+
+        def generate(self, prompt_token_ids, sampling, continuation=None):
+            out = super().generate(prompt_token_ids, sampling, continuation)
+            out.logprobs[0] = [lp - 3.0 for lp in out.logprobs[0]]
+            return out
+
+    step = [m for m in fit(make(tiny, rollout=Skewed()), toy_rows(4), 1, tmp_path) if "reward" in m][-1]
+    assert step["sampling/importance_sampling_ratio/min"] == 0.0  # masked: its ratio is over clip_max = 3
+    assert abs(step["sampling/importance_sampling_ratio/max"] - 1) < 1e-3  # the rest agree with the trainer
+    step = [m for m in fit(make(tiny, rollout=Skewed(), vllm_importance_sampling_correction=False), toy_rows(4), 1,
+                           tmp_path / "off") if "reward" in m][-1]
+    assert "sampling/importance_sampling_ratio/min" not in step and step["logprob_mismatch/max"] >= 3.0 - 1e-4

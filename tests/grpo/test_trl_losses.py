@@ -2,6 +2,7 @@
 method with a stand-in for the trainer around it: no model, one process): the loss and its gradient with
 respect to the logprobs, with masks, a KL term, two-sided clipping, the top-entropy mask and the entropy bonus.
 Also the advantage estimators against their papers' formulas, written out."""
+import math
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -31,15 +32,18 @@ class OneProcess:
 
 
 def trl_loss(tensors, loss_type, level="token", beta=0.0, delta=None, quantile=1.0, entropy_coef=0.0,
-             epsilon=0.2, epsilon_high=0.28, num_micro_batches=1):
+             epsilon=0.2, epsilon_high=0.28, num_micro_batches=1, correction=None, threshold=None):
     logps, old, ref, adv, mask, entropies = tensors
     args = SimpleNamespace(delta=delta, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
                            vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=True,
                            steps_per_generation=num_micro_batches, entropy_target=0.2)
     trainer = SimpleNamespace(
         args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_low=epsilon,
-        epsilon_high=epsilon_high, top_entropy_quantile=quantile, off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=num_micro_batches,
+        epsilon_high=epsilon_high, top_entropy_quantile=quantile, off_policy_mask_threshold=threshold,
+        use_vllm=correction is not None or threshold is not None,
+        vllm_importance_sampling_correction=correction is not None,
+        current_gradient_accumulation_steps=num_micro_batches,
+        get_off_policy_mask=trl_trainer.GRPOTrainer.get_off_policy_mask,
         max_completion_length=T + 3, accelerator=OneProcess(), model=SimpleNamespace(training=True),
         _metrics={"train": defaultdict(list)}, aux_loss_enabled=False, entropy_coef=entropy_coef,
         use_adaptive_entropy=False, _entropy_bonus_enabled=entropy_coef != 0.0,
@@ -48,16 +52,48 @@ def trl_loss(tensors, loss_type, level="token", beta=0.0, delta=None, quantile=1
     trainer.get_high_entropy_mask = lambda e, m, t: trl_trainer.GRPOTrainer.get_high_entropy_mask(trainer, e, m, t)
     inputs = dict(prompt_ids=torch.zeros(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
                   completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
-                  old_per_token_logps=old, ref_per_token_logps=ref, num_items_in_batch=mask.sum())
+                  old_per_token_logps=old, ref_per_token_logps=ref, num_items_in_batch=mask.sum(),
+                  sampling_per_token_logps=sampler_logps(tensors))
+    if correction is not None:
+        inputs["importance_sampling_ratio"] = trl_ratio(old, inputs["sampling_per_token_logps"], mask, *correction)
     return trl_trainer.GRPOTrainer._compute_loss(trainer, None, inputs)
 
 
+def sampler_logps(tensors):
+    """The sampler's logprobs: the old policy's, off by up to 0.4 nats, one of them unknown (NaN)."""
+    old = tensors[1]
+    g = torch.Generator().manual_seed(7)
+    sampler = old + 0.4 * (torch.rand(old.shape, generator=g, dtype=old.dtype) - 0.5)
+    sampler[0, 1] = float("nan")
+    return sampler
+
+
+def trl_ratio(old, sampler, mask, mode, clip_min, clip_max):
+    """TRL 1.16's importance-sampling ratio (GRPOTrainer._generate_and_score_completions), element by element."""
+    rows = []
+    for i in range(old.shape[0]):
+        diffs = [0.0 if math.isnan(float((old[i, t] - sampler[i, t]) * mask[i, t])) else
+                 float((old[i, t] - sampler[i, t]) * mask[i, t]) for t in range(old.shape[1])]
+        values = [math.exp(sum(diffs))] if mode.startswith("sequence") else [math.exp(d) for d in diffs]
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        if mode.endswith("truncate"):
+            values = [min(max(v, low), high) for v in values]
+        else:
+            values = [0.0 if v < low or v > high else v for v in values]
+        rows.append(values)
+    return torch.tensor(rows, dtype=old.dtype)
+
+
 def ours(tensors, loss_type, level="token", beta=0.0, delta=None, quantile=1.0, entropy_coef=0.0, epsilon=0.2,
-         epsilon_high=0.28):
+         epsilon_high=0.28, correction=None, threshold=None):
     logps, old, ref, adv, mask, entropies = tensors
     token_mask = L.high_entropy_mask(entropies, mask, quantile) if quantile < 1.0 else None
+    sampler = sampler_logps(tensors)
+    ratio = L.sampling_ratio(old, sampler, mask, *correction) if correction is not None else None
+    keep = L.off_policy_mask(adv, logps, sampler, mask, threshold) if threshold is not None else None
     ptl, _, _ = L.per_token_loss(logps, old, adv, mask, epsilon, epsilon_high, level, ref, beta, loss_type,
-                                 L.LossOptions(delta=delta), token_mask)
+                                 L.LossOptions(delta=delta), token_mask, ratio, keep)
     loss = L.aggregate_loss(ptl, mask, loss_type, T + 3, 1, mask.sum())
     if entropy_coef:
         effective = mask if token_mask is None else mask * token_mask
@@ -87,6 +123,16 @@ CASES = {
     "top-entropy tokens": dict(loss_type="dapo", quantile=0.3),
     "entropy bonus": dict(loss_type="bnpo", entropy_coef=0.01),
     "entropy bonus on top tokens": dict(loss_type="vespo", quantile=0.5, entropy_coef=0.02),
+    "sequence_mask correction": dict(loss_type="dapo", correction=("sequence_mask", None, 3.0)),
+    "sequence_mask, tight": dict(loss_type="grpo", correction=("sequence_mask", 0.8, 1.2), beta=0.04),
+    "sequence_truncate": dict(loss_type="sapo", correction=("sequence_truncate", None, 1.1)),
+    "token_truncate": dict(loss_type="cispo", epsilon_high=0.5, correction=("token_truncate", 0.9, 1.1)),
+    "token_mask": dict(loss_type="bnpo", correction=("token_mask", 0.9, 1.1)),
+    "vespo with token_mask": dict(loss_type="vespo", correction=("token_mask", 0.9, 1.1)),
+    "vespo with token_truncate": dict(loss_type="vespo", correction=("token_truncate", None, 1.05)),
+    "off-policy mask": dict(loss_type="dapo", threshold=0.01),
+    "off-policy mask and correction": dict(loss_type="luspo", level="sequence", threshold=0.0,
+                                           correction=("sequence_mask", None, 3.0)),
 }
 
 
@@ -124,3 +170,19 @@ def test_reinforce_pp_normalises_over_the_batch():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     want = (rewards - rewards.mean()) / (rewards.std() + L.STD_EPS)
     assert (L.reinforce_pp_advantages(rewards) - want).abs().max() < 1e-12
+
+
+def test_the_correction_ratio_and_off_policy_mask_do_what_they_say():
+    old = torch.log(torch.tensor([[0.5, 0.5], [0.2, 0.4]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.5], [0.2, 0.1]]))
+    mask = torch.ones(2, 2)
+    assert torch.allclose(L.sampling_ratio(old, sampler, mask, "token_truncate", None, 3.0),
+                          torch.tensor([[2.0, 1.0], [1.0, 3.0]]))  # 0.4 / 0.1 = 4, truncated to 3
+    assert torch.allclose(L.sampling_ratio(old, sampler, mask, "sequence_mask", None, 3.0),
+                          torch.tensor([[2.0], [0.0]]))  # 2 x 1 kept; 1 x 4 masked
+    adv = torch.tensor([-1.0, 1.0])
+    keep = L.off_policy_mask(adv, old, sampler, mask, threshold=0.1)  # row 0: mean KL est. -0.35, kept
+    assert keep.tolist() == [[1.0], [1.0]]
+    assert L.off_policy_mask(adv, sampler, old, mask, threshold=0.1).tolist() == [[0.0], [1.0]]
+    with pytest.raises(ValueError, match="must be one of"):
+        L.sampling_ratio(old, sampler, mask, "tokens")
