@@ -130,6 +130,34 @@ def mbpp(path: str | list[str] = "google-research-datasets/mbpp", split: str = "
                              "tests": "\n".join(r["test_list"])}, remove_columns=ds.column_names)
 
 
+RG_INSTRUCTION = "Think step by step, then give only the final answer between <answer> and </answer>."
+
+
+SPLIT_SEED_OFFSET = 1_000_003  # a generated split other than train is a different draw
+
+
+def reasoning_gym(task: str = "basic_arithmetic", n: int = 1000, seed: int = 0, config: dict | None = None,
+                  system_prompt: str | None = None, split: str = "train"):
+    """Procedurally generated tasks with their verifiers from reasoning-gym (Apache-2.0, `pip install
+    rlcu[reasoning]`): `task` is any of its dataset names, `config` its generator's settings (the difficulty:
+    for example {min_terms: 2, max_terms: 4}), a run of graded difficulty is a list of such sources. Rows carry
+    `answer` and `rg_entry` (the generated entry as JSON), which the `reasoning_gym` reward scores with the
+    task's own verifier. `split` other than 'train' draws from another seed."""
+    import json
+
+    import datasets
+    try:
+        import reasoning_gym as rg
+    except ImportError as e:
+        raise ImportError("the reasoning_gym source needs the reasoning-gym package: pip install 'rlcu[reasoning]'"
+                          ) from e
+    seed = seed if split == "train" else seed + SPLIT_SEED_OFFSET
+    generated = rg.create_dataset(task, size=n, seed=seed, **(config or {}))
+    return datasets.Dataset.from_list([{"prompt": _chat(e["question"], RG_INSTRUCTION, system_prompt),
+                                        "answer": str(e["answer"]), "rg_entry": json.dumps(e, default=str)}
+                                       for e in generated])
+
+
 def _gzip_rows(path):
     import gzip
     import json
@@ -153,7 +181,8 @@ def _math_rows(ds, system_prompt: str | None):
                              "answer": last_boxed(r["solution"])}, remove_columns=ds.column_names)
 
 
-LOADERS = {"gsm8k": gsm8k, "math": math, "math500": math500, "humaneval": humaneval, "mbpp": mbpp}
+LOADERS = {"gsm8k": gsm8k, "math": math, "math500": math500, "humaneval": humaneval, "mbpp": mbpp,
+           "reasoning_gym": reasoning_gym}
 
 
 def build_dataset(source: str | list[str], args: dict[str, Any] | None = None, split: str = "train"):

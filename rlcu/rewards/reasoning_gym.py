@@ -1,0 +1,40 @@
+"""reasoning_gym: each task's own verifier from reasoning-gym scores the answer between <answer> and </answer>
+(the last such pair; none scores 0). Rows come from the `reasoning_gym` data source, whose `rg_entry` column
+holds the generated entry the verifier needs."""
+from __future__ import annotations
+
+import json
+import re
+
+from rlcu.rewards.base import Reward, completion_text, require_column
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+class ReasoningGymScore(Reward):
+    name = "reasoning_gym"
+
+    def __init__(self, entry_column: str = "rg_entry", weight: float = 1.0):
+        try:
+            import reasoning_gym
+        except ImportError as e:
+            raise ImportError("the reasoning_gym reward needs the reasoning-gym package: pip install "
+                              "'rlcu[reasoning]'") from e
+        self.rg, self.entry_column, self.weight = reasoning_gym, entry_column, weight
+        self.verifiers: dict = {}
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        entries = require_column(self.name, self.entry_column, kwargs)
+        return [self._score(completion_text(c), e) for c, e in zip(completions, entries)]
+
+    def _score(self, text: str, entry) -> float | None:
+        if entry is None:
+            return None
+        entry = json.loads(entry) if isinstance(entry, str) else entry
+        found = ANSWER.findall(text)
+        if not found:
+            return 0.0
+        task = entry["metadata"]["source_dataset"]
+        if task not in self.verifiers:
+            self.verifiers[task] = self.rg.get_score_answer_fn(task)
+        return float(self.verifiers[task](found[-1].strip(), entry))

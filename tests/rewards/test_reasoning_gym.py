@@ -1,0 +1,34 @@
+"""reasoning-gym tasks as a data source and their own verifiers as a reward: a right answer scores 1, a wrong
+one or none scores as the task's verifier says; the difficulty is the generator's config; another split is
+another draw."""
+import pytest
+
+from rlcu.data.sources import build_dataset
+from rlcu.rewards.base import resolve_reward
+
+pytest.importorskip("reasoning_gym")
+
+
+@pytest.mark.parametrize("task, config", [("basic_arithmetic", {"min_terms": 2, "max_terms": 3}),
+                                          ("spell_backward", {}), ("countdown", {})])
+def test_the_tasks_own_verifier_scores_the_answer_in_tags(task, config):
+    rows = build_dataset("reasoning_gym", {"task": task, "n": 5, "seed": 3, "config": config})
+    assert len(rows) == 5 and "<answer>" in rows[0]["prompt"][-1]["content"]
+    reward = resolve_reward("reasoning_gym")
+    answers = list(rows["answer"])
+    completions = [f"thinking... <answer>{a}</answer>" for a in answers] + ["<answer>zzz</answer>", answers[0]]
+    scores = reward.fn(["p"] * 7, completions, [[1]] * 7, rg_entry=list(rows["rg_entry"]) + list(rows["rg_entry"])[:2])
+    assert scores[:5] == [1.0] * 5 and scores[5] < 0.5 and scores[6] == 0.0  # no tags: no answer
+
+
+def test_difficulty_and_splits_change_the_draw():
+    easy = build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 20, "config": {"min_terms": 2,
+                                                                                          "max_terms": 2}})
+    hard = build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 20, "config": {"min_terms": 5,
+                                                                                          "max_terms": 5}})
+    def operators(rows):
+        return {sum(r["prompt"][-1]["content"].split("\n")[0].count(f" {op} ") for op in "+-*/") for r in rows}
+
+    assert operators(easy) == {1} and operators(hard) == {4}
+    test = build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 20, "split": "test"})
+    assert list(test["answer"]) != list(build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 20})["answer"])
