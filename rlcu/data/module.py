@@ -60,17 +60,25 @@ class ResumableLoader(DataLoader):
         pass
 
 
+HOLD_OUT_BY = ("prompt", "row")
+
+
 class PromptDataModule(L.LightningDataModule):
     def __init__(self, dataset: Any = "arithmetic", dataset_args: dict[str, Any] | None = None, split: str = "train",
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None,
-                 val_size: int = 0):
+                 val_size: int = 0, hold_out_by: str = "prompt"):
+        """`hold_out_by`: what a training row may not share with a held-out one: its `prompt` (the default: no
+        question is both trained on and evaluated, whatever its other columns), or the whole `row` (for tasks
+        whose rows share a prompt and differ in hidden columns, as the games of an environment do)."""
         super().__init__()
+        if hold_out_by not in HOLD_OUT_BY:
+            raise ValueError(f"hold_out_by must be one of {HOLD_OUT_BY}, got {hold_out_by!r}")
         self.save_hyperparameters(ignore=not_plain(dataset=dataset))
         self.dataset, self.dataset_args, self.split = dataset, dataset_args, split
         self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
         self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt
-        self.val_size = val_size
+        self.val_size, self.hold_out_by = val_size, hold_out_by
         self.train_set, self.val_set = None, None
 
     def setup(self, stage: str | None = None) -> None:
@@ -102,18 +110,22 @@ class PromptDataModule(L.LightningDataModule):
         self.train_set, self.val_set = self._hold_out(rows)
 
     def _hold_out(self, rows):
-        """The last `val_size` rows are the held-out split; training never sees a row that is in it: the same
-        prompt with the same columns (a game's hidden target, say, tells two rows of one prompt apart)."""
+        """The last `val_size` rows are the held-out split; training never sees a prompt (or with hold_out_by=row,
+        a row) that is in it."""
         if self.val_size < 0 or self.val_size >= len(rows):
             raise ValueError(f"val_size must be in [0, {len(rows)}) for {len(rows)} rows, got {self.val_size}")
         if not self.val_size:
             return rows, None
         val = [dict(r) for r in list(rows)[len(rows) - self.val_size:]]
-        key = lambda r: json.dumps(dict(r), sort_keys=True, default=str)  # noqa: E731
+        def key(r) -> str:
+            return json.dumps(r[PROMPT] if self.hold_out_by == "prompt" else dict(r), sort_keys=True, default=str)
+
         held = {key(r) for r in val}
         train = [r for r in list(rows)[:len(rows) - self.val_size] if key(r) not in held]
         if not train:
-            raise ValueError("no training rows are left once the held-out prompts are removed; lower val_size")
+            raise ValueError(f"no training rows are left once the held-out {self.hold_out_by}s are removed; lower "
+                             "val_size" + (", or set hold_out_by: row if rows share a prompt and differ in other "
+                                           "columns" if self.hold_out_by == "prompt" else ""))
         return train, val
 
     def _to_chat(self, row: dict) -> dict:

@@ -58,6 +58,12 @@ def test_held_out_split_never_reaches_training():
     assert len(dm.train_set) == 60 - 10 - 10  # the earlier copies of the held-out prompts are dropped too
     with pytest.raises(ValueError, match="val_size"):
         PromptDataModule(rows, val_size=60).setup()
+    games = [{"prompt": "guess", "target": i % 7, "game": i} for i in range(40)]  # one prompt, hidden targets
+    with pytest.raises(ValueError, match="set hold_out_by: row"):
+        PromptDataModule(games, val_size=5).setup()
+    dm = PromptDataModule(games, val_size=5, hold_out_by="row")
+    dm.setup()
+    assert len(dm.train_set) == 35 and not {r["game"] for r in dm.val_set} & {r["game"] for r in dm.train_set}
 
 
 def test_rlcu_eval_reproduces_the_final_metrics_from_the_checkpoint(tmp_path, monkeypatch, capsys):

@@ -47,7 +47,8 @@ class GuessNumber(TextEnvironment):
 
 def games(n: int = 1000, seed: int = 0, low: int = 1, high: int = 100) -> list[dict]:
     """Dataset rows: the game's opening prompt, its hidden `target`, and a `game` number that makes each row
-    a distinct game (so a held-out split holds games that training never plays, though targets recur)."""
+    a distinct game (held out by row, `hold_out_by: row`, a split holds games training never plays, though
+    targets recur)."""
     rng = random.Random(seed)
     return [{"prompt": [{"role": "user", "content": PROMPT.format(low=low, high=high)}],
              "target": rng.randint(low, high), "game": i} for i in range(n)]
