@@ -26,11 +26,13 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="default: the recipe's model (the embedded SmolLM2)")
     p.add_argument("--batch_size", type=int, default=None, help="prompts per step (default: the recipe's)")
     p.add_argument("--num_generations", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--max_completion_length", type=int, default=None, help="default: the recipe's")
     args = p.parse_args(argv)
     recipe = yaml.safe_load((Path(__file__).parent / args.recipe / "config.yaml").read_text())
     m, d = recipe["model"], recipe["data"]
     d["batch_size"] = args.batch_size or d["batch_size"]
     m["num_generations"] = args.num_generations or m["num_generations"]
+    m["max_completion_length"] = args.max_completion_length or m["max_completion_length"]
 
     import torch
     from datasets import Dataset

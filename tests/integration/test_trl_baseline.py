@@ -45,5 +45,5 @@ def test_trl_baseline_runs_the_calculator_recipe_with_its_tool(tmp_path, smollm2
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     rows = script.main(["calculator", "--out", str(tmp_path / "trl.csv"), "--max_steps", "1", "--batch_size", "2",
-                        "--num_generations", "2"])
+                        "--num_generations", "2", "--max_completion_length", "48"])
     assert len(rows) == 1 and rows[0]["tools/call_frequency"] is not None
