@@ -244,10 +244,21 @@ class GRPOModule(L.LightningModule):
                 log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
                             "(long_prompts=truncate_left)", long, len(rows), self.hparams.max_prompt_length)
         held_out = getattr(dm, "val_set", None)
-        if held_out and self.hparams.eval_at_start:  # the curve's first point: the model before any update
-            metrics = evaluation.evaluate_all(self, held_out, dm.batch_size)
+        if held_out and self.hparams.eval_at_start and self._evaluates_later():
+            metrics = evaluation.evaluate_all(self, held_out, dm.batch_size)  # the curve's first point
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=0)
+
+    def _evaluates_later(self) -> bool:
+        """Whether the run reaches a held-out evaluation: the point before training starts a curve, and a run
+        that ends before its first evaluation (a one-step smoke test, say) has none to start."""
+        t = self.trainer
+        every, steps = t.val_check_interval, t.max_steps
+        if t.limit_val_batches == 0 or (isinstance(every, int) and t.check_val_every_n_epoch is None
+                                        and 0 < steps < every):
+            log.info("no held-out evaluation before training: this run of %s steps ends before its first", steps)
+            return False
+        return True
 
     def on_train_start(self) -> None:
         self._train_start = time.perf_counter()  # for timing/elapsed: curves against wall time, evaluation included
