@@ -148,7 +148,8 @@ def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
                   options: LossOptions = LossOptions(), sampling_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's phi(w) = e^lambda w^k e^(-lambda w) (so phi(1) = 1) of the sequence ratio w = exp(sum of the
     token log-ratios, each clamped to [-20, 20]), with (k, lambda) by the sign of A; [B, 1], no gradient.
-    A per-token `sampling_ratio` (the sampler correction) multiplies w: log w += sum of its clamped logs."""
+    A `sampling_ratio` (the sampler correction, per token [B, T] or per sequence [B, 1]) multiplies w: log w
+    += the sum of its clamped logs."""
     low = math.log(1e-8)
     seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
     if sampling_ratio is not None:
@@ -187,7 +188,7 @@ def sampling_ratio(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: t
         diff = diff.sum(-1, keepdim=True)
     ratio = torch.exp(diff)
     if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
+        return ratio if clip_min is None and clip_max is None else torch.clamp(ratio, min=clip_min, max=clip_max)
     low = -math.inf if clip_min is None else clip_min
     high = math.inf if clip_max is None else clip_max
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)

@@ -81,11 +81,11 @@ def sampling_correction(options: Mapping) -> SamplingCorrection:
     if low is not None and high is not None and low > high:
         raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be <= vllm_importance_sampling_clip_max "
                          f"({high})")
-    enabled = bool(values["vllm_importance_sampling_correction"])
-    if enabled and options["loss_type"] == "vespo" and mode not in ("token_truncate", "token_mask"):
-        raise ValueError(f"loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
-                         f"(TRL's rule), got {mode!r}; or set vllm_importance_sampling_correction=false")
-    return SamplingCorrection(enabled, mode, low, high, options["off_policy_mask_threshold"])
+    # VESPO folds the correction into its sequence weight, where a sequence-level ratio is as good as the product
+    # of token ratios (TRL accepts only token modes there, and only with vLLM; without vLLM, its default, TRL
+    # applies no correction, so a TRL config with loss_type vespo must run here with the default mode too)
+    return SamplingCorrection(bool(values["vllm_importance_sampling_correction"]), mode, low, high,
+                              options["off_policy_mask_threshold"])
 
 
 def check_against_model(options: Mapping, context_length: int, reward_names: list[str]) -> None:

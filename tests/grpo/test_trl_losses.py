@@ -186,3 +186,14 @@ def test_the_correction_ratio_and_off_policy_mask_do_what_they_say():
     assert L.off_policy_mask(adv, sampler, old, mask, threshold=0.1).tolist() == [[0.0], [1.0]]
     with pytest.raises(ValueError, match="must be one of"):
         L.sampling_ratio(old, sampler, mask, "tokens")
+
+
+def test_vespo_folds_a_sequence_ratio_into_its_weight_as_the_product_of_token_ratios():
+    logps, old, ref, adv, mask, entropies = random_tensors(0)
+    sampler = sampler_logps((logps, old))
+    per_token = L.sampling_ratio(old, sampler, mask, "token_truncate", None, None)  # no clip: exact ratios
+    per_sequence = L.sampling_ratio(old, sampler, mask, "sequence_truncate", None, None)
+    log_ratio = logps.detach() - old
+    a = L.gamma_weights(adv.unsqueeze(1), log_ratio, mask, L.LossOptions(), per_token * mask + (1 - mask))
+    b = L.gamma_weights(adv.unsqueeze(1), log_ratio, mask, L.LossOptions(), per_sequence)
+    assert (a - b).abs().max() < 1e-9
