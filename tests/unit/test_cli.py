@@ -131,6 +131,7 @@ def test_plugins_lists_the_third_party_reward_and_a_recipe_uses_it(capsys, tiny_
     cli.main(["plugins"])
     out = capsys.readouterr().out
     assert "repetition_penalty" in out and "from rlcu-repetition" in out
+    assert "environments (rlcu.environments):" in out and "guess_number" in out and "from rlcu-guess-number" in out
     monkeypatch.chdir(tmp_path)
     cli.main(fast_run(tiny_model, tmp_path, "--model.rewards=[math_answer, repetition_penalty]"))
     metrics = list(csv.DictReader(open(next(tmp_path.glob("**/metrics.csv")))))
@@ -140,7 +141,7 @@ def test_plugins_lists_the_third_party_reward_and_a_recipe_uses_it(capsys, tiny_
 def test_recipes_lists_the_shipped_ones(capsys):
     cli.main(["recipes"])
     out = capsys.readouterr().out
-    assert all(name in out for name in ("quickstart", "countdown", "gsm8k"))
+    assert all(name in out for name in ("quickstart", "countdown", "gsm8k", "calculator", "guess-number"))
 
 
 @pytest.mark.slow
