@@ -8,8 +8,8 @@ from rlcu import cli
 
 SMOKE = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=1",
          "--trainer.val_check_interval=1", "--data.val_size=2", "--data.batch_size=2", "--model.num_generations=2",
-         "--model.eval_num_samples=0", "--trainer.enable_progress_bar=false", "--trainer.logger+=CSVLogger",
-         "--trainer.logger.save_dir=runs"]
+         "--model.eval_num_samples=0", "--model.max_completion_length=64", "--trainer.enable_progress_bar=false",
+         "--trainer.logger+=CSVLogger", "--trainer.logger.save_dir=runs"]
 
 
 @pytest.mark.slow
