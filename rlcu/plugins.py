@@ -41,7 +41,7 @@ def load(kind: str, name: str):
     raise UnknownPluginError(
         f"unknown {kind[:-1]} {name!r}; available: {', '.join(sorted(found)) or 'none'}. "
         f"Install a package that registers it under the '{GROUPS[kind]}' entry-point group, "
-        "or give an import path such as 'my_pkg.rewards:my_reward'.")
+        f"or give an import path such as 'my_pkg.{kind}:my_{kind[:-1]}'.")
 
 
 def _unpack(kind: str, spec, extra_keys: tuple[str, ...] = ()):

@@ -41,11 +41,22 @@ class AgentOptions:
             raise ValueError(f"max_tool_calling_iterations must be >= 1 or null, got {max_tool_calling_iterations}")
         if tool_timeout is not None and tool_timeout <= 0:
             raise ValueError(f"tool_timeout must be a positive number of seconds or null, got {tool_timeout}")
-        functions = [plugins.import_path(t) if isinstance(t, str) else t for t in tools or []]
+        functions = [_tool(t) for t in tools or []]
         ToolBox(functions)  # checks names and docstrings now, not at the first rollout
         environments = Environments(environment_factory) if environment_factory is not None else None
         return cls(tool_format(tool_format_name, tokenizer), functions, environments, max_tool_calling_iterations,
                    max_completion_length, tool_timeout)
+
+
+def _tool(spec):
+    """A tool given as a callable, or from YAML as an import path."""
+    if not isinstance(spec, str):
+        return spec
+    try:
+        return plugins.import_path(spec)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import the tool {spec!r} ({e}); give an import path such as "
+                         "'my_pkg.tools:multiply'") from e
 
 
 @dataclass

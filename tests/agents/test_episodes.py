@@ -139,6 +139,11 @@ def test_tool_formats_never_fall_back_silently(tokenizer):
         AgentOptions.build(tokenizer, [multiply], tool_format_name="json")
 
 
+def test_a_tool_that_cannot_be_imported_is_a_one_line_error(tokenizer):
+    with pytest.raises(ValueError, match="cannot import the tool 'nope.tools:fn'.*'my_pkg.tools:multiply'"):
+        AgentOptions.build(tokenizer, ["nope.tools:fn"], tool_format_name="hermes")
+
+
 def test_a_tool_without_a_docstring_is_an_error_at_set_up(tokenizer):
     def bare(a: int) -> int:
         return a
