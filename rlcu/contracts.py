@@ -101,6 +101,19 @@ class Reply:
     finish_reason: str | None = None  # when the episode ends: its reason (None: the last turn's)
 
 
+def check_reply(reply, completion_length: int, max_tokens: int) -> None:
+    """What every backend asks of a continuation's reply: a `Reply`, and tokens that leave room to sample."""
+    if not isinstance(reply, Reply):
+        raise TypeError(f"a continuation must return a Reply, got {type(reply).__name__}")
+    if reply.token_ids is None:
+        return
+    if not reply.token_ids:
+        raise ValueError("a continuation replied with no tokens: reply Reply(None) to end the episode")
+    if completion_length + len(reply.token_ids) >= max_tokens:
+        raise ValueError(f"appending {len(reply.token_ids)} tokens to a completion of {completion_length} leaves no "
+                         f"room to sample within max_tokens={max_tokens}; end the episode instead")
+
+
 # Called from worker threads, one call per ended turn, so that a slow tool does not hold up the decoding
 # of other episodes; calls for different requests may run at the same time.
 Continuation = Callable[[Turn], Reply]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, StopStrings, Turn
+from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, StopStrings, Turn, check_reply
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner
 from rlcu.engine.paged_attention import cache_dtype
@@ -194,12 +194,9 @@ class LLMEngine:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _apply_reply(self, seq, reply: Reply) -> None:
-        if not isinstance(reply, Reply):
-            raise TypeError(f"a continuation must return a Reply, got {type(reply).__name__}")
+        check_reply(reply, seq.num_completion_tokens, seq.max_tokens)
         if reply.token_ids is None:
             self.scheduler.end(seq, reply.finish_reason)
-        elif not reply.token_ids:
-            raise ValueError("a continuation replied with no tokens: reply Reply(None) to end the episode")
         else:
             self.scheduler.resume(seq, list(reply.token_ids), self._sampling.max_turn_tokens)
 

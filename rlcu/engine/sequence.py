@@ -64,10 +64,7 @@ class Sequence:
 
     def extend(self, token_ids: list[int], max_turn_tokens: int | None) -> None:
         """Append tokens the model did not sample and open its next turn (of at most `max_turn_tokens`)."""
-        start = self.num_completion_tokens
-        if start + len(token_ids) >= self.max_tokens:
-            raise ValueError(f"appending {len(token_ids)} tokens to a completion of {start} leaves no room to sample "
-                             f"within max_tokens={self.max_tokens}; end the episode instead")
+        start = self.num_completion_tokens  # the caller checked the room (contracts.check_reply)
         self.token_ids += token_ids
         self.logprobs += [0.0] * len(token_ids)
         self.appended.append((start, start + len(token_ids)))

@@ -8,7 +8,7 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, Turn
+from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, check_reply
 
 TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
 
@@ -33,14 +33,10 @@ def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: Sam
             replies = list(pool.map(continuation, [Turn(i, list(completions[i]), reason) for i, reason in ended]))
             active = []
             for (i, reason), reply in zip(ended, replies):
-                if not isinstance(reply, Reply):
-                    raise TypeError(f"a continuation must return a Reply, got {type(reply).__name__}")
+                check_reply(reply, len(completions[i]), sampling.max_tokens)
                 if reply.token_ids is None:
                     reasons[i] = reply.finish_reason or reason
                     continue
-                if not reply.token_ids or len(completions[i]) + len(reply.token_ids) >= sampling.max_tokens:
-                    raise ValueError(f"episode {i}: a reply must append at least one token and leave room to sample "
-                                     f"within max_tokens={sampling.max_tokens}; reply Reply(None) to end it")
                 completions[i] += reply.token_ids
                 logprobs[i] += [0.0] * len(reply.token_ids)
                 masks[i] += [0] * len(reply.token_ids)
