@@ -33,7 +33,7 @@ from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout, StagedBatch
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.grpo.metrics import LossStats, completion_metrics, reward_metrics
-from rlcu.grpo.optim import MasterWeightAdamW, lr_lambda
+from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
 from rlcu.grpo.options import check_against_model, check_options, sampling_correction
 from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
@@ -112,6 +112,7 @@ class GRPOModule(L.LightningModule):
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         adam_betas: tuple[float, float] = (0.9, 0.999),
+        adam_state_dtype: str = "float32",
         lr_scheduler: str = "constant",
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
@@ -277,12 +278,9 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
-        optimizer = MasterWeightAdamW if low_precision else torch.optim.AdamW  # fp32 updates for bf16 weights
-        # fused on the GPU: one kernel, none of the foreach implementation's parameter-sized temporaries
-        fused = all(p.is_cuda for p in params) or None
-        opt = optimizer(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas),
-                        fused=fused)
+        # fp32 masters for bf16 weights; moments in fp32 or (adam_state_dtype) bf16
+        opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas),
+                                state_dtype=STATE_DTYPES[hp.adam_state_dtype])
         max_steps = self.trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None
         if hp.lr_scheduler != "constant" and total is None:
@@ -579,20 +577,16 @@ class GRPOModule(L.LightningModule):
     def _optimizer_step(self) -> float:
         """Clip, step, schedule; returns the gradient norm, and takes no step when it is not finite."""
         opt, sched = self.optimizers(), self.lr_schedulers()
-        if isinstance(opt.optimizer, MasterWeightAdamW):
-            opt.optimizer.load_grads()  # clip and measure the fp32 copies
-        with_grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads]) if with_grads else torch.tensor(0.0)
+        norm = opt.optimizer.grad_norm()
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
             norm = norm.full_tensor()
         value = float(norm)
         if not math.isfinite(value):  # under DDP every rank sees the same averaged gradients: all skip together
             opt.zero_grad()
             return value
-        if self.hparams.max_grad_norm:  # with the norm measured above: no second pass over the gradients
-            torch.nn.utils.clip_grads_with_norm_(with_grads, self.hparams.max_grad_norm, norm)
-        opt.step()
-        opt.zero_grad()  # the fp32 gradients would otherwise sit through the next rollout
+        max_norm = self.hparams.max_grad_norm  # torch's clipping coefficient, applied as the step reads the gradients
+        opt.step(grad_scale=min(1.0, max_norm / (value + 1e-6)) if max_norm else 1.0)
+        opt.zero_grad()  # the gradients would otherwise sit through the next rollout
         sched.step()
         self.rollout.on_weights_updated()
         return value

@@ -1,61 +1,104 @@
-"""AdamW for bf16/fp16 parameters with fp32 master weights.
+"""AdamW for bf16/fp16 parameters with fp32 master weights, and moments in fp32 or bf16.
 
 The model (and so the rollout engine, which runs the same parameters) stays in bf16: no cast of the
 weights at every matmul, half the bytes per decode step. The optimizer keeps an fp32 master copy of
 each parameter with its moments: a pure bf16 update would lose steps smaller than bf16's resolution
-(about 0.4% of a weight), which at RL learning rates is most of them."""
+(about 0.4% of a weight), which at RL learning rates is most of them. Gradients stay in the model's
+dtype: the step (kernels/adamw.py) reads them as they are and applies the clipping coefficient as it
+reads, so a bf16 model costs 2 + 2 + 4 + 8 bytes a parameter (weights, gradients, masters, moments),
+or 2 + 2 + 4 + 4 with `state_dtype=torch.bfloat16`."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from rlcu.kernels.adamw import AdamWStep, adamw_step
 
-class MasterWeightAdamW(torch.optim.AdamW):
-    """Steps fp32 masters of `params` and copies them back. `load_grads()` moves the parameters'
-    gradients onto the masters (so that clipping acts on fp32 values); `step()` does it if needed."""
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-    def __init__(self, params, **kwargs):
-        self.model_params = [p for p in params]
-        masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
-        super().__init__(masters, **kwargs)
-        self.masters = masters
-        self._grads_loaded = False
 
-    def load_grads(self) -> None:
-        for p, m in zip(self.model_params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None  # one copy of each gradient at a time
-        self._grads_loaded = True
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of an FSDP parameter (a DTensor); the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update over fp32 masters of `params` (a parameter that is fp32 already is its own
+    master), writing the rounded result back into the parameters. `step(grad_scale=c)` scales the
+    gradients by `c` (the clipping coefficient) as it reads them."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 state_dtype: torch.dtype = torch.float32, fused: bool | None = None):
+        del fused  # one fused kernel on CUDA always; the argument is torch.optim.AdamW's
+        self.model_params = list(params)
+        masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
+        super().__init__(masters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.masters, self.state_dtype = masters, state_dtype
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model_params if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of all gradients, accumulated in fp32 whatever their dtype."""
+        grads = self.gradients()
+        if not grads:
+            return torch.tensor(0.0)
+        if all(g.dtype == torch.float32 for g in grads):  # FSDP's DTensors among them: torch sums the shards
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: float = 1.0):
         loss = closure() if closure is not None else None
-        if not self._grads_loaded:
-            self.load_grads()
-        super().step()
-        torch._foreach_copy_([p.data for p in self.model_params], self.masters)
-        self._grads_loaded = False
+        index = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for master in group["params"]:
+                param, index = self.model_params[index], index + 1
+                if param.grad is None:
+                    continue
+                state = self._state(master)
+                state["step"] += 1
+                s = AdamWStep(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"],
+                              grad_scale, seed=(state["step"] * 7919 + index * 104729) % (2**31 - 1))
+                adamw_step(_local(master), _local(param.grad), _local(state["exp_avg"]),
+                           _local(state["exp_avg_sq"]), s, out=None if param is master else _local(param))
         return loss
 
+    def _state(self, master: torch.Tensor) -> dict:
+        state = self.state[master]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(master, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
+        return state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
         for p in self.model_params:
             p.grad = None
-        self._grads_loaded = False
 
     def state_dict(self):
         state = super().state_dict()
-        state["masters"] = [m.detach().clone() for m in self.masters]
+        copies = [m.detach().clone() for m, p in zip(self.masters, self.model_params) if m is not p]
+        if copies:  # FSDP's checkpointing maps the state to parameters by identity: no extra key then
+            state["masters"] = copies
         return state
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         masters = state_dict.pop("masters", None)
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # (which casts the moments to the masters' dtype)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.state_dtype)
+            if "step" in state:
+                state["step"] = int(state["step"])
         if masters is not None:
+            copied = [(m, p) for m, p in zip(self.masters, self.model_params) if m is not p]
             with torch.no_grad():
-                for m, saved, p in zip(self.masters, masters, self.model_params):
+                for (m, p), saved in zip(copied, masters):
                     m.copy_(saved)
                     p.copy_(saved)
 

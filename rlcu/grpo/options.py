@@ -13,6 +13,7 @@ from rlcu.grpo.loss import (
     SCALES,
     SamplingCorrection,
 )
+from rlcu.grpo.optim import STATE_DTYPES
 from rlcu.rewards.scoring import ON_ERROR
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ OLD_LOGPROBS = ("trainer", "engine")
 
 CHOICES = {"loss_type": LOSS_TYPES, "importance_sampling_level": LEVELS, "scale_rewards": SCALES,
            "lr_scheduler": SCHEDULES, "long_prompts": LONG_PROMPTS, "old_logprobs": OLD_LOGPROBS,
-           "on_reward_error": ON_ERROR, "advantage_estimator": ADVANTAGE_ESTIMATORS}
+           "on_reward_error": ON_ERROR, "advantage_estimator": ADVANTAGE_ESTIMATORS,
+           "adam_state_dtype": tuple(STATE_DTYPES)}
 MINIMUM = {"num_generations": (2, " (GRPO compares completions within a group)"), "micro_batch_size": (1, ""),
            "num_iterations": (1, ""), "max_prompt_length": (1, ""), "max_completion_length": (1, ""),
            "max_consecutive_faults": (1, ""), "eval_num_samples": (0, " (0 or 1: greedy only)"),

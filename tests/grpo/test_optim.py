@@ -43,3 +43,44 @@ def test_state_dict_carries_the_masters():
     assert torch.equal(fresh.masters[0], opt.masters[0])
     assert torch.equal(fresh_param.detach(), low.detach())
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
+def test_bf16_moments_stay_bf16_through_a_checkpoint():
+    param = torch.nn.Parameter(torch.randn(64).to(torch.bfloat16))
+    opt = MasterWeightAdamW([param], lr=1e-3, state_dtype=torch.bfloat16)
+    param.grad = torch.randn(64).to(torch.bfloat16)
+    opt.step()
+    assert opt.state[opt.masters[0]]["exp_avg_sq"].dtype == torch.bfloat16
+    fresh = MasterWeightAdamW([torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))], lr=1e-3,
+                              state_dtype=torch.bfloat16)
+    fresh.load_state_dict(opt.state_dict())
+    state = fresh.state[fresh.masters[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert torch.equal(state["exp_avg_sq"], opt.state[opt.masters[0]]["exp_avg_sq"]) and state["step"] == 1
+
+
+def test_an_fp32_parameter_is_its_own_master_and_grad_scale_is_torchs_clipping():
+    torch.manual_seed(1)
+    start, grad = torch.randn(100), 10 * torch.randn(100)
+    ours = torch.nn.Parameter(start.clone())
+    opt = MasterWeightAdamW([ours], lr=1e-2, weight_decay=0.01)
+    assert opt.masters[0] is ours and "masters" not in opt.state_dict()
+    ref = torch.nn.Parameter(start.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.01)
+    ours.grad, ref.grad = grad.clone(), grad.clone()
+    norm = float(opt.grad_norm())
+    assert abs(norm - float(grad.norm())) < 1e-4
+    torch.nn.utils.clip_grads_with_norm_([ref], 1.0, torch.tensor(norm))
+    opt.step(grad_scale=min(1.0, 1.0 / (norm + 1e-6)))
+    ref_opt.step()
+    assert torch.allclose(ours.detach(), ref.detach(), atol=1e-7)
+
+
+def test_grad_norm_of_bf16_gradients_is_accumulated_in_fp32():
+    params = [torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(3)]
+    opt = MasterWeightAdamW(params)
+    for i, p in enumerate(params):
+        p.grad = torch.full((4096,), 1.0 + i, dtype=torch.bfloat16)
+    exact = (4096 * (1 + 4 + 9)) ** 0.5
+    assert opt.grad_norm().dtype == torch.float32
+    assert abs(float(opt.grad_norm()) - exact) < 1e-3

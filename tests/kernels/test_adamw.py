@@ -1,0 +1,74 @@
+"""The AdamW step (Triton and its PyTorch reference) against torch.optim.AdamW in float64, and the
+stochastic rounding of bf16 moments against round-to-nearest, which stalls."""
+import pytest
+import torch
+
+from rlcu.kernels import _triton
+from rlcu.kernels.adamw import AdamWStep, adamw_step_reference, adamw_step_triton, stochastic_round_bf16
+from tests.helpers import KERNEL_DEVICE as DEVICE
+
+IMPLEMENTATIONS = ["reference"] + (["triton"] if _triton.HAS_TRITON else [])
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def step_with(impl, master, grad, m, v, s, out=None):
+    if impl == "triton":
+        adamw_step_triton(master, grad, m, v, s, out)
+    else:
+        adamw_step_reference(master, grad, m, v, s, out, torch.Generator(master.device).manual_seed(s.seed))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [1, 1000, 4099])
+def test_step_matches_torch_adamw_in_float64(impl, grad_dtype, n):
+    g = torch.Generator().manual_seed(n)
+    start = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g).to(grad_dtype) for _ in range(5)]
+    scale = 0.37  # a clipping coefficient
+    exact = start.double().clone().requires_grad_(True)
+    ref = torch.optim.AdamW([exact], **HYPER)
+    master, out = start.clone().to(DEVICE), torch.empty(n, dtype=torch.float16, device=DEVICE)
+    m, v = torch.zeros_like(master), torch.zeros_like(master)
+    for t, grad in enumerate(grads, 1):
+        exact.grad = grad.double() * scale
+        ref.step()
+        step_with(impl, master, grad.to(DEVICE), m, v, AdamWStep(1e-2, 0.9, 0.999, 1e-8, 0.1, t, scale), out)
+    assert torch.allclose(master.double().cpu(), exact.detach(), atol=1e-6, rtol=1e-5)
+    assert torch.equal(out.cpu(), master.cpu().to(torch.float16)), "out holds the master in the model's dtype"
+    assert torch.allclose(v.double().cpu(), ref.state[exact]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bf16_moments_track_fp32_where_round_to_nearest_stalls(impl):
+    """v starts at 1 and is fed g^2 = 2: each step adds 0.1% of v, under half of bf16's spacing at 1."""
+    n, steps = 4096, 200
+    hyper = AdamWStep(0.0, 0.9, 0.999, 1e-8, 0.0, 1)
+    m32, v32 = torch.zeros(n), torch.ones(n)
+    m16, v16 = torch.zeros(n, dtype=torch.bfloat16, device=DEVICE), torch.ones(n, dtype=torch.bfloat16, device=DEVICE)
+    nearest = torch.ones(n, dtype=torch.bfloat16)
+    grad = torch.full((n,), 2.0 ** 0.5)
+    for t in range(1, steps + 1):
+        s = AdamWStep(**{**hyper.__dict__, "step": t, "seed": t})
+        step_with("reference", torch.zeros(n), grad, m32, v32, s)
+        step_with(impl, torch.zeros(n, device=DEVICE), grad.to(DEVICE), m16, v16, s)
+        nearest = (nearest.float() * 0.999 + 0.001 * 2.0).to(torch.bfloat16)
+    expected = float(v32.mean())
+    assert expected > 1.15  # the fp32 estimate moved
+    assert float(nearest.float().mean()) == 1.0, "round-to-nearest was expected to stall here"
+    assert abs(float(v16.float().mean()) - expected) < 0.01 * expected
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour(impl):
+    x = torch.full((1 << 16,), 1.0 + 2 ** -9)  # a quarter of the way from 1 to the next bf16 (1 + 2^-7)
+    if impl == "triton":  # through the kernel: the moment of a zero-lr step with b1 = 0 is the gradient itself
+        m = torch.zeros(x.shape, dtype=torch.bfloat16, device=DEVICE)
+        v = torch.zeros_like(m)
+        adamw_step_triton(torch.zeros(x.shape, device=DEVICE), x.to(DEVICE), m, v,
+                          AdamWStep(0.0, 0.0, 0.999, 1e-8, 0.0, 1, seed=3))
+        rounded = m.float().cpu()
+    else:
+        rounded = stochastic_round_bf16(x, torch.Generator().manual_seed(3)).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(float((rounded == 1.0 + 2 ** -7).float().mean()) - 0.25) < 0.01
