@@ -34,6 +34,7 @@ SHAPES = {STANDARD: {},
                                   num_attention_heads=32, num_key_value_heads=8),
           "qwen3-8b-random": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)}
+PHASES = ("generate", "score", "train", "gather", "reshard")  # timing/* of a step; the last two under fsdp2
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
 
 
@@ -109,6 +110,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--packing", action="store_true", help="padding-free training forward (varlen flash attention)")
     s.add_argument("--lora_rank", type=int, default=0,
                    help="train LoRA adapters of this rank on all linear layers (alpha 2 x rank, as the peer's LORA=R)")
+    s.add_argument("--adam_state_dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="AdamW moments in bf16 (stochastic rounding): 4 bytes a parameter less")
+    s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
+    s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
+                   help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
     s.add_argument("--profile", metavar="DIR",
                    help="profile one extra step (not in the timings): GPU time by phase and kernel, DIR/trace.json")
     return p
@@ -188,7 +194,13 @@ def bench_step(args) -> dict:
         except OSError as e:
             raise ValueError(f"--profile {args.profile}: cannot make that folder ({e.strerror}); "
                              "give a writable path") from e
-    model, tok = build_model(args.model, args.device, args.dtype)
+    if args.prompts % args.devices:
+        raise ValueError(f"--prompts {args.prompts} (the whole step's) must divide among --devices {args.devices}")
+    # ranks after the first are this command again, started by Lightning with LOCAL_RANK set: each builds
+    # the same seeded model on its own GPU
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = f"cuda:{rank}" if args.device == "cuda" and args.devices > 1 else args.device
+    model, tok = build_model(args.model, device, args.dtype)
     total_steps = args.steps + (1 if args.profile else 0)
     prompts = random_prompt_ids(args.prompts * total_steps, args.prompt_len, model.config.vocab_size)
     rows = [{"prompt": tok.decode(p)} for p in prompts]
@@ -204,7 +216,7 @@ def bench_step(args) -> dict:
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
-                        peft_config=lora_config(args.lora_rank))
+                        peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype)
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
     profile: dict = {}
@@ -219,13 +231,14 @@ def bench_step(args) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             _sync(args.device)
             m = trainer.callback_metrics
-            steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"])
-                                                                       for k in ("generate", "score", "train")}))
+            steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"]) for k in PHASES
+                                                                       if f"timing/{k}" in m}))
             for phase in ("generate", "train"):  # the module's per-phase peaks (CUDA only)
                 if f"memory/{phase}_GB" in m:
                     steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
-            print(f"  step {batch_idx}: {steps[-1]['total']:.2f} s (generate {steps[-1]['generate']:.2f}, score "
-                  f"{steps[-1]['score']:.2f}, train {steps[-1]['train']:.2f})", file=sys.stderr)
+            phases = ", ".join(f"{k} {steps[-1][k]:.2f}" for k in PHASES if k in steps[-1])
+            print(f"  rank {trainer.global_rank} step {batch_idx}: {steps[-1]['total']:.2f} s ({phases})",
+                  file=sys.stderr)
             if getattr(self, "prof", None) is not None:
                 self.prof.__exit__(None, None, None)
                 phases = phase_kernels(self.prof)
@@ -236,18 +249,22 @@ def bench_step(args) -> dict:
                 self.prof = None
 
     trainer = L.Trainer(max_steps=total_steps, accelerator="gpu" if args.device.startswith("cuda") else "cpu",
-                        devices=1, precision="32-true", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
-    trainer.fit(module, DataLoader(rows, batch_size=args.prompts, collate_fn=collate_rows))
+                        devices=args.devices, strategy=args.strategy, precision="32-true", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Timer()])
+    trainer.fit(module, DataLoader(rows, batch_size=args.prompts // args.devices, collate_fn=collate_rows))
+    if not trainer.is_global_zero:
+        return None  # rank 0 reports (its memory, its timings: the ranks wait for each other at every step)
     steps = steps[:args.steps]  # without the profiled one
     steady = steps[1:] or steps
-    mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", "generate", "score", "train")}
+    mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", *PHASES) if k in steady[0]}
     peaks = {k: round(max(s.get(k, float("nan")) for s in steps), 1) for k in ("peak_generate_GB", "peak_train_GB")}
     return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
-                lora_rank=args.lora_rank,
+                lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype, devices=args.devices,
+                strategy=args.strategy,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
@@ -268,5 +285,6 @@ def run(argv: list[str]) -> dict:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1")
     result = bench_rollout(args) if args.what == "rollout" else bench_step(args)
-    print(json.dumps(result))
+    if result is not None:  # (None: a rank other than the first)
+        print(json.dumps(result))
     return result

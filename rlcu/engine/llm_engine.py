@@ -25,7 +25,6 @@ from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels.sampling import sample
 from rlcu.models.llama import CausalLM
-from rlcu.models.sharding import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +234,9 @@ class LLMEngine:
                 and runner.dtype == cache_dtype(self.model)):
             return
         self.runner = None  # the old pool goes before the new one is taken
-        # a sharded model decodes eagerly: graphs of its gathered parameters are not yet tested on a GPU
-        graphs = cfg.cuda_graphs and not is_sharded(self.model)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, graphs,
+        # FSDP's gathered parameters are plain tensors for the rollout (models/sharding.py): graphs capture them
+        # as they capture a single process's; if the next gather puts them elsewhere, the check above renews them
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.cuda_graphs,
                                   shared_prefix=cfg.shared_prefix)
         if cfg.shared_prefix is True and not self.runner.shared_prefix and not self._said_no_shared_prefix:
             self._said_no_shared_prefix = True  # once per engine, not at every rollout

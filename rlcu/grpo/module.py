@@ -195,6 +195,7 @@ class GRPOModule(L.LightningModule):
         self.last_rollout: ScoredRollout | None = None  # for callbacks
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
+        self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
 
     @staticmethod
     def _policy(model, tokenizer, dtype: str):
@@ -325,6 +326,7 @@ class GRPOModule(L.LightningModule):
         metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
                         "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens),
                         "timing/elapsed": t3 - (self._train_start or t0)})
+        metrics.update({f"timing/{k}": v for k, v in self._sharding_times.items()})
         self._log_metrics(metrics)
         self.last_rollout = scored
         return None
@@ -390,7 +392,8 @@ class GRPOModule(L.LightningModule):
         was_training = self.policy.training
         self.policy.eval()
         try:
-            with full_parameters(self.policy):  # FSDP: the whole model for the rollout, sharded again after
+            # FSDP: the whole model for the rollout, sharded again after (timing/gather, timing/reshard)
+            with full_parameters(self.policy, self._sharding_times):
                 if continuation is None:
                     return self.rollout.generate(prompt_ids, sampling)
                 if takes_continuation(self.rollout.generate):

@@ -9,6 +9,7 @@ as under DDP; during training it holds 1/N of the parameters, gradients and opti
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 
 import torch
@@ -40,12 +41,15 @@ def _groups(model: nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def full_parameters(model: nn.Module):
+def full_parameters(model: nn.Module, times: dict[str, float] | None = None):
     """Inside: every parameter of a sharded `model` is a plain, whole tensor in the compute dtype (so
-    the engine reads them in place); outside: sharded again. A no-op for a model that is not sharded."""
+    the engine reads them in place, and its CUDA graphs capture them); outside: sharded again. A no-op
+    for a model that is not sharded. `times` receives the seconds of the "gather" and the "reshard"."""
     if not is_sharded(model):
         yield model
         return
+    clock = _clock(model)
+    start = clock()
     groups = _groups(model)
     for g in groups:
         g.set_reshard_after_forward(False, recurse=False)  # no re-gather at each decode step
@@ -56,12 +60,29 @@ def full_parameters(model: nn.Module):
     hooks = [(g, g._forward_pre_hooks, g._forward_hooks) for g in groups]
     for g in groups:
         g._forward_pre_hooks, g._forward_hooks = OrderedDict(), OrderedDict()
+    if times is not None:
+        times["gather"] = clock() - start
     try:
         yield model
     finally:
+        start = clock()
         for g, pre, post in hooks:
             g._forward_pre_hooks, g._forward_hooks = pre, post
         for g in groups:
             g.reshard()
             # the root stays gathered between forward and backward
             g.set_reshard_after_forward(g is not model, recurse=False)
+        if times is not None:
+            times["reshard"] = clock() - start
+
+
+def _clock(model: nn.Module):
+    """perf_counter, after the device's queued work on CUDA (the gather is asynchronous there)."""
+    device = next(model.parameters()).device
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now

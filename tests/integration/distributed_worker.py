@@ -1,6 +1,9 @@
 """One rank of the FSDP test (started by torchrun, which Lightning's TorchElasticEnvironment detects):
 a few GRPO steps on a tiny model, rollouts by the native engine on the gathered parameters; rank 0
-saves the final weights. Usage: fsdp_worker.py MODEL_FOLDER OUT_FILE STRATEGY DEVICES BATCH_SIZE [NUM_NODES]"""
+saves the final weights. Usage: fsdp_worker.py MODEL_FOLDER OUT_FILE STRATEGY DEVICES BATCH_SIZE [NUM_NODES]
+RLCU_WORKER_ACCELERATOR=gpu runs it on GPUs (tests/gpu); rank 0 then also writes OUT_FILE.graphs, the
+number of decode steps replayed from CUDA graphs."""
+import os
 import sys
 from dataclasses import replace
 
@@ -22,8 +25,11 @@ class PromptSeeded(NativeRollout):
 
     def generate(self, prompt_token_ids, sampling):
         groups = [prompt_token_ids[i:i + G] for i in range(0, len(prompt_token_ids), G)]
-        parts = [super(PromptSeeded, self).generate(group, replace(sampling, seed=sum(group[0]) * 7919 + len(group[0])))
-                 for group in groups]
+        parts = []
+        for group in groups:
+            parts.append(super().generate(group, replace(sampling, seed=sum(group[0]) * 7919 + len(group[0]))))
+            graphs = self.engine.runner.graphs
+            self.graph_captures = getattr(self, "graph_captures", 0) + (len(graphs.graphs) if graphs else 0)
         return RolloutBatch(*(sum((getattr(p, f) for p in parts), []) for f in
                               ("prompt_ids", "completion_ids", "logprobs", "finish_reasons")))
 
@@ -37,8 +43,10 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
     module = GRPOModule(folder, rewards=[token_value], rollout=PromptSeeded(), num_generations=G,
                         max_completion_length=4, learning_rate=1e-2, micro_batch_size=4)
     data = PromptDataModule(toy_rows(16, seed=3), batch_size=batch_size, seed=1)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=STEPS,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    accelerator = os.environ.get("RLCU_WORKER_ACCELERATOR", "cpu")
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(module, data)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -47,7 +55,10 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
     else:
         state = module.policy.state_dict()
     if trainer.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in state.items()}, out)
+        torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, out)
+        if accelerator == "gpu":
+            with open(out + ".graphs", "w") as f:
+                f.write(str(module.rollout.graph_captures))
     trainer.save_checkpoint(out + ".ckpt")  # a collective under FSDP: every rank calls it
 
 

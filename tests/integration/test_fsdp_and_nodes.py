@@ -73,3 +73,23 @@ def test_two_nodes_through_torchrun_update_like_one_process(reference):
     two = torch.load(tmp / "nodes.pt")
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst < 1e-5, f"two nodes' update differs from one process by {worst:.2e}"
+
+
+def test_bench_step_under_fsdp2_on_two_processes(tmp_path):
+    """`rlcu bench step --devices 2 --strategy fsdp2`: Lightning starts rank 1 by re-running the command; rank 0
+    prints the one JSON line, with the gather and reshard around each rollout timed."""
+    folder = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    cmd = [sys.executable, "-m", "rlcu.cli", "bench", "step", "--model", str(folder), "--device", "cpu", "--dtype",
+           "float32", "--prompts", "4", "--generations", "2", "--prompt_len", "4", "--new_tokens", "5", "--steps", "2",
+           "--micro_batch_size", "2", "--devices", "2", "--strategy", "fsdp2", "--adam_state_dtype", "bfloat16"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout  # rank 1 prints nothing
+    import json
+
+    out = json.loads(lines[0])
+    assert out["devices"] == 2 and out["strategy"] == "fsdp2" and out["adam_state_dtype"] == "bfloat16"
+    assert set(out["steady"]) == {"total", "generate", "score", "train", "gather", "reshard"}
+    assert "rank 1 step 1" in done.stderr
