@@ -5,7 +5,9 @@
 # the micro-batch variants), rlcu-extra (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
 # hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
 # the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8 step of the tree in $BASE, an older
-# checkout's rlcu/, then of this one, alternating: a change that must not cost speed). PEERS_DIR holds
+# checkout's rlcu/, then of this one, alternating: a change that must not cost speed), memory (the 1.7B and 4B
+# shapes, full fine-tuning, fp32 and bf16 AdamW moments, on GPU 0 while TRL runs them on GPU 1), fsdp8b (the 8B
+# shape, full fine-tuning, under fsdp2 on two GPUs). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
 # ../shared/peers (default .peers).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
@@ -41,6 +43,21 @@ case $part in
          log step8x8-$tag rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4)
       done
     done ;;
+  memory)
+    (cd "$peers" && for shape in 1.7b 4b; do
+       CUDA_VISIBLE_DEVICES=1 SHAPE=$shape log trl-$shape python3 trl_grpo.py 8 8 512 3; done) &
+    for shape in 1.7b 4b; do
+      for state in float32 bfloat16; do
+        CUDA_VISIBLE_DEVICES=0 log step-$shape-$state rlcu bench step --model qwen3-$shape-random --prompts 8 \
+          --generations 8 --new_tokens 512 --steps 4 --adam_state_dtype $state
+      done
+    done
+    wait ;;
+  fsdp8b)
+    for state in float32 bfloat16; do
+      log step-8b-fsdp2-$state rlcu bench step --model qwen3-8b-random --prompts 8 --generations 8 --new_tokens 512 \
+        --steps 3 --devices 2 --strategy fsdp2 --adam_state_dtype $state
+    done ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
   hf) (cd "$peers" && log hf_generate python3 hf_generate.py) ;;
@@ -48,13 +65,15 @@ case $part in
     # the countdown recipe on one GPU, under DDP on two, under FSDP on two (docs/benchmarks.md's DDP/FSDP table)
     out=$(cd "$out" && pwd); root=$PWD
     common="--trainer.limit_val_batches=0 --model.eval_at_start=false"
-    for run in "one 1 auto 40" "ddp 2 ddp 40" "fsdp 2 fsdp2 15"; do
+    for run in "one 1 auto 40" "ddp 2 ddp 40" "fsdp 2 fsdp2 40"; do
       set -- $run
+      [[ " ${RUNS:-one ddp fsdp} " == *" $1 "* ]] || continue
       mkdir -p "$out/$1" && (cd "$out/$1" && log $1 python3 -m rlcu.cli run countdown --trainer.devices=$2 \
         --trainer.strategy=$3 --trainer.max_steps=$4 $common)
     done
-    python3 "$root/benchmarks/ddp_throughput.py" "$out/one/runs/countdown/version_0/metrics.csv:1" \
-      "$out/ddp/runs/countdown/version_0/metrics.csv:2"
-    python3 "$root/benchmarks/ddp_throughput.py" "$out/fsdp/runs/countdown/version_0/metrics.csv:2" ;;
+    for run in ddp fsdp; do
+      [ -d "$out/$run" ] && python3 "$root/benchmarks/ddp_throughput.py" \
+        "$out/one/runs/countdown/version_0/metrics.csv:1" "$out/$run/runs/countdown/version_0/metrics.csv:2"
+    done ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
