@@ -62,16 +62,16 @@ if HAS_TRITON:
         return (bits & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
 
     @triton.jit
-    def _adamw_kernel(P, G, M, V, OUT, n, lr, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2, grad_scale, seed,
-                      HAS_OUT: tl.constexpr, BF16_STATE: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(P, G, M, V, OUT, n, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_sqrt_bc2,
+                      grad_scale, seed, HAS_OUT: tl.constexpr, BF16_STATE: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         p = tl.load(P + offsets, mask=mask) * decay
         g = tl.load(G + offsets, mask=mask).to(tl.float32) * grad_scale
         m = tl.load(M + offsets, mask=mask).to(tl.float32)
         v = tl.load(V + offsets, mask=mask).to(tl.float32)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * (g * g)
         p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
         tl.store(P + offsets, p, mask=mask)
         if BF16_STATE:
@@ -90,9 +90,10 @@ def adamw_step_triton(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None)
             raise ValueError("adamw_step_triton needs contiguous tensors")
     bc1, bc2 = s.bias_corrections
     block = 1024
+    # 1 - beta in double on the host, as torch does: in fp32 on the device, 1 - 0.999 is 1.3e-5 off
     _adamw_kernel[(triton.cdiv(master.numel(), block),)](
-        master, grad, exp_avg, exp_avg_sq, master if out is None else out, master.numel(), s.lr, s.beta1, s.beta2,
-        s.eps, 1.0 - s.lr * s.weight_decay, s.lr / bc1, 1.0 / bc2 ** 0.5, s.grad_scale, s.seed,
+        master, grad, exp_avg, exp_avg_sq, master if out is None else out, master.numel(), 1.0 - s.beta1, s.beta2,
+        1.0 - s.beta2, s.eps, 1.0 - s.lr * s.weight_decay, s.lr / bc1, 1.0 / bc2 ** 0.5, s.grad_scale, s.seed,
         HAS_OUT=out is not None, BF16_STATE=exp_avg.dtype == torch.bfloat16, BLOCK=block)
 
 
