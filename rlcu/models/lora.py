@@ -94,23 +94,38 @@ class LoraAdapter(nn.Module):
         self.enabled = True
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then one GEMM with a
-        block-diagonal B that adds every part's update to y in place of a separate add (untargeted parts'
-        rows of it are zero)."""
-        h = F.linear(self.dropout(x), self.lora_A)
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), self.block_diagonal_b().t(),
-                          alpha=self.scaling)
-        return out.view(y.shape)
+        """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then the update of each
+        part. A projection of one part adds B's GEMM into y directly. For several parts, with gradients
+        recorded: one GEMM with a block-diagonal B (untargeted parts' rows of it are zero), assembled
+        at each call; without (the engine's forward, at every decode step): one in-place GEMM per part into
+        its columns of y, which this call owns, so nothing is assembled or copied."""
+        h = F.linear(self.dropout(x), self.lora_A).reshape(-1, self.lora_A.shape[0])
+        y2 = y.reshape(-1, y.shape[-1])
+        if len(self.part_sizes) == 1:
+            return torch.addmm(y2, h, self.lora_B.t(), alpha=self.scaling).view(y.shape)
+        if torch.is_grad_enabled():
+            return torch.addmm(y2, h, self.block_diagonal_b().t(), alpha=self.scaling).view(y.shape)
+        h, b = h.to(y.dtype), self.lora_B.to(y.dtype)  # autocast leaves in-place GEMMs alone: fp32 B, bf16 y
+        for start, size, slot, row in self._targeted_parts():
+            y2[:, start:start + size].addmm_(h[:, slot * self.r:(slot + 1) * self.r], b[row:row + size].t(),
+                                             alpha=self.scaling)
+        return y
+
+    def _targeted_parts(self) -> list[tuple[int, int, int, int]]:
+        """(first column in the fused output, size, slot in A, first row in B) of each targeted part."""
+        parts, start, row, slot = [], 0, 0, 0
+        for part, size in self.part_sizes.items():
+            if part in self.targets:
+                parts.append((start, size, slot, row))
+                row, slot = row + size, slot + 1
+            start += size
+        return parts
 
     def block_diagonal_b(self) -> torch.Tensor:
         """[fused output, parts * r]: part i's rows of B in its own column block."""
         b = self.lora_B.new_zeros(sum(self.part_sizes.values()), self.lora_A.shape[0])
-        start, row, slot = 0, 0, 0
-        for part, size in self.part_sizes.items():
-            if part in self.targets:
-                b[start:start + size, slot * self.r:(slot + 1) * self.r] = self.lora_B[row:row + size]
-                row, slot = row + size, slot + 1
-            start += size
+        for start, size, slot, row in self._targeted_parts():
+            b[start:start + size, slot * self.r:(slot + 1) * self.r] = self.lora_B[row:row + size]
         return b
 
     def delta_weight(self) -> torch.Tensor:

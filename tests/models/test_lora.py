@@ -29,7 +29,8 @@ def with_adapters(folder, targets="all-linear", seed=0):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["k_proj", "down_proj"]])
-def test_adapters_equal_the_merged_model(tmp_path, family, targets):
+@pytest.mark.parametrize("grad", [True, False])  # the training forward's block-diagonal B; the engine's per-part GEMMs
+def test_adapters_equal_the_merged_model(tmp_path, family, targets, grad):
     model, _ = with_adapters(tiny_hf_folder(tmp_path, family), targets)
     merged = copy.deepcopy(model)
     merge_lora(merged)
@@ -37,10 +38,23 @@ def test_adapters_equal_the_merged_model(tmp_path, family, targets):
     ids = torch.randint(0, 60, (3, 9))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    assert (model.logits(ids, mask) - merged.logits(ids, mask)).abs().max() < ATOL
+    with torch.set_grad_enabled(grad):
+        assert (model.logits(ids, mask) - merged.logits(ids, mask)).abs().max() < ATOL
     with lora_disabled(model):  # and off, the base model
         base, _ = load_model(tiny_hf_folder(tmp_path / "base", family))
         assert (model.logits(ids) - base.logits(ids)).abs().max() < ATOL
+
+
+def test_fp32_adapters_under_bf16_autocast_agree_with_and_without_gradients(tmp_path):
+    """Without gradients the parts' updates are in-place GEMMs, which autocast does not cast: fp32 B into bf16 y."""
+    model, _ = with_adapters(tiny_hf_folder(tmp_path, "qwen3"))
+    ids = torch.randint(0, 60, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            inference = model.logits(ids)
+        training = model.logits(ids)
+    assert inference.dtype == training.dtype
+    assert (inference.float() - training.float()).abs().max() < 0.05  # bf16 rounding of the two orders
 
 
 def test_the_engine_runs_base_plus_adapter(tmp_path):
