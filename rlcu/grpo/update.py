@@ -1,0 +1,178 @@
+"""The update phase of a GRPO step: num_iterations x [micro-batched forward/backward, clip, optimizer step,
+LR schedule], with the entropy bonus's adaptive coefficient. A mixin of `GRPOModule` (module.py), whose
+attributes it reads: `hparams`, `policy`, `ref_model`, `counters`, `sampling_correction`, `loss_options`,
+`epsilon_high`, `rollout`, and Lightning's `optimizers()`, `lr_schedulers()`, `manual_backward()`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlcu.grpo import loss as grpo_loss
+from rlcu.grpo.batch import GRPOBatch, StagedBatch
+from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.grpo.metrics import LossStats
+from rlcu.models.lora import lora_disabled
+
+
+@dataclass
+class MicroBatchLoss:
+    """A micro-batch's loss and what its metrics need, all detached but the loss ([b, C] per token)."""
+    loss: torch.Tensor  # []
+    logps: torch.Tensor
+    entropy: torch.Tensor
+    coef: torch.Tensor  # the importance weight pi / pi_old ([b, C], or [b, 1] at sequence level)
+    kl: torch.Tensor | None
+    mask: torch.Tensor
+    sampling_ratio: torch.Tensor | None  # pi_old / pi_sampler after truncation or masking ([b, C] or [b, 1])
+
+
+class GRPOUpdate:
+    def _update(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
+        """num_iterations optimizer steps on the kept rows."""
+        hp = self.hparams
+        self.counters.consecutive_skips = 0
+        staged = StagedBatch.of(batch, keep, self.device)
+        old, ref = self._old_logprobs(staged), self._reference_logprobs(staged)
+        loss_items = staged.num_items  # dapo's normaliser: the step's completion tokens over every rank
+        if self.world_size > 1:  # DDP averages gradients, so each rank divides by the global count / world size
+            total = self.trainer.strategy.reduce(loss_items.to(self.device), reduce_op="sum")
+            loss_items = total.cpu() / self.world_size
+        stats, losses, grad_norms = LossStats(), [], []
+        gap = [torch.zeros((), device=self.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
+        for it in range(hp.num_iterations):
+            loss = self._accumulate(staged, old, ref, loss_items, stats, gap if it == 0 else None)
+            norm = self._optimizer_step()
+            if not math.isfinite(norm):  # no step was taken: the weights stay as they were
+                return self._fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
+            losses.append(float(loss))
+            grad_norms.append(norm)
+            if hp.use_adaptive_entropy:
+                self._update_entropy_coef()
+        out = stats.result()
+        out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
+                   learning_rate=self.lr_schedulers().get_last_lr()[0])
+        out["logprob_mismatch/mean"] = float(gap[0]) / max(float(staged.num_items), 1.0)
+        out["logprob_mismatch/max"] = float(gap[1])
+        self.counters.consecutive_faults = 0
+        out["faults/skipped_updates"] = float(self.counters.faults)
+        if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
+            out["entropy_coef"] = (self.counters.entropy_coef if hp.use_adaptive_entropy
+                                   else self._entropy_coef_now())
+        return out
+
+    def _old_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
+        """The sampling-time logprobs when the policy moves between iterations (num_iterations > 1)."""
+        hp = self.hparams
+        if hp.num_iterations == 1:
+            return None
+        if hp.old_logprobs == "engine":
+            return staged.rows.sampler_logps
+        return self._logprobs_without_grad(self.policy, staged)
+
+    def _reference_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
+        if self.hparams.beta == 0.0:
+            return None
+        if self.ref_model is not None:
+            return self._logprobs_without_grad(self.ref_model, staged)
+        with lora_disabled(self.policy):
+            return self._logprobs_without_grad(self.policy, staged)
+
+    def _logprobs_without_grad(self, model, staged: StagedBatch) -> torch.Tensor:
+        mbs = staged.micro_batches(self.hparams.micro_batch_size)
+        return torch.cat([self._logps(model, staged, rows, grad=False)[0] for rows in mbs])
+
+    def _accumulate(self, staged: StagedBatch, old, ref, loss_items, stats: LossStats, gap: list | None):
+        """Forward and backward over the micro-batches, gradients summed; returns the loss (device)."""
+        b, mbs = staged.rows, staged.micro_batches(self.hparams.micro_batch_size)
+        self.optimizers().zero_grad()
+        total = torch.zeros((), device=self.device)
+        self._entropy_window = torch.zeros(2, device=self.device)  # sum and tokens of the bonus's entropies
+        for rows in mbs:
+            out = self._micro_batch_loss(staged, rows, old, ref, loss_items, len(mbs))
+            self.manual_backward(out.loss)
+            total += out.loss.detach()
+            if gap is not None:  # sampler vs trainer logprobs of the same tokens under the same weights
+                diff = (out.logps - b.sampler_logps[rows]).abs() * out.mask
+                gap[0], gap[1] = gap[0] + diff.sum(), torch.maximum(gap[1], diff.max())
+            adv = b.advantages[rows]
+            stats.add(out.mask, out.entropy, out.kl, *grpo_loss.clip_masks(out.coef, adv, self.hparams.epsilon,
+                                                                           self.epsilon_high))
+            if out.sampling_ratio is not None and gap is not None:
+                stats.add_sampling_ratio(out.sampling_ratio, out.mask)
+        return total
+
+    def _micro_batch_loss(self, staged: StagedBatch, rows: slice, old, ref, loss_items,
+                          num_micro_batches: int) -> MicroBatchLoss:
+        """One micro-batch's loss as TRL's `_compute_loss` forms it: policy term (top-entropy tokens only when
+        top_entropy_quantile < 1; corrected for the sampler and masked off-policy as configured), KL, the
+        aggregation, the entropy bonus."""
+        hp, b, sc = self.hparams, staged.rows, self.sampling_correction
+        logps, entropy = self._logps(self.policy, staged, rows, grad=True)
+        mask, adv, sampler = b.loss_mask[rows].float(), b.advantages[rows], b.sampler_logps[rows]
+        old_lp = old[rows] if old is not None else logps.detach()
+        top = ratio = keep = None
+        if hp.top_entropy_quantile < 1.0:
+            top = grpo_loss.high_entropy_mask(entropy.detach(), mask, hp.top_entropy_quantile).to(mask.dtype)
+        if sc.enabled:  # pi_old / pi_sampler: TRL's TIS / MIS weight
+            ratio = grpo_loss.sampling_ratio(old_lp, sampler, mask, sc.mode, sc.clip_min, sc.clip_max)
+        if sc.off_policy_mask_threshold is not None:
+            keep = grpo_loss.off_policy_mask(adv, logps, sampler, mask, sc.off_policy_mask_threshold)
+        ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
+                                                 hp.importance_sampling_level, ref[rows] if ref is not None else None,
+                                                 hp.beta, hp.loss_type, self.loss_options, top, ratio, keep)
+        loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, num_micro_batches,
+                                        loss_items)
+        if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
+            effective = mask if top is None else mask * top
+            loss = loss - self._entropy_coef_now() * grpo_loss.entropy_bonus(entropy, effective, num_micro_batches)
+            self._entropy_window += torch.stack([(entropy.detach() * effective).sum(), effective.sum()])
+        return MicroBatchLoss(loss, logps.detach(), entropy.detach(), coef.detach(),
+                              kl.detach() if kl is not None else None, mask, ratio)
+
+    def _entropy_coef_now(self) -> float:
+        """The entropy bonus's coefficient: entropy_coef, or with use_adaptive_entropy the controller's, applied
+        only while the last step's entropy was at or below entropy_target (TRL's rule)."""
+        hp, c = self.hparams, self.counters
+        if not hp.use_adaptive_entropy:
+            return hp.entropy_coef
+        coef = hp.entropy_coef if c.entropy_coef is None else c.entropy_coef
+        return coef if c.last_entropy <= hp.entropy_target else 0.0
+
+    def _update_entropy_coef(self) -> None:
+        """After an optimizer step: the adaptive controller moves the coefficient by the step's mean entropy."""
+        hp, c = self.hparams, self.counters
+        window = self._entropy_window
+        if self.world_size > 1:
+            window = self.trainer.strategy.reduce(window, reduce_op="sum")
+        c.last_entropy = float(window[0] / window[1].clamp(min=1.0))
+        start = hp.entropy_coef if c.entropy_coef is None else c.entropy_coef
+        c.entropy_coef = grpo_loss.adaptive_entropy_coef(start, c.last_entropy, hp.entropy_target,
+                                                         hp.entropy_coef_delta, hp.entropy_coef_min,
+                                                         hp.entropy_coef_max)
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, schedule; returns the gradient norm, and takes no step when it is not finite."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        norm = opt.optimizer.grad_norm()
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
+            norm = norm.full_tensor()
+        value = float(norm)
+        if not math.isfinite(value):  # under DDP every rank sees the same averaged gradients: all skip together
+            opt.zero_grad()
+            return value
+        max_norm = self.hparams.max_grad_norm  # torch's clipping coefficient, applied as the step reads the gradients
+        opt.step(grad_scale=min(1.0, max_norm / (value + 1e-6)) if max_norm else 1.0)
+        opt.zero_grad()  # the gradients would otherwise sit through the next rollout
+        sched.step()
+        self.rollout.on_weights_updated()
+        return value
+
+    def _logps(self, model, staged: StagedBatch, rows: slice, grad: bool):
+        padded = self.hparams.packing or staged.padded(rows)
+        b = staged.rows
+        ids, mask = b.input_ids[rows], b.attention_mask[rows] if padded else None
+        with torch.set_grad_enabled(grad):
+            return completion_logprobs(model, ids, mask, b.loss_mask.shape[1], self.hparams.temperature,
+                                       packed=self.hparams.packing)
