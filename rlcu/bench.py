@@ -112,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
                    help="train LoRA adapters of this rank on all linear layers (alpha 2 x rank, as the peer's LORA=R)")
     s.add_argument("--adam_state_dtype", choices=("float32", "bfloat16"), default="float32",
                    help="AdamW moments in bf16 (stochastic rounding): 4 bytes a parameter less")
+    s.add_argument("--optimizer_offload", action="store_true",
+                   help="AdamW's masters and moments in host memory, the step on the CPU")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
                    help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
@@ -216,7 +218,8 @@ def bench_step(args) -> dict:
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
-                        peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype)
+                        peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype,
+                        optimizer_offload=args.optimizer_offload)
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
     profile: dict = {}
@@ -263,7 +266,8 @@ def bench_step(args) -> dict:
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
-                lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype, devices=args.devices,
+                lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype,
+                optimizer_offload=args.optimizer_offload, devices=args.devices,
                 strategy=args.strategy,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,

@@ -101,6 +101,7 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         weight_decay: float = 0.0,
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_state_dtype: str = "float32",
+        optimizer_offload: bool = False,
         lr_scheduler: str = "constant",
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
@@ -267,9 +268,9 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        # fp32 masters for bf16 weights; moments in fp32 or (adam_state_dtype) bf16
+        # fp32 masters for bf16 weights; moments in fp32 or (adam_state_dtype) bf16; in host memory when offloaded
         opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas),
-                                state_dtype=STATE_DTYPES[hp.adam_state_dtype])
+                                state_dtype=STATE_DTYPES[hp.adam_state_dtype], offload=hp.optimizer_offload)
         max_steps = self.trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None
         if hp.lr_scheduler != "constant" and total is None:

@@ -6,7 +6,10 @@ each parameter with its moments: a pure bf16 update would lose steps smaller tha
 (about 0.4% of a weight), which at RL learning rates is most of them. Gradients stay in the model's
 dtype: the step (kernels/adamw.py) reads them as they are and applies the clipping coefficient as it
 reads, so a bf16 model costs 2 + 2 + 4 + 8 bytes a parameter (weights, gradients, masters, moments),
-or 2 + 2 + 4 + 4 with `state_dtype=torch.bfloat16`."""
+or 2 + 2 + 4 + 4 with `state_dtype=torch.bfloat16`. With `offload=True` the masters and moments live in
+host memory and the step runs there, one tensor at a time (its gradient copied down, the updated weights
+copied back up): the GPU keeps only the weights and gradients, 4 bytes a parameter, for the time of two
+transfers and a CPU AdamW pass over the model at every step."""
 from __future__ import annotations
 
 import math
@@ -16,6 +19,11 @@ import torch
 from rlcu.kernels.adamw import AdamWStep, adamw_step
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """Page-locked host memory where there is a GPU to copy to and from (copies at full PCIe speed)."""
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -29,12 +37,19 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     gradients by `c` (the clipping coefficient) as it reads them."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 state_dtype: torch.dtype = torch.float32, fused: bool | None = None):
+                 state_dtype: torch.dtype = torch.float32, fused: bool | None = None, offload: bool = False):
         del fused  # one fused kernel on CUDA always; the argument is torch.optim.AdamW's
         self.model_params = list(params)
-        masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
+        if offload and any(hasattr(p, "to_local") for p in self.model_params):
+            raise ValueError("optimizer_offload keeps one process's whole optimizer state in host memory; under fsdp2 "
+                             "the state is sharded across GPUs already: use one of the two")
+        if offload:
+            masters = [_pinned(p.detach().to("cpu", torch.float32, copy=True)) for p in self.model_params]
+        else:
+            masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
         super().__init__(masters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.masters, self.state_dtype = masters, state_dtype
+        self.masters, self.state_dtype, self.offload = masters, state_dtype, offload
+        self._staging: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # offload: pinned transfer buffers
 
     def gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model_params if p.grad is not None]
@@ -62,9 +77,28 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 s = AdamWStep(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], state["step"],
                               grad_scale, seed=(state["step"] * 7919 + index * 104729) % (2**31 - 1))
-                adamw_step(_local(master), _local(param.grad), _local(state["exp_avg"]),
-                           _local(state["exp_avg_sq"]), s, out=None if param is master else _local(param))
+                if self.offload:
+                    self._host_step(param, master, state, s)
+                else:
+                    adamw_step(_local(master), _local(param.grad), _local(state["exp_avg"]),
+                               _local(state["exp_avg_sq"]), s, out=None if param is master else _local(param))
         return loss
+
+    def _host_step(self, param: torch.Tensor, master: torch.Tensor, state: dict, s: AdamWStep) -> None:
+        """Offloaded: the gradient down to host memory, the step there, the weights back in their dtype."""
+        n = param.numel()
+        grad = self._buffer(param.grad.dtype, n)
+        grad.copy_(param.grad.reshape(-1))  # into pinned memory: waits for the gradient, as the step must
+        adamw_step(master.view(-1), grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), s)
+        weights = self._buffer(param.dtype, n, slot=1)
+        weights.copy_(master.view(-1))
+        param.detach().view(-1).copy_(weights)  # synchronous: the buffer is reused by the next tensor
+
+    def _buffer(self, dtype: torch.dtype, n: int, slot: int = 0) -> torch.Tensor:
+        key = (dtype, slot)
+        if key not in self._staging or self._staging[key].numel() < n:
+            self._staging[key] = _pinned(torch.empty(n, dtype=dtype))
+        return self._staging[key][:n]
 
     def _state(self, master: torch.Tensor) -> dict:
         state = self.state[master]

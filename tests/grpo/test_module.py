@@ -222,3 +222,19 @@ def test_the_sampler_correction_masks_sequences_the_sampler_scored_far_off(tiny,
     step = [m for m in fit(make(tiny, rollout=Skewed(), vllm_importance_sampling_correction=False), toy_rows(4), 1,
                            tmp_path / "off") if "reward" in m][-1]
     assert "sampling/importance_sampling_ratio/min" not in step and step["logprob_mismatch/max"] >= 3.0 - 1e-4
+
+
+def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
+    from tests.helpers import fit, match_target, toy_rows
+
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8), dtype="bfloat16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
+                        learning_rate=1e-2, optimizer_offload=True, adam_state_dtype="bfloat16")
+    fit(module, toy_rows(8), 1, tmp_path / "logs")
+    opt = module.optimizers().optimizer
+    assert opt.offload and all(m.device.type == "cpu" for m in opt.masters)
+    moved = max((module.policy.state_dict()[k].float() - v.float()).abs().max().item() for k, v in before.items())
+    assert moved > 1e-3
+    assert all(torch.equal(m.to(torch.bfloat16), p.detach()) for m, p in zip(opt.masters, opt.model_params))

@@ -1,4 +1,5 @@
 """fp32 master weights for bf16 parameters, against plain fp32 AdamW on the same gradients."""
+import pytest
 import torch
 
 from rlcu.grpo.optim import MasterWeightAdamW
@@ -84,3 +85,36 @@ def test_grad_norm_of_bf16_gradients_is_accumulated_in_fp32():
     exact = (4096 * (1 + 4 + 9)) ** 0.5
     assert opt.grad_norm().dtype == torch.float32
     assert abs(float(opt.grad_norm()) - exact) < 1e-3
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_state_lives_on_the_host_and_steps_as_the_device_one(state_dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(2)
+    start = torch.randn(3, 70).to(torch.bfloat16).to(device)
+    grads = [torch.randn(3, 70).to(torch.bfloat16).to(device) for _ in range(4)]
+    params = {o: torch.nn.Parameter(start.clone()) for o in (False, True)}
+    opts = {o: MasterWeightAdamW([params[o]], lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, offload=o)
+            for o in (False, True)}
+    for g in grads:
+        for o in (False, True):
+            params[o].grad = g.clone()
+            opts[o].step(grad_scale=0.5)
+    state = opts[True].state[opts[True].masters[0]]
+    assert opts[True].masters[0].device.type == state["exp_avg"].device.type == "cpu"
+    assert state["exp_avg_sq"].dtype == state_dtype
+    assert params[True].device.type == device and params[True].dtype == torch.bfloat16
+    # fp32 moments: the same update (on a GPU the device step is the Triton kernel, the host one PyTorch);
+    # bf16 moments are rounded stochastically, so they agree within a bf16 ulp of the weights
+    tol = 1e-6 if state_dtype == torch.float32 else 3e-2
+    assert torch.allclose(opts[True].masters[0].to(device), opts[False].masters[0], atol=tol)
+    assert (params[True].float() - params[False].float()).abs().max() <= 2 ** -7 * start.float().abs().max() + tol
+
+
+def test_offload_under_fsdp_is_refused_with_the_reason():
+    class Shard(torch.nn.Parameter):  # stands for a DTensor shard: what fsdp2 gives the optimizer
+        def to_local(self):
+            return self
+
+    with pytest.raises(ValueError, match="under fsdp2 the state is sharded across GPUs already"):
+        MasterWeightAdamW([Shard(torch.zeros(4))], offload=True)
