@@ -33,7 +33,8 @@ def test_trl_baseline_loads_the_recipes_embedded_model(tmp_path, smollm2_folder)
     spec = importlib.util.spec_from_file_location("trl_baseline", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    rows = script.main(["--out", str(tmp_path / "trl.csv"), "--max_steps", "1"])
+    rows = script.main(["--out", str(tmp_path / "trl.csv"), "--max_steps", "1", "--batch_size", "4",
+                        "--num_generations", "2"])  # a smaller step than the recipe's 16 x 8: the same code path
     assert len(rows) == 1 and rows[0]["rewards/math_answer/mean"] is not None
 
 
