@@ -382,7 +382,7 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         self.policy.eval()
         try:
             # FSDP: the whole model for the rollout, sharded again after (timing/gather, timing/reshard)
-            with full_parameters(self.policy, self._sharding_times):
+            with full_parameters(self.policy, self._sharding_times, self._now):
                 if continuation is None:
                     return self.rollout.generate(prompt_ids, sampling)
                 if takes_continuation(self.rollout.generate):

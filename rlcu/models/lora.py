@@ -130,15 +130,10 @@ class LoraAdapter(nn.Module):
 
     def delta_weight(self) -> torch.Tensor:
         """B A * scaling as a [out, in] weight update of the fused projection (for merging)."""
-        blocks, row, slot = [], 0, 0
-        for part, size in self.part_sizes.items():
-            if part in self.targets:
-                a = self.lora_A[slot * self.r:(slot + 1) * self.r]
-                blocks.append(self.lora_B[row:row + size] @ a)
-                row, slot = row + size, slot + 1
-            else:
-                blocks.append(self.lora_A.new_zeros(size, self.lora_A.shape[1]))
-        return torch.cat(blocks) * self.scaling
+        delta = self.lora_A.new_zeros(sum(self.part_sizes.values()), self.lora_A.shape[1])
+        for start, size, slot, row in self._targeted_parts():
+            delta[start:start + size] = self.lora_B[row:row + size] @ self.lora_A[slot * self.r:(slot + 1) * self.r]
+        return delta * self.scaling
 
 
 def adapters(model: nn.Module) -> list[tuple[str, FusedLinear]]:

@@ -41,14 +41,14 @@ def _groups(model: nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def full_parameters(model: nn.Module, times: dict[str, float] | None = None):
+def full_parameters(model: nn.Module, times: dict[str, float] | None = None, clock=time.perf_counter):
     """Inside: every parameter of a sharded `model` is a plain, whole tensor in the compute dtype (so
     the engine reads them in place, and its CUDA graphs capture them); outside: sharded again. A no-op
-    for a model that is not sharded. `times` receives the seconds of the "gather" and the "reshard"."""
+    for a model that is not sharded. `times` receives the seconds of the "gather" and the "reshard" by
+    `clock` (on CUDA, one that waits for the device: the gather is asynchronous there)."""
     if not is_sharded(model):
         yield model
         return
-    clock = _clock(model)
     start = clock()
     groups = _groups(model)
     for g in groups:
@@ -75,14 +75,3 @@ def full_parameters(model: nn.Module, times: dict[str, float] | None = None):
         if times is not None:
             times["reshard"] = clock() - start
 
-
-def _clock(model: nn.Module):
-    """perf_counter, after the device's queued work on CUDA (the gather is asynchronous there)."""
-    device = next(model.parameters()).device
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
