@@ -89,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--shared_prefix", choices=("auto", "on", "off"), default="auto",
                        help="decode attention reads the prompt blocks a group of samples shares once for all of them: "
                             "auto (the engine's default) at decode steps of 256 sequences or more, on at any size")
+        s.add_argument("--exact_logprobs", action="store_true",
+                       help="batch-invariant kernels: the engine's logprobs equal the trainer's to the bit")
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")
@@ -132,6 +134,7 @@ def bench_rollout(args) -> dict:
 
     model, _ = build_model(args.model, args.device, args.dtype)
     model.eval()
+    model.set_exact_logprobs(args.exact_logprobs)
     n_prompts = -(-args.sequences // args.generations)
     prompts = random_prompt_ids(n_prompts, args.prompt_len, model.config.vocab_size)
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
@@ -156,7 +159,8 @@ def bench_rollout(args) -> dict:
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
                 lookahead=args.lookahead, shared_prefix=args.shared_prefix, turns=args.turns,
-                tokens=tokens, seconds=round(best, 3), tok_per_s=round(tokens / best),
+                exact_logprobs=args.exact_logprobs, tokens=tokens, seconds=round(best, 3),
+                tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
 
@@ -219,7 +223,7 @@ def bench_step(args) -> dict:
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
                         peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype,
-                        optimizer_offload=args.optimizer_offload)
+                        optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs)
     module.stop_token_ids = []  # completions run to full length, as the peers force them to
     steps: list[dict] = []
     profile: dict = {}
@@ -236,6 +240,8 @@ def bench_step(args) -> dict:
             m = trainer.callback_metrics
             steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"]) for k in PHASES
                                                                        if f"timing/{k}" in m}))
+            if "logprob_mismatch/max" in m:
+                steps[-1]["mismatch"] = float(m["logprob_mismatch/max"])
             for phase in ("generate", "train"):  # the module's per-phase peaks (CUDA only)
                 if f"memory/{phase}_GB" in m:
                     steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
@@ -267,9 +273,10 @@ def bench_step(args) -> dict:
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
                 lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype,
-                optimizer_offload=args.optimizer_offload, devices=args.devices,
+                optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs, devices=args.devices,
                 strategy=args.strategy,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
+                logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
 

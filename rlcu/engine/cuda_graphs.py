@@ -52,6 +52,9 @@ class DecodeGraphs:
         self.starts = torch.zeros(max_batch + 1, dtype=torch.int32, device=dev)
         self.shared = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.skip = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        # exact_logprobs: every row a sequence of one query for the prefill kernel
+        self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self.tile_starts = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -95,9 +98,14 @@ class DecodeGraphs:
         if plan is not None:  # (group slots, prefix splits) of prefix_plan
             slots, prefix_splits = plan
             groups = (self.order[:bucket], self.starts[:slots + 1], self.shared[:slots], self.skip[:bucket])
-        attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
-                                   self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups,
-                                   prefix_splits=prefix_splits)
+        if runner.exact:  # the prefill kernel, one query per row (model_runner.decode)
+            attention = PagedAttention(runner, self.slots[:bucket], self.cu[:bucket + 1], self.context_lens[:bucket],
+                                       self.block_tables[:bucket], decode_only=False,
+                                       tiles=(self.cu[:bucket], self.tile_starts[:bucket]))
+        else:
+            attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
+                                       self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups,
+                                       prefix_splits=prefix_splits)
         # the autocast cache would keep casts made during capture alive outside the graph's memory
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):

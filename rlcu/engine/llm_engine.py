@@ -24,6 +24,7 @@ from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels.sampling import sample
+from rlcu.kernels.token_logprob import token_logprob
 from rlcu.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,10 @@ class LLMEngine:
                            for s in owners], device)
         if rows is not None and rows != list(range(len(logits))):
             logits = logits[to_device(rows, device)]
-        return sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, seeds=seeds)
+        tokens, logprobs = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, seeds=seeds)
+        if self.runner.exact and sp.temperature > 0:  # the trainer's log-softmax kernel, on the same logits
+            logprobs = token_logprob(logits, tokens, sp.temperature)[0]
+        return tokens, logprobs
 
     def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor):
         """Launch the next decode step of `seqs` on the GPU's sampled `tokens` before the host has them,

@@ -39,9 +39,16 @@ class ModelRunner:
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence.
         # None: on for decode steps of SHARED_PREFIX_MIN_SEQS or more; True: whenever blocks are shared
         triton = use_triton(self.k_cache)
-        self.shared_prefix = shared_prefix is not False and triton and triton_supports(cfg.head_dim, block_size)
+        # exact_logprobs: every step through the one attention kernel the training forward uses, the q/k norms
+        # as the modules compute them there (docs/engine.md)
+        self.exact = model.exact_logprobs
+        if self.exact and not (triton and triton_supports(cfg.head_dim, block_size)):
+            raise ValueError(f"exact_logprobs needs the Triton kernels with a power-of-two head_dim >= 16 (got "
+                             f"{cfg.head_dim}) on a CUDA device (or RLCU_TRITON=1): set exact_logprobs: false")
+        self.shared_prefix = (shared_prefix is not False and triton and triton_supports(cfg.head_dim, block_size)
+                              and not self.exact)
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
-        self.fuse_qk_norm = bool(cfg.qk_norm) and triton and rope_supported(cfg.head_dim)
+        self.fuse_qk_norm = bool(cfg.qk_norm) and triton and rope_supported(cfg.head_dim) and not self.exact
         if cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
@@ -111,10 +118,21 @@ class ModelRunner:
         if groups is not None:
             prefix_splits = prefix_plan(len(groups[2]), int(groups[2].max()), self.model.config.num_key_value_heads)[1]
             groups = tuple(torch.from_numpy(a).to(dev) for a in groups)
-        attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True,
-                                   groups=groups, prefix_splits=prefix_splits)
+        if self.exact:  # one query per sequence through the prefill kernel: the training forward's sums
+            cu, tiles = decode_tiles(len(seqs), dev)
+            attention = PagedAttention(self, slots_t.to(dev), cu, ctx_t.to(dev), table.to(dev), decode_only=False,
+                                       tiles=tiles)
+        else:
+            attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True,
+                                       groups=groups, prefix_splits=prefix_splits)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
         return self.model.lm_head(hidden[0]), seqs
+
+
+def decode_tiles(n: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """cu_seqlens and the prefill kernel's query tiles for n sequences of one query each."""
+    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+    return cu, (cu[:-1], torch.zeros(n, dtype=torch.int32, device=device))
 
 
 def padded_table(tables: list[list[int]]) -> torch.Tensor:

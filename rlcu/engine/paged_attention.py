@@ -14,8 +14,7 @@ from rlcu.models.llama import CausalLM
 
 def cache_dtype(model: CausalLM) -> torch.dtype:
     """Keys and values are stored as the forward computes them: the autocast dtype under mixed precision."""
-    kind = model.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.dtype
+    return model.compute_dtype()
 
 
 class PagedAttention:

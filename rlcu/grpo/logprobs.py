@@ -14,14 +14,17 @@ CHUNK_BYTES = 512 * 2**20  # logits per chunk: small enough to fit beside traini
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, entropy), each [N], of `targets` [N] under softmax(hidden [N, H] @ weight.T / temperature)."""
+                    chunk_tokens: int | None = None,
+                    batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logps, entropy), each [N], of `targets` [N] under softmax(hidden [N, H] @ weight.T / temperature).
+    `batch_invariant`: the logits from the batch-invariant GEMM (`exact_logprobs`)."""
     if chunk_tokens is None:  # the fused path keeps logits in the GEMM's dtype, the PyTorch one in fp32
         itemsize = weight.element_size() if use_triton(hidden) else 4
         chunk_tokens = max(64, CHUNK_BYTES // (itemsize * weight.shape[0]))
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
-        lp, ent = LinearTokenLogprob.apply(hidden[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature)
+        lp, ent = LinearTokenLogprob.apply(hidden[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature,
+                                           batch_invariant)
         logps.append(lp)
         ents.append(ent)
     return torch.cat(logps), torch.cat(ents)
@@ -33,9 +36,12 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     """(logps, entropy), each [B, C]: log softmax(logits / temperature) of the last C tokens of each row,
     given everything before them. Dividing by the sampling temperature makes these comparable with the
     sampler's logprobs (TRL does the same). `packed`: the rows' real tokens run as one padding-free
-    sequence, and only real completion tokens go through the LM head (the padded slots are 0)."""
+    sequence, and only real completion tokens go through the LM head (the padded slots are 0). A model in
+    exact mode (`exact_logprobs`) always runs packed, through the engine's own attention kernel."""
     c = num_completion_tokens
-    if packed:
+    if packed or model.exact_logprobs:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
         return _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens)
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
@@ -53,6 +59,7 @@ def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature
     hidden = model.forward_packed(flat[None], offset[mask][None], cu, int(lengths.max()))[0]
     real = mask[:, -c:]  # the completion slots that hold a token
     target = (cu[:-1, None] + offset[:, -c:])[real]  # where each completion token sits in the packed row
-    logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens)
+    logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens,
+                                  model.exact_logprobs)
     zeros = logps.new_zeros(real.shape)
     return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)

@@ -42,6 +42,7 @@ from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
 from rlcu.rewards.scoring import RewardInterrupted, score
 from rlcu.rollout.base import RolloutBackend
+from rlcu.rollout.native import NativeRollout
 from rlcu.rollout.turns import generate_in_turns, takes_continuation
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         packing: bool = False,
+        exact_logprobs: bool = False,
         seed: int = 0,
         eval_num_samples: int = 4,
         accuracy_reward: str | None = None,
@@ -172,6 +174,11 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         if beta != 0.0 and peft_config is None:
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rollout = resolve_rollout(rollout)
+        if exact_logprobs:  # after the reference copy: only the policy's logprobs meet the sampler's
+            if not isinstance(self.rollout, NativeRollout):
+                raise ValueError(f"exact_logprobs needs the native rollout backend (the engine that runs the "
+                                 f"trainer's kernels), got {type(self.rollout).__name__}: use rollout: native")
+            self.policy.set_exact_logprobs(True)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from rlcu.kernels.matmul import invariant_linear
 
 BLOCK = 2048
 
@@ -127,18 +128,27 @@ def token_logprob_backward_triton_(logits, targets, lse, grad_logp, temperature:
     return logits
 
 
+def token_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """(logp, entropy, lse) of `targets` under softmax(logits / temperature): the Triton kernel where
+    `use_triton` says so, the reference elsewhere. The sampler's logprobs in exact mode come from here too."""
+    forward = token_logprob_triton if use_triton(logits) else token_logprob_reference
+    return forward(logits, targets, temperature)
+
+
 class LinearTokenLogprob(torch.autograd.Function):
     """(log softmax(hidden @ weight.T / T)[target], entropy) per row, both differentiable (the entropy for
     an entropy bonus; its gradient is computed only when a loss uses it). Triton kernels where `use_triton`
-    says so, the references elsewhere (the CPU)."""
+    says so, the references elsewhere (the CPU). `batch_invariant`: the logits from the batch-invariant GEMM
+    (`exact_logprobs`), as the engine's LM head computes them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
+    def forward(ctx, hidden, weight, targets, temperature, batch_invariant=False):
         device_type = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.fused = use_triton(hidden)
-        forward = token_logprob_triton if ctx.fused else token_logprob_reference
-        logps, entropy, lse = forward(F.linear(hidden, weight), targets, temperature)
+        ctx.linear = invariant_linear if batch_invariant else F.linear
+        with torch.no_grad():
+            logps, entropy, lse = token_logprob(ctx.linear(hidden, weight), targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)  # an unused entropy brings None, not a row of zeros to multiply
@@ -152,8 +162,10 @@ class LinearTokenLogprob(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         backward = token_logprob_backward_triton_ if ctx.fused else token_logprob_backward_reference
         with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
-            grad = backward(F.linear(hidden, weight), targets, lse, grad_logps, ctx.temperature, entropy, grad_entropy)
+            with torch.no_grad():
+                logits = ctx.linear(hidden, weight)
+            grad = backward(logits, targets, lse, grad_logps, ctx.temperature, entropy, grad_entropy)
             grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
             grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
             grad_weight = (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None

@@ -9,8 +9,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlcu.kernels.matmul import invariant_linear
 
-class FusedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """`nn.Linear` that can switch to batch-invariant GEMMs (`exact_logprobs`: `CausalLM.set_exact_logprobs`),
+    so that a row computes to the same bits in the engine's decode batches and in training micro-batches."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+class FusedLinear(Linear):
     """`parts` maps each HF projection name (a sibling of this module in HF's layout) to its output size; a
     projection of one part (o_proj, down_proj) has its own name as its part. `lora`: an optional low-rank
     adapter (`rlcu/models/lora.py`) added to the output, never merged into the weight."""

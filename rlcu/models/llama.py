@@ -15,7 +15,8 @@ from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.silu_mul import silu_mul
 from rlcu.models.attention import AttentionContext, PackedAttention, PaddedAttention
 from rlcu.models.config import ModelConfig
-from rlcu.models.fused_linear import FusedLinear
+from rlcu.models.exact_attention import ExactPackedAttention
+from rlcu.models.fused_linear import FusedLinear, Linear
 
 
 class RMSNorm(nn.Module):
@@ -121,11 +122,30 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.gradient_checkpointing = False
+        self.exact_logprobs = False  # set_exact_logprobs
+
+    def set_exact_logprobs(self, on: bool = True) -> None:
+        """Make every computation whose rounding could depend on the batch run batch-invariant kernels
+        (GEMMs with fixed tiles; attention through the engine's paged kernel, `exact_attention.py`), so
+        that the engine's logprobs equal the training forward's to the bit (docs/engine.md)."""
+        if on and any(isinstance(m, FusedLinear) and m.lora is not None for m in self.modules()):
+            raise ValueError("exact_logprobs does not cover LoRA adapters (the engine adds them with other GEMMs "
+                             "than training does): merge the adapters or set exact_logprobs: false")
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.batch_invariant = on
+        self.exact_logprobs = on
+
+    def compute_dtype(self) -> torch.dtype:
+        """What attention's inputs and the KV cache are in: the autocast dtype under mixed precision, else the
+        parameters' dtype."""
+        kind = self.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.dtype
 
     @property
     def device(self) -> torch.device:
@@ -172,6 +192,8 @@ class CausalLM(nn.Module):
                        max_len: int) -> torch.Tensor:
         """Hidden states [1, T, H] of several sequences packed into one row (no padding); positions restart
         at 0 at each `cu_seqlens` boundary."""
+        if self.exact_logprobs:
+            return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, self.compute_dtype()))
         return self(input_ids, position_ids, PackedAttention(cu_seqlens, max_len))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -238,3 +238,33 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
     moved = max((module.policy.state_dict()[k].float() - v.float()).abs().max().item() for k, v in before.items())
     assert moved > 1e-3
     assert all(torch.equal(m.to(torch.bfloat16), p.detach()) for m, p in zip(opt.masters, opt.model_params))
+
+
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch):
+    """Two GRPO steps in exact mode (Triton's interpreter): the trainer's logprobs equal the sampler's at
+    both (the second after an update), so the importance-sampling correction weighs every sequence 1."""
+    from tests.helpers import fit, match_target, toy_rows
+
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    model, tok = load_model(tiny_hf_folder(tmp_path, "qwen3", vocab_size=32, hidden=32, heads=2, kv_heads=1,
+                                           head_dim=16))
+    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=3, max_completion_length=4,
+                        learning_rate=1e-2, exact_logprobs=True, micro_batch_size=4, eval_at_start=False)
+    rows = fit(module, toy_rows(8), 2, tmp_path / "logs", batch_size=2)
+    steps = [r for r in rows if "logprob_mismatch/max" in r]
+    assert len(steps) == 2 and all(r["logprob_mismatch/max"] == 0.0 for r in steps), steps
+    assert all(r["sampling/importance_sampling_ratio/min"] == r["sampling/importance_sampling_ratio/max"] == 1.0
+               for r in steps)
+
+
+def test_exact_logprobs_refuses_what_it_cannot_make_exact(tmp_path):
+    from rlcu.models.lora import LoraSpec
+
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    with pytest.raises(ValueError, match="rollout: native"):
+        GRPOModule(model, tokenizer=tok, rollout="reference", exact_logprobs=True)
+    with pytest.raises(ValueError, match="merge the adapters or set exact_logprobs: false"):
+        GRPOModule(model, tokenizer=tok, peft_config=LoraSpec(r=2), exact_logprobs=True)

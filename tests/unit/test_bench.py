@@ -89,3 +89,17 @@ def test_bench_step_trains_lora_adapters(tmp_path, capsys):
     main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
           "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--lora_rank", "4"])
     assert last_json(capsys)["lora_rank"] == 4
+
+
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the interpreter path is for CPU machines")
+def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    folder = tiny_hf_folder(tmp_path, "llama")
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "4", "--steps", "1", "--exact_logprobs"])
+    out = last_json(capsys)
+    assert out["exact_logprobs"] is True and out["logprob_mismatch_max"] == 0.0
+    main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "3",
+          "--prompt_len", "4", "--new_tokens", "4", "--repeats", "0", "--exact_logprobs"])
+    assert last_json(capsys)["exact_logprobs"] is True

@@ -1,0 +1,104 @@
+"""A batch-invariant linear layer: y = x @ w.T + b, where each output row's arithmetic does not depend on
+how many rows the call has or where the row sits among them.
+
+cuBLAS picks its kernel, its tiles and whether to split K by the problem's shape, so the same row
+multiplied in a decode batch of 64 and in a training micro-batch of 30,000 rows is summed in different
+orders and comes out different in the last bits. Here the tiles are fixed for a given (N, K), never split
+K, and walk K from 0 in the same steps, so a row's dot products are the same sums wherever it is: the
+engine's decode and prefill and the trainer's forward round alike (`exact_logprobs`, docs/engine.md).
+
+The backward is cuBLAS: gradients need not be bitwise anything. Autocast is followed by hand (inputs cast to
+the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
+
+BLOCK_M, BLOCK_K = 64, 64
+
+
+def block_n(n: int) -> int:
+    """Output columns per program: a function of N alone (never of M), narrow for narrow layers so that a
+    decode step's few rows still spread over many programs."""
+    return 64 if n <= 4096 else 128
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], weight [N, K], bias [N] -> [M, N], accumulated in fp32 (fp64 for fp64) like the kernel."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(acc) @ weight.to(acc).t()
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _linear_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (last dim contiguous), weight [N, K] contiguous, all one dtype -> [M, N] in that dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn = block_n(n)
+    if m:
+        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, bn))](
+            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+    return y
+
+
+class _InvariantLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias):
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        return linear_triton(x2d, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x2d if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose rows are batch-invariant (module docstring); x [..., K]. Needs the Triton kernel (a
+    CUDA device, or RLCU_TRITON=1 with the interpreter)."""
+    if not use_triton(x):
+        raise RuntimeError("batch-invariant linear layers (exact_logprobs) need the Triton kernels: run on a CUDA "
+                           "device, or set RLCU_TRITON=1 to use Triton's CPU interpreter")
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    x, weight = x.to(dtype), weight.to(dtype)  # what autocast does to F.linear's inputs (differentiable casts)
+    bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(kind, enabled=False):
+        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])

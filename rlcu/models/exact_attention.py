@@ -1,0 +1,67 @@
+"""Training attention that computes as the engine does (`exact_logprobs`, docs/engine.md).
+
+Each packed sequence's keys and values go, RoPE'd, into a paged buffer through the engine's KV-write
+kernel, and its queries attend through the engine's paged attention kernel. That kernel walks the keys
+in fixed tiles from position 0 for every query, so a query's sums are the same whether it comes in a
+prefill chunk, a decode step or a training forward: the logprobs match the sampler's to the bit.
+
+The backward recomputes the attention with PyTorch (`PackedAttention`: RoPE, then variable-length flash
+attention or SDPA) and differentiates that: gradients need the math, not the bits."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
+from rlcu.kernels.rope_store_kv import rope_store_kv
+from rlcu.models.attention import PackedAttention
+
+BLOCK = 16  # positions per block of the training buffer: only the addressing depends on it, never the sums
+
+
+class ExactPackedAttention:
+    """The packed batch (`cu_seqlens` [n + 1]) laid out as paged sequences, each starting on a block."""
+
+    applies_qk_norm = False  # q/k norms run as modules, as the engine runs them in exact mode
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_len: int, cache_dtype: torch.dtype):
+        cu = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        blocks = [-(-n // BLOCK) for n in lengths]
+        first = [sum(blocks[:i]) for i in range(len(blocks))]
+        dev = cu_seqlens.device
+        self.num_blocks, self.cache_dtype = sum(blocks), cache_dtype
+        self.cu = cu_seqlens.to(torch.int32)
+        self.context_lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        width = max(blocks, default=1)
+        self.tables = torch.tensor([[f + j if j < b else 0 for j in range(width)] for f, b in zip(first, blocks)],
+                                   dtype=torch.int32, device=dev)
+        self.slots = torch.tensor([f * BLOCK + p for f, n in zip(first, lengths) for p in range(n)], device=dev)
+        self.tiles = query_tiles(cu, BLOCK_M, dev)
+        self.reference = PackedAttention(cu_seqlens, max_len)
+
+    def __call__(self, layer_idx, q, k, v, cos, sin):
+        return _ExactAttention.apply(q, k, v, cos, sin, self, layer_idx)
+
+
+class _ExactAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cos, sin, plan: ExactPackedAttention, layer_idx: int):
+        """q: [1, T, Hq, D], k/v: [1, T, Hkv, D] before RoPE; cos/sin: [1, T, 1, D] -> [1, T, Hq, D]."""
+        _, _, hkv, d = k.shape
+        cache = torch.zeros(2, plan.num_blocks, BLOCK, hkv, d, dtype=plan.cache_dtype, device=q.device)
+        roped = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], cache[0], cache[1], plan.slots)
+        out = paged_attention(roped, cache[0], cache[1], plan.cu, plan.context_lens, plan.tables, d ** -0.5,
+                              plan.tiles)
+        ctx.save_for_backward(q, k, v, cos, sin)
+        ctx.plan, ctx.layer_idx = plan, layer_idx
+        return out[None]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, cos, sin = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip((q, k, v), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            out = ctx.plan.reference(ctx.layer_idx, *inputs, cos, sin)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)

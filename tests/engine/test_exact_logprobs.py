@@ -1,0 +1,92 @@
+"""exact_logprobs: the engine's sampled logprobs equal the training forward's bit for bit, however the engine
+batched the work (prefill chunks of several sizes, decode steps of several batch sizes, forks sharing their
+prompt's blocks) and however training splits the batch into micro-batches. Triton's CPU interpreter, fp32;
+the H200 runs the same in bf16 autocast (tests/gpu/test_exact_cuda.py)."""
+import pytest
+import torch
+
+import rlcu.kernels.matmul as matmul
+from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.kernels._triton import HAS_TRITON
+from rlcu.models import load_model
+from rlcu.rollout import SamplingParams
+from tests.helpers import EOS, PROMPTS, tiny_hf_folder
+
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")]
+
+SAMPLING = SamplingParams(max_tokens=6, temperature=0.8, stop_token_ids=[EOS], seed=7)
+# prompts of 1 to 33 tokens; the repeated ones fork, their samples sharing the prompt's blocks
+PROMPTS_ = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5], PROMPTS[7], PROMPTS[2]]
+CONFIGS = {"whole-prompts": EngineConfig(block_size=16),
+           "chunks-of-7-decode-by-3": EngineConfig(block_size=4, max_num_batched_tokens=7, max_num_seqs=3),
+           "chunks-of-11-decode-by-5": EngineConfig(block_size=8, max_num_batched_tokens=11, max_num_seqs=5)}
+
+
+def padded_batch(out):
+    """The rollout as the trainer receives it: prompts left-padded, completions right-padded."""
+    p_len = max(len(p) for p in out.prompt_ids)
+    c_len = max(len(c) for c in out.completion_ids)
+    ids = torch.zeros(len(out.prompt_ids), p_len + c_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(out.prompt_ids, out.completion_ids)):
+        ids[i, p_len - len(p):p_len + len(c)] = torch.tensor(p + c)
+        mask[i, p_len - len(p):p_len + len(c)] = 1
+    sampler = torch.zeros(len(out.prompt_ids), c_len)
+    for i, lp in enumerate(out.logprobs):
+        sampler[i, :len(lp)] = torch.tensor(lp)
+    return ids, mask, sampler, mask[:, p_len:].bool()
+
+
+def trainer_logprobs(model, ids, mask, c_len, micro_batch: int, temperature=SAMPLING.temperature) -> torch.Tensor:
+    return torch.cat([completion_logprobs(model, ids[i:i + micro_batch], mask[i:i + micro_batch], c_len,
+                                          temperature)[0] for i in range(0, len(ids), micro_batch)])
+
+
+def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    model, _ = load_model(tiny_hf_folder(tmp_path, family, hidden=64, heads=4, kv_heads=2, head_dim=16))
+    model.set_exact_logprobs(True)
+    return model
+
+
+@pytest.mark.parametrize("family,config", [("qwen3", "whole-prompts"), ("qwen3", "chunks-of-7-decode-by-3"),
+                                           ("llama", "chunks-of-11-decode-by-5")])
+def test_engine_logprobs_equal_the_training_forward_bit_for_bit(tmp_path, monkeypatch, family, config):
+    """Qwen3 (q/k norms) and Llama/SmolLM2 (tied embeddings); micro-batches of all rows and of 3."""
+    model = exact_model(tmp_path, monkeypatch, family)
+    out = LLMEngine(model, CONFIGS[config]).generate(PROMPTS_, SAMPLING)
+    ids, mask, sampler, real = padded_batch(out)
+    assert real.sum() > 20
+    for micro_batch in (len(ids), 3):
+        trainer = trainer_logprobs(model, ids, mask, real.shape[1], micro_batch)
+        assert torch.equal(trainer[real], sampler[real]), (trainer - sampler)[real].abs().max()
+
+
+def test_a_kernel_with_another_reduction_order_breaks_equality(tmp_path, monkeypatch):
+    """The check has teeth: the same GEMM summing K in steps of 16 instead of 64, in training only."""
+    model = exact_model(tmp_path, monkeypatch)
+    out = LLMEngine(model, CONFIGS["whole-prompts"]).generate(PROMPTS_, SAMPLING)
+    ids, mask, sampler, real = padded_batch(out)
+    monkeypatch.setattr(matmul, "BLOCK_K", 16)
+    trainer = trainer_logprobs(model, ids, mask, real.shape[1], len(ids))
+    gap = (trainer - sampler)[real].abs().max()
+    assert 0 < gap < 1e-4, gap  # the same function, rounded elsewhere
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch, family):
+    """The exact forward's backward (recomputed with PyTorch) is PackedAttention's gradient."""
+    model = exact_model(tmp_path, monkeypatch, family)
+    ids = torch.tensor([[3, 9, 4, 17, 5, 22, 8, 1, 2, 30]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    grads = []
+    for exact in (True, False):
+        model.set_exact_logprobs(exact)
+        model.zero_grad()
+        logps, _ = completion_logprobs(model, ids, mask, 5, packed=True)
+        logps.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for exact, plain in zip(*grads):
+        assert torch.allclose(exact, plain, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,82 @@
+"""The batch-invariant linear layer against float64 and the PyTorch reference on odd shapes, and its one
+promise: a row's output bits do not depend on the rows around it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcu.kernels import _triton
+from rlcu.kernels.matmul import invariant_linear, linear_reference, linear_triton
+from tests.helpers import KERNEL_DEVICE as DEVICE
+from tests.helpers import KERNEL_DTYPES as DTYPES
+
+pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+SHAPES = [(1, 48, 64), (67, 100, 130), (130, 576, 4200), (5, 17, 3)]  # (M, K, N): tails in every dimension
+
+
+def inputs(m, k, n, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_against_float64(dtype, m, k, n, bias):
+    x, w, b = inputs(m, k, n, dtype, bias)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    atol, rtol = TOLERANCE[dtype]
+    for got in (linear_triton(x, w, b), linear_reference(x, w, b)):
+        assert got.dtype == dtype
+        assert torch.allclose(got.double(), exact, atol=atol, rtol=rtol), (got.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_batch_invariant(dtype):
+    """Every row computed alone, among 7 and among 200 rows (in another position) is the same bits."""
+    x, w, b = inputs(200, 576, 960, dtype, seed=1)
+    full = linear_triton(x, w, b)
+    for i in (0, 63, 64, 199):
+        assert torch.equal(linear_triton(x[i:i + 1], w, b), full[i:i + 1])
+    window = linear_triton(x[60:67], w, b)
+    assert torch.equal(window, full[60:67])
+    shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    assert torch.equal(linear_triton(x[shuffled], w, b), full[shuffled])
+
+
+def test_gradients_and_leading_dimensions_match_f_linear(monkeypatch):
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    x, w, b = inputs(6, 40, 24, torch.float32, seed=3)
+    x3 = x.view(2, 3, 40)
+    got_leaves = [t.clone().requires_grad_() for t in (x3, w, b)]
+    want_leaves = [t.clone().requires_grad_() for t in (x3, w, b)]
+    got = invariant_linear(*got_leaves)
+    want = F.linear(*want_leaves)
+    assert got.shape == want.shape == (2, 3, 24)
+    assert torch.allclose(got, want, atol=1e-5)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    for a, e in zip(got_leaves, want_leaves):
+        assert torch.allclose(a.grad, e.grad, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 autocast: the interpreter's bf16 arithmetic is wrong")
+def test_autocast_casts_like_f_linear():
+    x, w, b = inputs(33, 64, 80, torch.float32, seed=4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = invariant_linear(x, w, b), F.linear(x, w, b)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_without_triton_it_says_how_to_get_it(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA tensor always has the kernel")
+    monkeypatch.delenv("RLCU_TRITON", raising=False)
+    x, w, b = inputs(2, 8, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="RLCU_TRITON=1"):
+        invariant_linear(x, w, b)
