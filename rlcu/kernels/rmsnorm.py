@@ -28,8 +28,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, eps, N: tl.constexpr,
-                         N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         STORE_RSTD: tl.constexpr):
+                         N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, N_PAD)
         mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -41,8 +40,9 @@ if HAS_TRITON:
             tl.store(RES_OUT + dense, x, mask=mask)
         h = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
-        if STORE_RSTD:
-            tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+        # stored whether or not backward needs it: one compiled kernel for training and inference, so the two
+        # round alike (a variant without the store compiled to other bits under autocast on the H200)
+        tl.store(RSTD + rows, rstd, mask=rows < n_rows)
         if HAS_RESIDUAL:  # rounded to the sum's dtype (x + residual may promote, e.g. bf16 + fp32 under autocast)
             normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
         else:
@@ -97,12 +97,12 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False):
     out = torch.empty(shape, dtype=torch.promote_types(total, weight.dtype), device=x.device)
     r3 = _as_rows(residual) if residual is not None else x3
     res_out = torch.empty(shape, dtype=total, device=x.device) if residual is not None else out
-    rstd = torch.empty(rows if store_rstd else 1, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     n_pad = next_pow2(n)
     br = _block_rows(n_pad)
     _rms_norm_kernel[(triton.cdiv(rows, br),)](
         x3, r3, weight, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
-        r3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br, HAS_RESIDUAL=residual is not None, STORE_RSTD=store_rstd)
+        r3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br, HAS_RESIDUAL=residual is not None)
     result = out if residual is None else (out, res_out)
     return (result, rstd) if store_rstd else result
 
