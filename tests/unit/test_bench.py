@@ -100,6 +100,3 @@ def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch)
           "--generations", "2", "--prompt_len", "4", "--new_tokens", "4", "--steps", "1", "--exact_logprobs"])
     out = last_json(capsys)
     assert out["exact_logprobs"] is True and out["logprob_mismatch_max"] == 0.0
-    main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "3",
-          "--prompt_len", "4", "--new_tokens", "4", "--repeats", "0", "--exact_logprobs"])
-    assert last_json(capsys)["exact_logprobs"] is True
