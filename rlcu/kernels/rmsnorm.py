@@ -40,8 +40,8 @@ if HAS_TRITON:
             tl.store(RES_OUT + dense, x, mask=mask)
         h = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 1) / N + eps)
-        # stored whether or not backward needs it: one compiled kernel for training and inference, so the two
-        # round alike (a variant without the store compiled to other bits under autocast on the H200)
+        # stored whether or not backward needs it: one compiled kernel for training and inference, so that the
+        # two round alike (exact_logprobs; a second variant may compile to other bits)
         tl.store(RSTD + rows, rstd, mask=rows < n_rows)
         if HAS_RESIDUAL:  # rounded to the sum's dtype (x + residual may promote, e.g. bf16 + fp32 under autocast)
             normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)

@@ -147,8 +147,7 @@ class LinearTokenLogprob(torch.autograd.Function):
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.fused = use_triton(hidden)
         ctx.linear = invariant_linear if batch_invariant else F.linear
-        with torch.no_grad():
-            logps, entropy, lse = token_logprob(ctx.linear(hidden, weight), targets, temperature)
+        logps, entropy, lse = token_logprob(ctx.linear(hidden, weight), targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)  # an unused entropy brings None, not a row of zeros to multiply
@@ -162,8 +161,7 @@ class LinearTokenLogprob(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         backward = token_logprob_backward_triton_ if ctx.fused else token_logprob_backward_reference
         with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
-            with torch.no_grad():
-                logits = ctx.linear(hidden, weight)
+            logits = ctx.linear(hidden, weight)
             grad = backward(logits, targets, lse, grad_logps, ctx.temperature, entropy, grad_entropy)
             grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
             grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None

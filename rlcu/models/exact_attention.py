@@ -24,18 +24,18 @@ class ExactPackedAttention:
     applies_qk_norm = False  # q/k norms run as modules, as the engine runs them in exact mode
 
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int, cache_dtype: torch.dtype):
-        cu = cu_seqlens.tolist()
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
-        blocks = [-(-n // BLOCK) for n in lengths]
-        first = [sum(blocks[:i]) for i in range(len(blocks))]
+        cu = cu_seqlens.tolist()  # the host needs it for the query tiles anyway
         dev = cu_seqlens.device
-        self.num_blocks, self.cache_dtype = sum(blocks), cache_dtype
-        self.cu = cu_seqlens.to(torch.int32)
-        self.context_lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
-        width = max(blocks, default=1)
-        self.tables = torch.tensor([[f + j if j < b else 0 for j in range(width)] for f, b in zip(first, blocks)],
-                                   dtype=torch.int32, device=dev)
-        self.slots = torch.tensor([f * BLOCK + p for f, n in zip(first, lengths) for p in range(n)], device=dev)
+        host_lengths = [b - a for a, b in zip(cu, cu[1:])]
+        lengths = torch.tensor(host_lengths, device=dev)
+        blocks = (lengths + BLOCK - 1) // BLOCK
+        first = blocks.cumsum(0) - blocks  # each sequence's first block
+        self.num_blocks, self.cache_dtype = sum(-(-n // BLOCK) for n in host_lengths), cache_dtype
+        self.cu, self.context_lens = cu_seqlens.to(torch.int32), lengths.to(torch.int32)
+        j = torch.arange(max(-(-max_len // BLOCK), 1), device=dev)
+        self.tables = torch.where(j < blocks[:, None], first[:, None] + j, 0).to(torch.int32)
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths, output_size=cu[-1])
+        self.slots = first[seq] * BLOCK + torch.arange(cu[-1], device=dev) - cu_seqlens[seq]
         self.tiles = query_tiles(cu, BLOCK_M, dev)
         self.reference = PackedAttention(cu_seqlens, max_len)
 

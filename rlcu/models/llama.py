@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from rlcu.kernels._triton import next_pow2
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.silu_mul import silu_mul
 from rlcu.models.attention import AttentionContext, PackedAttention, PaddedAttention
@@ -133,6 +134,10 @@ class CausalLM(nn.Module):
         """Make every computation whose rounding could depend on the batch run batch-invariant kernels
         (GEMMs with fixed tiles; attention through the engine's paged kernel, `exact_attention.py`), so
         that the engine's logprobs equal the training forward's to the bit (docs/engine.md)."""
+        d = self.config.head_dim
+        if on and not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
+            raise ValueError(f"exact_logprobs needs a power-of-two head_dim >= 16 (the paged attention kernel), got "
+                             f"{d}: set exact_logprobs: false")
         if on and any(isinstance(m, FusedLinear) and m.lora is not None for m in self.modules()):
             raise ValueError("exact_logprobs does not cover LoRA adapters (the engine adds them with other GEMMs "
                              "than training does): merge the adapters or set exact_logprobs: false")

@@ -262,9 +262,13 @@ def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, mo
 def test_exact_logprobs_refuses_what_it_cannot_make_exact(tmp_path):
     from rlcu.models.lora import LoraSpec
 
-    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8))
+    model, tok = load_model(tiny_hf_folder(tmp_path / "a", "llama", vocab_size=32, hidden=32, heads=2, kv_heads=1,
+                                           head_dim=16))
     with pytest.raises(ValueError, match="rollout: native"):
         GRPOModule(model, tokenizer=tok, rollout="reference", exact_logprobs=True)
     with pytest.raises(ValueError, match="merge the adapters or set exact_logprobs: false"):
         GRPOModule(model, tokenizer=tok, peft_config=LoraSpec(r=2), exact_logprobs=True)
+    small_heads, _ = load_model(tiny_hf_folder(tmp_path / "b", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                               head_dim=8))
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16 .*got 8"):
+        small_heads.set_exact_logprobs(True)
