@@ -1,6 +1,6 @@
 """A recipe run's learning curves from its metrics.csv (Lightning's CSVLogger), beside TRL's if given
 (the CSV of a recipe's trl_baseline.py): held-out greedy accuracy by step, and the mean of one reward by
-step and by minute of training.
+step and by minute of training (TRL's held-out accuracy too where its CSV has it).
 
     python recipes/curves.py runs/arithmetic/version_0/metrics.csv --trl runs/arithmetic-trl.csv \\
         --reward rewards/math_answer/mean --out recipes/arithmetic/curves.png"""
@@ -38,16 +38,20 @@ def main(argv=None) -> None:
     import matplotlib.pyplot as plt
 
     rlcu = read(args.metrics)
+    trl = read(args.trl) if args.trl else None
     steps, acc = series(rlcu, "step", "eval/accuracy")
     # a run without held-out evaluation: no accuracy panel
     fig, axes = plt.subplots(1, 3 if acc else 2, figsize=(15 if acc else 10, 4))
     if acc:
         axes[0].plot(steps, acc, marker="o", label="rlcu")
+        trl_steps, trl_acc = series(trl or [], "step", "eval/accuracy")  # trl_baseline.py's rlcu-run evaluation
+        if trl_acc:
+            axes[0].plot(trl_steps, trl_acc, marker="s", label="TRL")
         axes[0].set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="eval/accuracy")
     axes = [None, *axes] if not acc else list(axes)
     runs = [("rlcu", rlcu, "timing/elapsed")]
-    if args.trl:
-        runs.append(("TRL", read(args.trl), "seconds"))
+    if trl:
+        runs.append(("TRL", trl, "seconds"))
     for name, rows, clock in runs:
         step, reward = series(rows, "step", args.reward)
         axes[1].plot(step, smooth(reward), label=f"{name} (mean of 10 steps)")

@@ -3,6 +3,11 @@ removed), rewards and their weights, group size, lengths, temperature, learning 
 tools (TRL's `tools=`). Writes one CSV row per step (step, seconds since start, mean reward, each reward, and
 with tools TRL's tools/* metrics). trl is imported only when this runs.
 
+Held-out accuracy: where the recipe holds rows out (`data.val_size`), rlcu's own evaluation (the same rows,
+prompts, greedy decoding and accuracy reward as the rlcu run's `eval/accuracy`) runs on TRL's current weights
+before the first step and every `--eval_every` steps, each a CSV row with `eval/accuracy`; its time is left
+out of `seconds`, which counts TRL's training alone.
+
     python recipes/trl_baseline.py RECIPE --out runs/RECIPE-trl.csv [--max_steps 200] [--model PATH]
 
 TRL runs tools only through a chat template it can parse calls of; for a recipe whose model has none
@@ -23,10 +28,12 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--max_steps", type=int, default=None, help="default: the recipe's max_steps")
     p.add_argument("--max_minutes", type=float, default=10.0)
-    p.add_argument("--model", default=None, help="default: the recipe's model (the embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="a folder, a hub id or an embedded name (default: the recipe's)")
     p.add_argument("--batch_size", type=int, default=None, help="prompts per step (default: the recipe's)")
     p.add_argument("--num_generations", type=int, default=None, help="default: the recipe's")
     p.add_argument("--max_completion_length", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--eval_every", type=int, default=None,
+                   help="steps between held-out evaluations (default: the recipe's val_check_interval; 0: none)")
     args = p.parse_args(argv)
     recipe = yaml.safe_load((Path(__file__).parent / args.recipe / "config.yaml").read_text())
     m, d = recipe["model"], recipe["data"]
@@ -44,7 +51,8 @@ def main(argv=None):
     from rlcu.plugins import import_path
     from rlcu.rewards.base import resolve_rewards
 
-    dm = PromptDataModule(d["dataset"], d["dataset_args"], val_size=d["val_size"], batch_size=d["batch_size"])
+    dm = PromptDataModule(d["dataset"], d["dataset_args"], val_size=d["val_size"], batch_size=d["batch_size"],
+                          val_split=d.get("val_split"), hold_out_by=d.get("hold_out_by", "prompt"))
     dm.setup()  # the same split as rlcu's: training never sees a held-out prompt
     train = Dataset.from_list([dict(r) for r in dm.train_set])
     rewards = resolve_rewards(m["rewards"], m.get("reward_weights"))  # the recipe's rewards and weights
@@ -59,21 +67,41 @@ def main(argv=None):
     tools = [import_path(t) for t in m.get("tools") or []]
     columns = [f"rewards/{r.name}/mean" for r in rewards] + (["tools/call_frequency", "tools/failure_frequency"]
                                                              if tools else [])
-    start, rows = time.perf_counter(), []
+    start, rows, evaluating = time.perf_counter(), [], [0.0]  # seconds spent in held-out evaluation
     out = open(args.out, "w", newline="")  # a row per step as it comes, so a stopped run keeps its curve
-    writer = csv.DictWriter(out, fieldnames=["step", "seconds", "reward", *columns])
+    writer = csv.DictWriter(out, fieldnames=["step", "seconds", "reward", *columns, "eval/accuracy", "eval/reward"])
     writer.writeheader()
+    every = recipe["trainer"].get("val_check_interval", 0) if args.eval_every is None else args.eval_every
+    every = every if dm.val_set else 0
+
+    def write(step: int, **values):
+        seconds = time.perf_counter() - start - evaluating[0]
+        rows.append({"step": step, "seconds": round(seconds, 2), **values})
+        writer.writerow(rows[-1])
+        out.flush()
+
+    model = str(resolve_source(args.model or m["model"]))  # a path, a hub id or an embedded name
+
+    def held_out(step: int, weights):
+        began = time.perf_counter()
+        metrics = held_out_metrics(weights, model, m, dm.val_set, d["batch_size"])
+        evaluating[0] += time.perf_counter() - began
+        write(step, **{k: metrics[k] for k in ("eval/accuracy", "eval/reward")})
+        print(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}", flush=True)
 
     class Log(TrainerCallback):
+        def on_train_begin(self, a, state, control, model=None, **kw):
+            if every:
+                held_out(0, model)
+
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                rows.append({"step": state.global_step, "seconds": round(time.perf_counter() - start, 2),
-                             "reward": logs["reward"], **{k: logs.get(k) for k in columns}})
-                writer.writerow(rows[-1])
-                out.flush()
+                write(state.global_step, reward=logs["reward"], **{k: logs.get(k) for k in columns})
 
-        def on_step_end(self, a, state, control, **kw):
-            if time.perf_counter() - start > args.max_minutes * 60:
+        def on_step_end(self, a, state, control, model=None, **kw):
+            if every and state.global_step % every == 0:
+                held_out(state.global_step, model)
+            if time.perf_counter() - start - evaluating[0] > args.max_minutes * 60:
                 control.should_training_stop = True
 
     batch = d["batch_size"] * m["num_generations"]
@@ -87,7 +115,6 @@ def main(argv=None):
                      save_strategy="no", use_cpu=not torch.cuda.is_available(),
                      reward_weights=[r.weight for r in rewards],
                      max_tool_calling_iterations=m.get("max_tool_calling_iterations"))
-    model = args.model or str(resolve_source(m["model"]))
     trainer = GRPOTrainer(model=model, reward_funcs=[as_trl(r) for r in rewards], args=cfg, train_dataset=train,
                           callbacks=[Log()], tools=tools or None, processing_class=tokenizer_for(model, m))
     try:
@@ -95,6 +122,33 @@ def main(argv=None):
     finally:
         out.close()
     return rows
+
+
+def held_out_metrics(weights, model_path: str, options: dict, rows: list[dict], batch_size: int) -> dict:
+    """rlcu's held-out greedy metrics (`eval/accuracy`, `eval/reward`, ...) of TRL's model as it is now: its
+    weights saved to a temporary folder with the recipe model's own tokenizer (not the tool template TRL may
+    have been given), loaded by a GRPOModule with the recipe's options, and evaluated as `rlcu eval` does."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlcu.grpo.evaluation import evaluate_all
+    from rlcu.grpo.module import GRPOModule
+
+    folder = tempfile.mkdtemp(prefix="rlcu-trl-eval-")
+    try:
+        weights.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+        module = GRPOModule(**{**options, "model": folder, "eval_num_samples": 0})
+        device = next(weights.parameters()).device
+        module.to(device).eval()
+        module.setup("validate")
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):  # the recipe's bf16-mixed
+            return evaluate_all(module, rows, batch_size)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def tokenizer_for(model: str, options: dict):

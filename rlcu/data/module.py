@@ -67,8 +67,10 @@ class PromptDataModule(L.LightningDataModule):
     def __init__(self, dataset: Any = "arithmetic", dataset_args: dict[str, Any] | None = None, split: str = "train",
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None,
-                 val_size: int = 0, hold_out_by: str = "prompt"):
-        """`hold_out_by`: what a training row may not share with a held-out one: its `prompt` (the default: no
+                 val_size: int = 0, hold_out_by: str = "prompt", val_split: str | None = None):
+        """`val_size`: rows held out for evaluation, the last of the training split's, or with `val_split`
+        (a named dataset's other split, such as GSM8K's 'test') the first of that split's.
+        `hold_out_by`: what a training row may not share with a held-out one: its `prompt` (the default: no
         question is both trained on and evaluated, whatever its other columns), or the whole `row` (for tasks
         whose rows share a prompt and differ in hidden columns, as the games of an environment do)."""
         super().__init__()
@@ -78,7 +80,7 @@ class PromptDataModule(L.LightningDataModule):
         self.dataset, self.dataset_args, self.split = dataset, dataset_args, split
         self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
         self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt
-        self.val_size, self.hold_out_by = val_size, hold_out_by
+        self.val_size, self.hold_out_by, self.val_split = val_size, hold_out_by, val_split
         self.train_set, self.val_set = None, None
 
     def setup(self, stage: str | None = None) -> None:
@@ -88,13 +90,7 @@ class PromptDataModule(L.LightningDataModule):
             return
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        rows = self.dataset
-        if isinstance(rows, str) or (isinstance(rows, list) and rows and all(isinstance(x, str) for x in rows)):
-            from rlcu.data.sources import build_dataset
-
-            rows = build_dataset(rows, self.dataset_args, self.split)
-        elif self.dataset_args:
-            raise ValueError("dataset_args apply only when dataset is a name or files, not to rows given directly")
+        rows = self._build(self.split)
         if self.max_samples is not None:
             keep = min(self.max_samples, len(rows))
             rows = rows.select(range(keep)) if hasattr(rows, "select") else rows[:keep]
@@ -107,21 +103,55 @@ class PromptDataModule(L.LightningDataModule):
                            "Rename a column to 'prompt', or use a loader such as 'gsm8k' that builds it.")
         if self.as_chat or self.system_prompt:
             rows = [self._to_chat(dict(r)) for r in rows]
-        self.train_set, self.val_set = self._hold_out(rows)
+        self.train_set, self.val_set = self._hold_out(rows, self._val_rows())
 
-    def _hold_out(self, rows):
-        """The last `val_size` rows are the held-out split; training never sees a prompt (or with hold_out_by=row,
-        a row) that is in it."""
-        if self.val_size < 0 or self.val_size >= len(rows):
-            raise ValueError(f"val_size must be in [0, {len(rows)}) for {len(rows)} rows, got {self.val_size}")
-        if not self.val_size:
-            return rows, None
-        val = [dict(r) for r in list(rows)[len(rows) - self.val_size:]]
+    def _build(self, split: str):
+        rows = self.dataset
+        if isinstance(rows, str) or (isinstance(rows, list) and rows and all(isinstance(x, str) for x in rows)):
+            from rlcu.data.sources import build_dataset
+
+            args = dict(self.dataset_args or {})
+            if split != self.split:  # the held-out split: the split asked for here replaces dataset_args' own
+                args.pop("split", None)
+            return build_dataset(rows, args, split)
+        if self.dataset_args:
+            raise ValueError("dataset_args apply only when dataset is a name or files, not to rows given directly")
+        return rows
+
+    def _val_rows(self) -> list[dict] | None:
+        """The first `val_size` rows of `val_split`, or None to hold out the training split's last rows."""
+        if self.val_split is None:
+            return None
+        from rlcu.data.sources import TASKS
+
+        if not isinstance(self.dataset, str) or self.dataset in TASKS or ":" in self.dataset:
+            raise ValueError(f"val_split={self.val_split!r} needs a dataset with splits (a loader such as 'gsm8k', "
+                             "a hub name or files); generated or given rows are held out with val_size alone")
+        if self.val_size < 1:
+            raise ValueError(f"val_split={self.val_split!r} needs val_size >= 1: how many of its rows to evaluate")
+        rows = self._build(self.val_split)
+        if self.val_size > len(rows):
+            raise ValueError(f"val_size {self.val_size} is more than the {len(rows)} rows of split "
+                             f"{self.val_split!r}; set val_size <= {len(rows)}")
+        val = [dict(rows[i]) for i in range(self.val_size)]
+        return [self._to_chat(r) for r in val] if self.as_chat or self.system_prompt else val
+
+    def _hold_out(self, rows, val: list[dict] | None):
+        """The held-out rows are `val` (another split's) or the last `val_size` rows; training never sees a prompt
+        (or with hold_out_by=row, a row) that is in them."""
+        if val is None:
+            if self.val_size < 0 or self.val_size >= len(rows):
+                raise ValueError(f"val_size must be in [0, {len(rows)}) for {len(rows)} rows, got {self.val_size}")
+            if not self.val_size:
+                return rows, None
+            cut = len(rows) - self.val_size
+            val, rows = [dict(r) for r in list(rows)[cut:]], list(rows)[:cut]
+
         def key(r) -> str:
             return json.dumps(r[PROMPT] if self.hold_out_by == "prompt" else dict(r), sort_keys=True, default=str)
 
         held = {key(r) for r in val}
-        train = [r for r in list(rows)[:len(rows) - self.val_size] if key(r) not in held]
+        train = [r for r in list(rows) if key(r) not in held]
         if not train:
             raise ValueError(f"no training rows are left once the held-out {self.hold_out_by}s are removed; lower "
                              "val_size" + (", or set hold_out_by: row if rows share a prompt and differ in other "

