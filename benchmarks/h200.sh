@@ -7,7 +7,11 @@
 # the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8 step of the tree in $BASE, an older
 # checkout's rlcu/, then of this one, alternating: a change that must not cost speed), memory (the 1.7B and 4B
 # shapes, full fine-tuning, fp32 and bf16 AdamW moments, on GPU 0 while TRL runs them on GPU 1), fsdp8b (the 8B
-# shape, full fine-tuning, under fsdp2 on two GPUs). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
+# shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
+# 8x8x4096 and 16x16x2048, on GPU 0 while TRL runs each on GPU 1; LONG picks the workloads, MB rlcu's micro-batch),
+# curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
+# recipes/trl_baseline.py runs the same recipe on GPU 1; RECIPES picks them, default "gsm8k reasoning-gym", MODEL
+# the model, default smollm2-135m-instruct). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
 # ../shared/peers (default .peers).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
@@ -57,6 +61,26 @@ case $part in
     for state in float32 bfloat16; do
       log step-8b-fsdp2-$state rlcu bench step --model qwen3-8b-random --prompts 8 --generations 8 --new_tokens 512 \
         --steps 3 --devices 2 --strategy fsdp2 --adam_state_dtype $state
+    done ;;
+  long)
+    for w in ${LONG:-8x8x4096 16x16x2048}; do
+      IFS=x read -r p g l <<< "$w"
+      (cd "$peers" && CUDA_VISIBLE_DEVICES=1 SHAPE=1.7b log trl-1.7b-$w python3 trl_grpo.py "$p" "$g" "$l" 2) &
+      CUDA_VISIBLE_DEVICES=0 log step-1.7b-$w rlcu bench step --model qwen3-1.7b-random --prompts "$p" --generations "$g" \
+        --new_tokens "$l" --steps 3 --micro_batch_size "${MB:-16}" --adam_state_dtype bfloat16
+      wait
+    done ;;
+  curves)
+    out=$(cd "$out" && pwd); root=$PWD; minutes=${MINUTES:-8}; model=${MODEL:-smollm2-135m-instruct}
+    for recipe in ${RECIPES:-gsm8k reasoning-gym}; do
+      mkdir -p "$out/$recipe"
+      (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=1 log trl-$recipe python3 "$root/recipes/trl_baseline.py" "$recipe" \
+        --out "$out/$recipe-trl.csv" --max_minutes "$minutes" --model "$model") &
+      (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=0 log rlcu-$recipe python3 -m rlcu.cli run "$recipe" \
+        --model.model="$model" --trainer.max_time="00:00:$(printf %02d "$minutes"):00")
+      wait
+      cp "$out/$recipe"/runs/"$recipe"/version_0/metrics.csv "$out/$recipe-rlcu.csv"
+      python3 "$root/recipes/curves.py" "$out/$recipe-rlcu.csv" --trl "$out/$recipe-trl.csv" --out "$out/$recipe.png"
     done ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
