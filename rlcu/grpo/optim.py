@@ -8,8 +8,9 @@ dtype: the step (kernels/adamw.py) reads them as they are and applies the clippi
 reads, so a bf16 model costs 2 + 2 + 4 + 8 bytes a parameter (weights, gradients, masters, moments),
 or 2 + 2 + 4 + 4 with `state_dtype=torch.bfloat16`. With `offload=True` the masters and moments live in
 host memory and the step runs there, one tensor at a time (its gradient copied down, the updated weights
-copied back up): the GPU keeps only the weights and gradients, 4 bytes a parameter, for the time of two
-transfers and a CPU AdamW pass over the model at every step."""
+copied back up) through torch's fused CPU AdamW (kernels/adamw.py `adamw_step_cpu`): the GPU keeps only the
+weights and gradients, 4 bytes a parameter, for the time of two transfers and a CPU AdamW pass over the model
+at every step."""
 from __future__ import annotations
 
 import math
@@ -89,9 +90,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         n = param.numel()
         grad = self._buffer(param.grad.dtype, n)
         grad.copy_(param.grad.reshape(-1))  # into pinned memory: waits for the gradient, as the step must
-        adamw_step(master.view(-1), grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), s)
-        weights = self._buffer(param.dtype, n, slot=1)
-        weights.copy_(master.view(-1))
+        weights = self._buffer(param.dtype, n, slot=1)  # the step writes the rounded weights as it goes
+        adamw_step(master.view(-1), grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), s, out=weights)
         param.detach().view(-1).copy_(weights)  # synchronous: the buffer is reused by the next tensor
 
     def _buffer(self, dtype: torch.dtype, n: int, slot: int = 0) -> torch.Tensor:

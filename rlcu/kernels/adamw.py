@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch.optim.adamw import adamw as functional_adamw
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
@@ -97,12 +99,56 @@ def adamw_step_triton(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None)
         HAS_OUT=out is not None, BF16_STATE=exp_avg.dtype == torch.bfloat16, BLOCK=block)
 
 
+CPU_CHUNK = 1 << 18  # elements per pass of the CPU step: its fp32 copies stay in cache (fastest of 2^16..2^22)
+
+
+def adamw_step_cpu(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None, chunk: int = CPU_CHUNK) -> None:
+    """On the CPU (the offloaded optimizer's step, and CPU training): torch.optim.AdamW's own fused kernel,
+    vectorized and on every core, over chunks of the flattened tensors. A chunk's gradient is read into fp32
+    and scaled, bf16 moments into fp32 and rounded back stochastically with 32 random bits per element (the
+    low 16 for m, the high 16 for v) from numpy's PCG64 seeded by `s.seed` (a third of torch's CPU generator's
+    cost, which would be most of the step). The fp32 copies live in buffers of one chunk, reused."""
+    flat = [t.view(-1) for t in (master, grad, exp_avg, exp_avg_sq)] + ([out.view(-1)] if out is not None else [])
+    bf16_state = exp_avg.dtype == torch.bfloat16
+    generator = np.random.PCG64(s.seed) if bf16_state else None
+    width = min(chunk, master.numel())
+    buffers = torch.empty(3 if bf16_state else 1, width)
+    for start in range(0, master.numel(), chunk):
+        p, g, m, v, *o = (t[start:start + chunk] for t in flat)
+        g32, m32, v32 = (b[:len(p)] for b in buffers) if bf16_state else (buffers[0, :len(p)], m, v)
+        g32.copy_(g)
+        if s.grad_scale != 1.0:
+            g32.mul_(s.grad_scale)
+        if bf16_state:
+            m32.copy_(m)
+            v32.copy_(v)
+        # the functional AdamW counts the step itself: it is given the step before this one
+        functional_adamw([p], [g32], [m32], [v32], [], [torch.tensor(float(s.step - 1))], fused=True,
+                         amsgrad=False, beta1=s.beta1, beta2=s.beta2, lr=s.lr, weight_decay=s.weight_decay,
+                         eps=s.eps, maximize=False)
+        if bf16_state:
+            bits = torch.from_numpy(generator.random_raw(-(-len(p) // 2)).view(np.int32))[:len(p)]
+            m.copy_(_round_with(m32, bits & 0xFFFF))
+            v.copy_(_round_with(v32, (bits >> 16) & 0xFFFF))
+        if o:
+            o[0].copy_(p)
+
+
+def _round_with(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounded up or down by adding 16 random low bits (`noise`) and truncating."""
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 def adamw_step(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None) -> None:
-    """Triton on CUDA (one pass over the tensors); the PyTorch reference elsewhere."""
+    """Triton on CUDA (one pass over the tensors); on the CPU torch's fused AdamW (`adamw_step_cpu`) for
+    fp32 masters; the PyTorch reference elsewhere."""
     if master.numel() == 0:  # an FSDP rank whose shard of a small parameter is empty
         return
-    if use_triton(master) and all(t is None or t.is_contiguous() for t in (master, grad, exp_avg, exp_avg_sq, out)):
+    contiguous = all(t is None or t.is_contiguous() for t in (master, grad, exp_avg, exp_avg_sq, out))
+    if use_triton(master) and contiguous:
         adamw_step_triton(master, grad, exp_avg, exp_avg_sq, s, out)
+    elif master.device.type == "cpu" and master.dtype == torch.float32 and contiguous:
+        adamw_step_cpu(master, grad, exp_avg, exp_avg_sq, s, out)
     else:
         generator = torch.Generator(master.device).manual_seed(s.seed)
         adamw_step_reference(master, grad, exp_avg, exp_avg_sq, s, out, generator)
