@@ -8,7 +8,8 @@
 # checkout's rlcu/, then of this one, alternating: a change that must not cost speed), memory (the 1.7B and 4B
 # shapes, full fine-tuning, fp32 and bf16 AdamW moments, on GPU 0 while TRL runs them on GPU 1), fsdp8b (the 8B
 # shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
-# 8x8x4096 and 16x16x2048, on GPU 0 while TRL runs each on GPU 1; LONG picks the workloads, MB rlcu's micro-batch),
+# 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1; LONG picks the workloads, MB
+# rlcu's micro-batch),
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1; RECIPES picks them, default "gsm8k reasoning-gym", MODEL
 # the model, default smollm2-135m-instruct). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
@@ -66,8 +67,11 @@ case $part in
     for w in ${LONG:-8x8x4096 16x16x2048}; do
       IFS=x read -r p g l <<< "$w"
       (cd "$peers" && CUDA_VISIBLE_DEVICES=1 SHAPE=1.7b log trl-1.7b-$w python3 trl_grpo.py "$p" "$g" "$l" 2) &
-      CUDA_VISIBLE_DEVICES=0 log step-1.7b-$w rlcu bench step --model qwen3-1.7b-random --prompts "$p" --generations "$g" \
-        --new_tokens "$l" --steps 3 --micro_batch_size "${MB:-16}" --adam_state_dtype bfloat16
+      for packing in "" --packing; do  # padded micro-batches (masked SDPA), then padding-free (varlen flash)
+        CUDA_VISIBLE_DEVICES=0 log step-1.7b-$w${packing:+-packed} rlcu bench step --model qwen3-1.7b-random \
+          --prompts "$p" --generations "$g" --new_tokens "$l" --steps 3 --micro_batch_size "${MB:-16}" \
+          --adam_state_dtype bfloat16 $packing
+      done
       wait
     done ;;
   curves)
