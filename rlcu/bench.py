@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
                             "auto (the engine's default) at decode steps of 256 sequences or more, on at any size")
         s.add_argument("--exact_logprobs", action="store_true",
                        help="batch-invariant kernels: the engine's logprobs equal the trainer's to the bit")
+        s.add_argument("--profile", metavar="DIR",
+                       help=f"profile one extra {name} (not in the timings): GPU time and kernels, DIR/trace.json")
     r = sub.choices["rollout"]
     r.add_argument("--sequences", type=int, default=64)
     r.add_argument("--generations", type=int, default=1, help="samples per prompt (they share its KV blocks)")
@@ -119,8 +121,6 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
                    help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
-    s.add_argument("--profile", metavar="DIR",
-                   help="profile one extra step (not in the timings): GPU time by phase and kernel, DIR/trace.json")
     return p
 
 
@@ -156,13 +156,30 @@ def bench_rollout(args) -> dict:
         print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {runs[-1]:.2f} s "
               f"= {tokens / runs[-1]:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
     best = min(runs[1:]) if args.repeats else runs[0]
+    profile = profile_rollout(args, engine, requests, sampling, continuation) if args.profile else {}
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
                 lookahead=args.lookahead, shared_prefix=args.shared_prefix, turns=args.turns,
                 exact_logprobs=args.exact_logprobs, tokens=tokens, seconds=round(best, 3),
                 tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
-                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device))
+                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device),
+                **({"profile": profile} if profile else {}))
+
+
+def profile_rollout(args, engine, requests, sampling, continuation) -> dict:
+    """One more rollout under the profiler: its wall time against the GPU's busy time (the difference is the
+    GPU waiting for the host), its kernels and the host's operators; DIR/trace.json."""
+    from rlcu.profiling import phase_kernels, print_phase_kernels, profiler
+
+    with profiler(args.profile) as prof:
+        with torch.profiler.record_function("rlcu/generate"):
+            engine.generate(requests, sampling, continuation)
+            _sync(args.device)
+    phases = phase_kernels(prof)
+    print_phase_kernels(phases, file=sys.stderr)
+    prof.export_chrome_trace(f"{args.profile}/trace.json")
+    return {k: dict(wall_ms=round(v["wall_ms"]), busy_ms=round(v["busy_ms"])) for k, v in phases.items()}
 
 
 def episodes(args, vocab_size: int):
@@ -194,12 +211,6 @@ def bench_step(args) -> dict:
     from rlcu.profiling import phase_kernels, print_phase_kernels, profiler
     from rlcu.rollout.native import NativeRollout
 
-    if args.profile:  # before any work: a folder that cannot be made fails now, not after the timed steps
-        try:
-            os.makedirs(args.profile, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--profile {args.profile}: cannot make that folder ({e.strerror}); "
-                             "give a writable path") from e
     if args.prompts % args.devices:
         raise ValueError(f"--prompts {args.prompts} (the whole step's) must divide among --devices {args.devices}")
     # ranks after the first are this command again, started by Lightning with LOCAL_RANK set: each builds
@@ -295,6 +306,12 @@ def run(argv: list[str]) -> dict:
     for name in ("prompt_len", "new_tokens", "generations"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1")
+    if args.profile:  # before any work: a folder that cannot be made fails now, not after the timed runs
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--profile {args.profile}: cannot make that folder ({e.strerror}); "
+                             "give a writable path") from e
     result = bench_rollout(args) if args.what == "rollout" else bench_step(args)
     if result is not None:  # (None: a rank other than the first)
         print(json.dumps(result))

@@ -24,6 +24,17 @@ def test_bench_rollout_generates_full_length(tmp_path, capsys, lookahead):
     assert out["tokens"] == 6 * 7  # no early stop
 
 
+def test_bench_rollout_profiles_an_extra_rollout(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "4",
+          "--prompt_len", "5", "--new_tokens", "6", "--repeats", "1", "--profile", str(tmp_path / "prof")])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["tokens"] == 4 * 6 and out["profile"]["generate"]["wall_ms"] > 0
+    assert "generate:" in captured.err and "aten::" in captured.err
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
+
+
 def test_bench_rollout_runs_multi_turn_episodes(tmp_path, capsys):
     folder = tiny_hf_folder(tmp_path, "qwen3")
     main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "4",
