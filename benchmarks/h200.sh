@@ -2,7 +2,7 @@
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
 # PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8, with and without shared-prefix decode, and
-# the micro-batch variants), rlcu-extra (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
+# the micro-batch variants), profile (the two rollouts under the profiler), rlcu-extra (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
 # hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
 # the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8 step of the tree in $BASE, an older
 # checkout's rlcu/, then of this one, alternating: a change that must not cost speed), memory (the 1.7B and 4B
@@ -33,6 +33,11 @@ case $part in
     log step16x8shared rlcu bench step --prompts 16 --generations 8 --new_tokens 512 --steps 3 --shared_prefix on
     # the micro-batch: 16 rows (the peer's) leave the GPU waiting on the host's kernel launches
     log step8x8mb16 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --micro_batch_size 16 ;;
+  profile)
+    # where a rollout's time goes: wall time against the GPU's busy time, kernels, host operators
+    log rollout64prof rlcu bench rollout --sequences 64 --new_tokens 512 --repeats 1 --profile "$out/prof-rollout64"
+    log rollout512prof rlcu bench rollout --sequences 512 --new_tokens 512 --repeats 1 --profile "$out/prof-rollout512"
+    ;;
   rlcu-extra)
     # without the engine's look-ahead, for its share; padding-free training (off by default)
     log rollout512nola rlcu bench rollout --sequences 512 --new_tokens 512 --no_lookahead
