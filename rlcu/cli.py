@@ -1,7 +1,8 @@
 """The `rlcu` command, on LightningCLI (jsonargparse).
 
     rlcu run RECIPE [--section.key=value ...]   run a recipe by name (rlcu recipes) or YAML path
-    rlcu eval RECIPE [--ckpt_path CKPT | --model.model=HF_FOLDER]   held-out evaluation (data.val_size rows)
+    rlcu eval RECIPE [--ckpt_path CKPT | --model.model=HF_FOLDER]   held-out evaluation (data.val_size rows,
+                                                of data.val_split where set)
     rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
     rlcu generate --input P.jsonl --output O.jsonl [--model M --rollout native --temperature 0 ...]
     rlcu export CKPT DIR                        a checkpoint's policy as an HF folder (safetensors, tokenizer)
