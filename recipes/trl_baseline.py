@@ -141,7 +141,7 @@ def held_out_metrics(weights, model_path: str, options: dict, rows: list[dict], 
     try:
         weights.save_pretrained(folder)
         AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
-        module = GRPOModule(**{**options, "model": folder, "eval_num_samples": 0})
+        module = GRPOModule(**{**options, "model": folder, "eval_num_samples": 0, "num_generations_eval": None})
         device = next(weights.parameters()).device
         module.to(device).eval()
         module.setup("validate")

@@ -33,7 +33,7 @@ from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
 from rlcu.grpo.metrics import completion_metrics, reward_metrics
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
-from rlcu.grpo.options import check_against_model, check_options, sampling_correction
+from rlcu.grpo.options import EVAL_NUM_SAMPLES, check_against_model, check_options, eval_samples, sampling_correction
 from rlcu.grpo.update import GRPOUpdate
 from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
@@ -111,7 +111,8 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         packing: bool = False,
         exact_logprobs: bool = False,
         seed: int = 0,
-        eval_num_samples: int = 4,
+        eval_num_samples: int = EVAL_NUM_SAMPLES,
+        num_generations_eval: int | None = None,
         accuracy_reward: str | None = None,
         eval_at_start: bool = True,
         max_consecutive_faults: int = 3,
@@ -187,6 +188,7 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         # the sampler's logprobs against the trainer's: TRL's correction, with TRL's names (or the neutral aliases)
         self.sampling_correction = sampling_correction(self.hparams)
         self.accuracy_index = names.index(accuracy_reward) if accuracy_reward else 0
+        self.eval_num_samples = eval_samples(self.hparams)  # or TRL's num_generations_eval
         self.counters = Counters()
         self.last_rollout: ScoredRollout | None = None  # for callbacks
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update

@@ -90,6 +90,23 @@ def sampling_correction(options: Mapping) -> SamplingCorrection:
                               options["off_policy_mask_threshold"])
 
 
+EVAL_NUM_SAMPLES = 4  # rlcu's default samples per held-out prompt (pass@4, mean@4)
+
+
+def eval_samples(options: Mapping) -> int:
+    """Samples per held-out prompt for pass@k / mean@k: `eval_num_samples`, or TRL's `num_generations_eval`
+    (the same option under TRL's name, so a TRL config carries over; both given and different is an error)."""
+    trl, ours = options["num_generations_eval"], options["eval_num_samples"]
+    if trl is None:
+        return ours
+    if trl < 0:
+        raise ValueError(f"num_generations_eval must be >= 0 (0 or 1: greedy only), got {trl}")
+    if ours not in (EVAL_NUM_SAMPLES, trl):
+        raise ValueError(f"num_generations_eval ({trl}) and eval_num_samples ({ours}) are one option (TRL's name "
+                         "and rlcu's); give only one")
+    return trl
+
+
 def check_against_model(options: Mapping, context_length: int, reward_names: list[str]) -> None:
     """The options that depend on the model's context length and the run's reward names."""
     total = options["max_prompt_length"] + options["max_completion_length"]

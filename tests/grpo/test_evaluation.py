@@ -49,6 +49,17 @@ def test_module_accuracy_is_the_greedy_accuracy(tmp_path):
     assert 0 <= metrics["eval/mean@3"] <= metrics["eval/pass@3"] <= 1
 
 
+def test_trls_num_generations_eval_sets_the_samples_per_held_out_prompt(tmp_path):
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    module = GRPOModule(model, tokenizer=tok, rewards=[exact_target], num_generations=2, max_completion_length=3,
+                        num_generations_eval=3)
+    module.setup("validate")
+    assert {"eval/pass@3", "eval/mean@3"} <= set(evaluate(module, toy_rows(4, seed=1)))
+    with pytest.raises(ValueError, match="are one option"):
+        GRPOModule(model, tokenizer=tok, rewards=[exact_target], num_generations_eval=3, eval_num_samples=2)
+
+
 def test_held_out_split_never_reaches_training():
     rows = [{"prompt": f"p{i % 30}", "answer": str(i)} for i in range(60)]  # every prompt twice
     dm = PromptDataModule(rows, val_size=10)
