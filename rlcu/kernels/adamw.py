@@ -37,9 +37,13 @@ class AdamWStep:
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """fp32 -> bf16, up or down with the probability of the distance: add 16 random low bits, truncate."""
-    bits = x.float().contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536: 0xFFFF0000
+    x = x.float().contiguous()
+    return _round_with(x, torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator))
+
+
+def _round_with(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounded up or down by adding 16 random low bits (`noise`) and truncating."""
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536: 0xFFFF0000
 
 
 def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None,
@@ -132,11 +136,6 @@ def adamw_step_cpu(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None, ch
             v.copy_(_round_with(v32, (bits >> 16) & 0xFFFF))
         if o:
             o[0].copy_(p)
-
-
-def _round_with(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16 rounded up or down by adding 16 random low bits (`noise`) and truncating."""
-    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 def adamw_step(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None) -> None:
