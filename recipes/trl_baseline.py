@@ -5,7 +5,7 @@ with tools TRL's tools/* metrics). trl is imported only when this runs.
 
 Held-out accuracy: where the recipe holds rows out (`data.val_size`), rlcu's own evaluation (the same rows,
 prompts, greedy decoding and accuracy reward as the rlcu run's `eval/accuracy`) runs on TRL's current weights
-before the first step and every `--eval_every` steps, each a CSV row with `eval/accuracy`; its time is left
+before the first step, every `--eval_every` steps and on the weights `--max_minutes` stops at, each a CSV row with `eval/accuracy`; its time is left
 out of `seconds`, which counts TRL's training alone.
 
     python recipes/trl_baseline.py RECIPE --out runs/RECIPE-trl.csv [--max_steps 200] [--model PATH]
@@ -99,10 +99,13 @@ def main(argv=None):
                 write(state.global_step, reward=logs["reward"], **{k: logs.get(k) for k in columns})
 
         def on_step_end(self, a, state, control, model=None, **kw):
-            if every and state.global_step % every == 0:
+            evaluated = bool(every) and state.global_step % every == 0
+            if evaluated:
                 held_out(state.global_step, model)
             if time.perf_counter() - start - evaluating[0] > args.max_minutes * 60:
                 control.should_training_stop = True
+                if every and not evaluated:  # the curve ends on the weights the run stops with
+                    held_out(state.global_step, model)
 
     batch = d["batch_size"] * m["num_generations"]
     cfg = GRPOConfig(output_dir=f"/tmp/rlcu-trl-{args.recipe}",
