@@ -5,8 +5,8 @@ with tools TRL's tools/* metrics). trl is imported only when this runs.
 
 Held-out accuracy: where the recipe holds rows out (`data.val_size`), rlcu's own evaluation (the same rows,
 prompts, greedy decoding and accuracy reward as the rlcu run's `eval/accuracy`) runs on TRL's current weights
-before the first step, every `--eval_every` steps and on the weights `--max_minutes` stops at, each a CSV row with `eval/accuracy`; its time is left
-out of `seconds`, which counts TRL's training alone.
+before the first step, every `--eval_every` steps and on the weights `--max_minutes` stops at, each a CSV row
+with `eval/accuracy`; its time is left out of `seconds`, which counts TRL's training alone.
 
     python recipes/trl_baseline.py RECIPE --out runs/RECIPE-trl.csv [--max_steps 200] [--model PATH]
 
