@@ -138,12 +138,13 @@ SPLIT_SEED_OFFSET = 1_000_003  # a generated split other than train is a differe
 
 
 def reasoning_gym(task: str = "basic_arithmetic", n: int = 1000, seed: int = 0, config: dict | None = None,
-                  system_prompt: str | None = None, split: str = "train"):
+                  system_prompt: str | None = None, split: str = "train", instruction: str = RG_INSTRUCTION):
     """Procedurally generated tasks with their verifiers from reasoning-gym (Apache-2.0, `pip install
     rlcu[reasoning]`): `task` is any of its dataset names, `config` its generator's settings (the difficulty:
     for example {min_terms: 2, max_terms: 4}), a run of graded difficulty is a list of such sources. Rows carry
     `answer` and `rg_entry` (the generated entry as JSON), which the `reasoning_gym` reward scores with the
-    task's own verifier. `split` other than 'train' draws from another seed."""
+    task's own verifier. `split` other than 'train' draws from another seed. `instruction` follows each question
+    (it must ask for the <answer> tags the reward reads; a small model follows one with an example of them)."""
     import json
 
     import datasets
@@ -154,7 +155,7 @@ def reasoning_gym(task: str = "basic_arithmetic", n: int = 1000, seed: int = 0, 
                           ) from e
     seed = seed if split == "train" else seed + SPLIT_SEED_OFFSET
     generated = rg.create_dataset(task, size=n, seed=seed, **(config or {}))
-    return datasets.Dataset.from_list([{"prompt": _chat(e["question"], RG_INSTRUCTION, system_prompt),
+    return datasets.Dataset.from_list([{"prompt": _chat(e["question"], instruction, system_prompt),
                                         "answer": str(e["answer"]), "rg_entry": json.dumps(e, default=str)}
                                        for e in generated])
 

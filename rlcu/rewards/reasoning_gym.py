@@ -1,6 +1,8 @@
 """reasoning_gym: each task's own verifier from reasoning-gym scores the answer between <answer> and </answer>
 (the last such pair; none scores 0). Rows come from the `reasoning_gym` data source, whose `rg_entry` column
-holds the generated entry the verifier needs."""
+holds the generated entry the verifier needs. `format_score` is TinyZero's partial credit, as the countdown
+reward's: an answer inside the tags scores at least that much, so a small model that never yet answers right
+still gives GRPO something to compare."""
 from __future__ import annotations
 
 import json
@@ -14,13 +16,15 @@ ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 class ReasoningGymScore(Reward):
     name = "reasoning_gym"
 
-    def __init__(self, entry_column: str = "rg_entry", weight: float = 1.0):
+    def __init__(self, entry_column: str = "rg_entry", weight: float = 1.0, format_score: float = 0.0):
+        if not 0.0 <= format_score < 1.0:
+            raise ValueError(f"format_score must be in [0, 1) (a right answer scores 1), got {format_score}")
         try:
             import reasoning_gym
         except ImportError as e:
             raise ImportError("the reasoning_gym reward needs the reasoning-gym package: pip install "
                               "'rlcu[reasoning]'") from e
-        self.rg, self.entry_column, self.weight = reasoning_gym, entry_column, weight
+        self.rg, self.entry_column, self.weight, self.format_score = reasoning_gym, entry_column, weight, format_score
         self.verifiers: dict = {}
 
     def __call__(self, prompts, completions, completion_ids, **kwargs):
@@ -37,4 +41,4 @@ class ReasoningGymScore(Reward):
         task = entry["metadata"]["source_dataset"]
         if task not in self.verifiers:
             self.verifiers[task] = self.rg.get_score_answer_fn(task)
-        return float(self.verifiers[task](found[-1].strip(), entry))
+        return max(float(self.verifiers[task](found[-1].strip(), entry)), self.format_score)

@@ -32,3 +32,33 @@ def test_difficulty_and_splits_change_the_draw():
     assert operators(easy) == {1} and operators(hard) == {4}
     test = build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 20, "split": "test"})
     assert list(test["answer"]) != list(build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 20})["answer"])
+
+
+def test_format_score_credits_a_wrong_answer_in_tags_only():
+    rows = build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 2, "seed": 3,
+                                           "instruction": "Answer as <answer>7</answer>."})
+    assert rows[0]["prompt"][-1]["content"].endswith("\nAnswer as <answer>7</answer>.")
+    reward = resolve_reward({"name": "reasoning_gym", "init_args": {"format_score": 0.1}})
+    right = f"<answer>{rows[0]['answer']}</answer>"
+    completions = [right, "<answer>zzz</answer>", "no tags at all", "<answer>unclosed"]
+    scores = reward.fn(["p"] * 4, completions, [[1]] * 4, rg_entry=[rows[0]["rg_entry"]] * 4)
+    assert scores == [1.0, 0.1, 0.0, 0.0]
+    with pytest.raises(ValueError, match="format_score must be in"):
+        resolve_reward({"name": "reasoning_gym", "init_args": {"format_score": 1.0}})
+
+
+def test_the_docs_example_builds_its_rows_and_reward():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from rlcu.rewards.base import resolve_rewards
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", docs, re.S) if "reasoning_gym" in b)
+    example = yaml.safe_load(block)
+    rows = build_dataset(example["data"]["dataset"], {**example["data"]["dataset_args"], "n": 3})
+    (reward,) = resolve_rewards(example["model"]["rewards"])
+    assert "<answer>7</answer>" in rows[0]["prompt"][-1]["content"]
+    assert reward.fn(["p"], ["<answer>no</answer>"], [[1]], rg_entry=[rows[0]["rg_entry"]]) == [0.1]
