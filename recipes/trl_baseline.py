@@ -51,8 +51,7 @@ def main(argv=None):
     from rlcu.plugins import import_path
     from rlcu.rewards.base import resolve_rewards
 
-    dm = PromptDataModule(d["dataset"], d["dataset_args"], val_size=d["val_size"], batch_size=d["batch_size"],
-                          val_split=d.get("val_split"), hold_out_by=d.get("hold_out_by", "prompt"))
+    dm = PromptDataModule(**d)  # the recipe's data section, as rlcu run builds it
     dm.setup()  # the same split as rlcu's: training never sees a held-out prompt
     train = Dataset.from_list([dict(r) for r in dm.train_set])
     rewards = resolve_rewards(m["rewards"], m.get("reward_weights"))  # the recipe's rewards and weights
@@ -84,7 +83,7 @@ def main(argv=None):
 
     def held_out(step: int, weights):
         began = time.perf_counter()
-        metrics = held_out_metrics(weights, model, m, dm.val_set, d["batch_size"])
+        metrics = held_out_metrics(weights, model, m, dm.val_set, dm.val_batch_size)
         evaluating[0] += time.perf_counter() - began
         write(step, **{k: metrics[k] for k in ("eval/accuracy", "eval/reward")})
         print(f"step {step}: held-out accuracy {metrics['eval/accuracy']:.3f}", flush=True)

@@ -67,12 +67,16 @@ class PromptDataModule(L.LightningDataModule):
     def __init__(self, dataset: Any = "arithmetic", dataset_args: dict[str, Any] | None = None, split: str = "train",
                  batch_size: int = 8, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  required_columns: Sequence[str] = (), as_chat: bool = False, system_prompt: str | None = None,
-                 val_size: int = 0, hold_out_by: str = "prompt", val_split: str | None = None):
+                 val_size: int = 0, hold_out_by: str = "prompt", val_split: str | None = None,
+                 val_batch_size: int = 256):
         """`val_size`: rows held out for evaluation, the last of the training split's, or with `val_split`
         (a named dataset's other split, such as GSM8K's 'test') the first of that split's.
         `hold_out_by`: what a training row may not share with a held-out one: its `prompt` (the default: no
         question is both trained on and evaluated, whatever its other columns), or the whole `row` (for tasks
-        whose rows share a prompt and differ in hidden columns, as the games of an environment do)."""
+        whose rows share a prompt and differ in hidden columns, as the games of an environment do).
+        `val_batch_size`: held-out prompts per evaluation batch, by default up to 256 at once: the engine
+        schedules a batch as one rollout, so a held-out set in batches of the training `batch_size` would
+        decode its longest completion once per small batch."""
         super().__init__()
         if hold_out_by not in HOLD_OUT_BY:
             raise ValueError(f"hold_out_by must be one of {HOLD_OUT_BY}, got {hold_out_by!r}")
@@ -81,6 +85,7 @@ class PromptDataModule(L.LightningDataModule):
         self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
         self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt
         self.val_size, self.hold_out_by, self.val_split = val_size, hold_out_by, val_split
+        self.val_batch_size = val_batch_size
         self.train_set, self.val_set = None, None
 
     def setup(self, stage: str | None = None) -> None:
@@ -88,8 +93,9 @@ class PromptDataModule(L.LightningDataModule):
             self.trainer.limit_val_batches = 0  # nothing held out: no evaluation during training
         if self.train_set is not None:
             return
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size < 1 or self.val_batch_size < 1:
+            raise ValueError(f"batch_size and val_batch_size must be >= 1, got {self.batch_size} and "
+                             f"{self.val_batch_size}")
         rows = self._build(self.split)
         if self.max_samples is not None:
             keep = min(self.max_samples, len(rows))
@@ -181,4 +187,4 @@ class PromptDataModule(L.LightningDataModule):
         self.setup()
         if self.val_set is None:
             raise ValueError("evaluation needs a held-out split: set data.val_size (e.g. --data.val_size=200)")
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, collate_fn=collate_rows)
+        return DataLoader(self.val_set, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate_rows)

@@ -77,6 +77,16 @@ def test_held_out_split_never_reaches_training():
     assert len(dm.train_set) == 35 and not {r["game"] for r in dm.val_set} & {r["game"] for r in dm.train_set}
 
 
+def test_held_out_rows_are_evaluated_in_batches_of_val_batch_size():
+    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(40)]
+    dm = PromptDataModule(rows, val_size=10, batch_size=4)
+    assert [len(b) for b in dm.val_dataloader()] == [10]  # by default all at once (up to 256), not 4 at a time
+    dm = PromptDataModule(rows, val_size=10, batch_size=4, val_batch_size=3)
+    assert [len(b) for b in dm.val_dataloader()] == [3, 3, 3, 1]
+    with pytest.raises(ValueError, match="val_batch_size must be >= 1"):
+        PromptDataModule(rows, val_size=10, val_batch_size=0).setup()
+
+
 def test_held_out_from_another_split(tmp_path, monkeypatch):
     """val_split: the other split's first val_size rows; a training row asking one of them is still dropped."""
     import datasets
