@@ -13,7 +13,8 @@
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
-# held-out evaluations, default the recipe's). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
+# held-out evaluations, default the recipe's; SIDES "rlcu", "trl" or both, the default: one side per run of
+# the script when both do not fit in one, then `python3 recipes/curves.py` on the two CSVs). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
 # ../shared/peers (default .peers).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
@@ -85,18 +86,21 @@ case $part in
     seconds=$(python3 -c "print(round(60 * $minutes))")
     # with one GPU the two runs take turns on it (rlcu first): never two processes sharing one GPU's time
     # both sides evaluate greedily only, as TRL's side does; rlcu's clock counts those evaluations, TRL's leaves them out
-    gpus=$(nvidia-smi -L | wc -l); trl_gpu=$(( gpus > 1 ? 1 : 0 ))
+    gpus=$(nvidia-smi -L | wc -l); trl_gpu=$(( gpus > 1 ? 1 : 0 )); sides=" ${SIDES:-rlcu trl} "
     for recipe in ${RECIPES:-gsm8k reasoning-gym}; do
       mkdir -p "$out/$recipe"
       trl() { (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=$trl_gpu log trl-$recipe python3 "$root/recipes/trl_baseline.py" \
         "$recipe" --out "$out/$recipe-trl.csv" --max_minutes "$minutes" --model "$model" \
         ${TRL_EVAL_EVERY:+--eval_every $TRL_EVAL_EVERY}); }
-      if (( gpus > 1 )); then trl & fi
-      (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=0 log rlcu-$recipe python3 -m rlcu.cli run "$recipe" \
-        --model.model="$model" --model.eval_num_samples=0 --trainer.max_time="00:00:$(printf %02d $((seconds / 60))):$(printf %02d $((seconds % 60)))")
-      if (( gpus > 1 )); then wait; else trl; fi
-      cp "$out/$recipe"/runs/"$recipe"/version_0/metrics.csv "$out/$recipe-rlcu.csv"
-      python3 "$root/recipes/curves.py" "$out/$recipe-rlcu.csv" --trl "$out/$recipe-trl.csv" --out "$out/$recipe.png"
+      ours() { (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=0 log rlcu-$recipe python3 -m rlcu.cli run "$recipe" \
+        --model.model="$model" --model.eval_num_samples=0 \
+        --trainer.max_time="00:00:$(printf %02d $((seconds / 60))):$(printf %02d $((seconds % 60)))")
+        cp "$out/$recipe"/runs/"$recipe"/version_0/metrics.csv "$out/$recipe-rlcu.csv"; }
+      if (( gpus > 1 )) && [[ $sides == *" trl "* ]]; then trl & fi
+      [[ $sides == *" rlcu "* ]] && ours
+      if (( gpus > 1 )); then wait; elif [[ $sides == *" trl "* ]]; then trl; fi
+      [ -f "$out/$recipe-rlcu.csv" ] && [ -f "$out/$recipe-trl.csv" ] &&
+        python3 "$root/recipes/curves.py" "$out/$recipe-rlcu.csv" --trl "$out/$recipe-trl.csv" --out "$out/$recipe.png"
     done ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
