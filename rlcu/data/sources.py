@@ -144,7 +144,8 @@ def reasoning_gym(task: str = "basic_arithmetic", n: int = 1000, seed: int = 0, 
     for example {min_terms: 2, max_terms: 4}), a run of graded difficulty is a list of such sources. Rows carry
     `answer` and `rg_entry` (the generated entry as JSON), which the `reasoning_gym` reward scores with the
     task's own verifier. `split` other than 'train' draws from another seed. `instruction` follows each question
-    (it must ask for the <answer> tags the reward reads; a small model follows one with an example of them)."""
+    and must ask for the <answer> tags the reward reads (an example of them helps a small model into the format,
+    and is then often copied: recipes/reasoning-gym/README.md)."""
     import json
 
     import datasets
