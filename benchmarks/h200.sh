@@ -2,10 +2,11 @@
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
 # PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8, with and without shared-prefix decode, and
-# the micro-batch variants), profile (the two rollouts under the profiler), rlcu-extra (no look-ahead, packing), trl8 / trl32 (TRL's GRPO step),
-# hf (transformers generate), ddp (the countdown recipe on one GPU, then two under DDP and under FSDP; needs
-# the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8 step of the tree in $BASE, an older
-# checkout's rlcu/, then of this one, alternating: a change that must not cost speed), memory (the 1.7B and 4B
+# the micro-batch variants), profile (the two rollouts under the profiler), rlcu-extra (no look-ahead, packing),
+# trl8 / trl32 (TRL's GRPO step), hf (transformers generate), ddp (the countdown recipe on one GPU, then two
+# under DDP and under FSDP; needs the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8
+# step of the tree in $BASE, an older checkout's rlcu/, then of this one, alternating: a change that must not
+# cost speed), memory (the 1.7B and 4B
 # shapes, full fine-tuning, fp32 and bf16 AdamW moments, on GPU 0 while TRL runs them on GPU 1), fsdp8b (the 8B
 # shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1; LONG picks the workloads, MB
@@ -14,8 +15,8 @@
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
 # held-out evaluations, default the recipe's; SIDES "rlcu", "trl" or both, the default: one side per run of
-# the script when both do not fit in one, then `python3 recipes/curves.py` on the two CSVs). RUNS picks ddp's runs (default "one ddp fsdp"). PEERS_DIR holds
-# ../shared/peers (default .peers).
+# the script when both do not fit in one, then `python3 recipes/curves.py` on the two CSVs). RUNS picks ddp's
+# runs (default "one ddp fsdp"). PEERS_DIR holds ../shared/peers (default .peers).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
 mkdir -p "$out"
@@ -85,13 +86,13 @@ case $part in
     out=$(cd "$out" && pwd); root=$PWD; minutes=${MINUTES:-8}; model=${MODEL:-smollm2-135m-instruct}
     seconds=$(python3 -c "print(round(60 * $minutes))")
     # with one GPU the two runs take turns on it (rlcu first): never two processes sharing one GPU's time
-    # both sides evaluate greedily only, as TRL's side does; rlcu's clock counts those evaluations, TRL's leaves them out
+    # both sides evaluate greedily only, as TRL's side does; rlcu's clock counts those evaluations, TRL's not
     gpus=$(nvidia-smi -L | wc -l); trl_gpu=$(( gpus > 1 ? 1 : 0 )); sides=" ${SIDES:-rlcu trl} "
     for recipe in ${RECIPES:-gsm8k reasoning-gym}; do
       mkdir -p "$out/$recipe"
-      trl() { (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=$trl_gpu log trl-$recipe python3 "$root/recipes/trl_baseline.py" \
-        "$recipe" --out "$out/$recipe-trl.csv" --max_minutes "$minutes" --model "$model" \
-        ${TRL_EVAL_EVERY:+--eval_every $TRL_EVAL_EVERY}); }
+      trl() { (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=$trl_gpu log trl-$recipe \
+        python3 "$root/recipes/trl_baseline.py" "$recipe" --out "$out/$recipe-trl.csv" --max_minutes "$minutes" \
+        --model "$model" ${TRL_EVAL_EVERY:+--eval_every $TRL_EVAL_EVERY}); }
       ours() { (cd "$out/$recipe" && CUDA_VISIBLE_DEVICES=0 log rlcu-$recipe python3 -m rlcu.cli run "$recipe" \
         --model.model="$model" --model.eval_num_samples=0 \
         --trainer.max_time="00:00:$(printf %02d $((seconds / 60))):$(printf %02d $((seconds % 60)))")

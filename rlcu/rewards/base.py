@@ -92,3 +92,10 @@ def require_column(reward: str, name: str, kwargs: dict) -> list:
         cols = sorted(k for k in kwargs if k != "trainer_state")
         raise KeyError(f"reward {reward!r} needs the dataset column {name!r}; the batch has {cols}")
     return kwargs[name]
+
+
+def checked_format_score(format_score: float) -> float:
+    """TinyZero's partial credit for a wrong answer in the asked format: below a right answer's 1."""
+    if not 0.0 <= format_score < 1.0:
+        raise ValueError(f"format_score must be in [0, 1) (a right answer scores 1), got {format_score}")
+    return format_score

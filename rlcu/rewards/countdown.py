@@ -7,7 +7,7 @@ import ast
 import re
 from fractions import Fraction
 
-from rlcu.rewards.base import Reward, completion_text, require_column
+from rlcu.rewards.base import Reward, checked_format_score, completion_text, require_column
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
         ast.Div: lambda a, b: a / b}
@@ -58,10 +58,8 @@ class CountdownEquation(Reward):
 
     def __init__(self, nums_column: str = "nums", target_column: str = "target", weight: float = 1.0,
                  format_score: float = 0.0):
-        if not 0.0 <= format_score < 1.0:
-            raise ValueError(f"format_score must be in [0, 1) (a correct equation scores 1), got {format_score}")
         self.nums_column, self.target_column, self.weight = nums_column, target_column, weight
-        self.format_score = format_score
+        self.format_score = checked_format_score(format_score)
 
     def __call__(self, prompts, completions, completion_ids, **kwargs):
         nums = require_column(self.name, self.nums_column, kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from rlcu.rewards.base import Reward, completion_text, require_column
+from rlcu.rewards.base import Reward, checked_format_score, completion_text, require_column
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -17,14 +17,13 @@ class ReasoningGymScore(Reward):
     name = "reasoning_gym"
 
     def __init__(self, entry_column: str = "rg_entry", weight: float = 1.0, format_score: float = 0.0):
-        if not 0.0 <= format_score < 1.0:
-            raise ValueError(f"format_score must be in [0, 1) (a right answer scores 1), got {format_score}")
         try:
             import reasoning_gym
         except ImportError as e:
             raise ImportError("the reasoning_gym reward needs the reasoning-gym package: pip install "
                               "'rlcu[reasoning]'") from e
-        self.rg, self.entry_column, self.weight, self.format_score = reasoning_gym, entry_column, weight, format_score
+        self.rg, self.entry_column, self.weight = reasoning_gym, entry_column, weight
+        self.format_score = checked_format_score(format_score)
         self.verifiers: dict = {}
 
     def __call__(self, prompts, completions, completion_ids, **kwargs):
