@@ -9,8 +9,9 @@
 # cost speed), memory (the 1.7B and 4B
 # shapes, full fine-tuning, fp32 and bf16 AdamW moments, on GPU 0 while TRL runs them on GPU 1), fsdp8b (the 8B
 # shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
-# 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1; LONG picks the workloads, MB
-# rlcu's micro-batch),
+# 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
+# one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
+# fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8),
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
@@ -72,15 +73,25 @@ case $part in
         --steps 3 --devices 2 --strategy fsdp2 --adam_state_dtype $state
     done ;;
   long)
+    gpus=$(nvidia-smi -L | wc -l); trl_gpu=$(( gpus > 1 ? 1 : 0 )); sides=" ${SIDES:-rlcu trl} "
     for w in ${LONG:-8x8x4096 16x16x2048}; do
       IFS=x read -r p g l <<< "$w"
-      (cd "$peers" && CUDA_VISIBLE_DEVICES=1 SHAPE=1.7b log trl-1.7b-$w python3 trl_grpo.py "$p" "$g" "$l" 2) &
-      for packing in "" --packing; do  # padded micro-batches (masked SDPA), then padding-free (varlen flash)
+      trl() { (cd "$peers" && CUDA_VISIBLE_DEVICES=$trl_gpu SHAPE=1.7b log trl-1.7b-$w python3 trl_grpo.py "$p" "$g" \
+        "$l" 2); }
+      if (( gpus > 1 )) && [[ $sides == *" trl "* ]]; then trl & fi
+      [[ $sides == *" rlcu "* ]] && for packing in "" --packing; do  # padded micro-batches, then padding-free
         CUDA_VISIBLE_DEVICES=0 log step-1.7b-$w${packing:+-packed} rlcu bench step --model qwen3-1.7b-random \
           --prompts "$p" --generations "$g" --new_tokens "$l" --steps 3 --micro_batch_size "${MB:-16}" \
-          --adam_state_dtype bfloat16 $packing
+          --adam_state_dtype bfloat16 --kv_cache_dtype "${KV:-auto}" $packing
       done
-      wait
+      if (( gpus > 1 )); then wait; elif [[ $sides == *" trl "* ]]; then trl; fi
+    done ;;
+  fp8)
+    for kv in auto fp8; do
+      log rollout64-$kv rlcu bench rollout --sequences 64 --new_tokens 512 --kv_cache_dtype $kv
+      log rollout512-$kv rlcu bench rollout --sequences 512 --new_tokens 512 --kv_cache_dtype $kv
+      log step8x8-$kv rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --kv_cache_dtype $kv
+      log step32x8-$kv rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --kv_cache_dtype $kv
     done ;;
   curves)
     out=$(cd "$out" && pwd); root=$PWD; minutes=${MINUTES:-8}; model=${MODEL:-smollm2-135m-instruct}

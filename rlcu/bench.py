@@ -89,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--shared_prefix", choices=("auto", "on", "off"), default="auto",
                        help="decode attention reads the prompt blocks a group of samples shares once for all of them: "
                             "auto (the engine's default) at decode steps of 256 sequences or more, on at any size")
+        s.add_argument("--kv_cache_dtype", choices=("auto", "fp8"), default="auto",
+                       help="fp8: keys and values in e4m3 (half the bytes a decode step reads; a logprob cost)")
         s.add_argument("--exact_logprobs", action="store_true",
                        help="batch-invariant kernels: the engine's logprobs equal the trainer's to the bit")
         s.add_argument("--profile", metavar="DIR",
@@ -140,7 +142,8 @@ def bench_rollout(args) -> dict:
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
-                                           lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix]))
+                                           lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
+                                           kv_cache_dtype=args.kv_cache_dtype))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
     continuation = None
     if args.turns > 1:
@@ -160,8 +163,8 @@ def bench_rollout(args) -> dict:
     return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
                 lookahead=args.lookahead, shared_prefix=args.shared_prefix, turns=args.turns,
-                exact_logprobs=args.exact_logprobs, tokens=tokens, seconds=round(best, 3),
-                tok_per_s=round(tokens / best),
+                kv_cache_dtype=args.kv_cache_dtype, exact_logprobs=args.exact_logprobs, tokens=tokens,
+                seconds=round(best, 3), tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device),
                 **({"profile": profile} if profile else {}))
@@ -227,7 +230,7 @@ def bench_step(args) -> dict:
 
     rollout = NativeRollout(EngineConfig(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
                                          lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
-                                         release_memory=not args.keep_memory,
+                                         release_memory=not args.keep_memory, kv_cache_dtype=args.kv_cache_dtype,
                                          max_num_seqs=max(256, args.prompts * args.generations)))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
@@ -253,6 +256,7 @@ def bench_step(args) -> dict:
                                                                        if f"timing/{k}" in m}))
             if "logprob_mismatch/max" in m:
                 steps[-1]["mismatch"] = float(m["logprob_mismatch/max"])
+                steps[-1]["mismatch_mean"] = float(m["logprob_mismatch/mean"])
             for phase in ("generate", "train"):  # the module's per-phase peaks (CUDA only)
                 if f"memory/{phase}_GB" in m:
                     steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
@@ -284,10 +288,12 @@ def bench_step(args) -> dict:
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
                 lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype,
-                optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs, devices=args.devices,
+                optimizer_offload=args.optimizer_offload, kv_cache_dtype=args.kv_cache_dtype,
+                exact_logprobs=args.exact_logprobs, devices=args.devices,
                 strategy=args.strategy,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),
+                logprob_mismatch_mean=max((s.get("mismatch_mean", float("nan")) for s in steps), default=float("nan")),
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
 

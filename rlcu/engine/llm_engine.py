@@ -19,7 +19,7 @@ import torch
 from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, StopStrings, Turn, check_reply
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner
-from rlcu.engine.paged_attention import cache_dtype
+from rlcu.engine.paged_attention import KV_CACHE_DTYPES, cache_dtype
 from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
@@ -66,12 +66,17 @@ class EngineConfig:
     # True: at any batch size (a warning where it cannot run); False: never
     shared_prefix: bool | None = None
     continuation_workers: int = 16  # threads that run continuations (tools, environments) beside decoding
+    # "auto": keys and values in the forward's dtype; "fp8" (or "fp8_e4m3", vLLM's names): e4m3 with unit scale,
+    # half the bytes a decode step reads and twice the sequences a pool holds, for a logprob cost (docs/engine.md)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError(f"block_size and max_num_seqs must be >= 1, got {self.block_size}, {self.max_num_seqs}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs "
                              "(every running sequence decodes each step)")
@@ -235,13 +240,13 @@ class LLMEngine:
         cfg, runner = self.config, self.runner
         addresses = [p.data_ptr() for p in self.model.parameters()]
         if (runner is not None and runner.k_cache.shape[1] >= num_blocks and runner.param_addresses == addresses
-                and runner.dtype == cache_dtype(self.model)):
+                and runner.dtype == cache_dtype(self.model, cfg.kv_cache_dtype)):
             return
         self.runner = None  # the old pool goes before the new one is taken
         # FSDP's gathered parameters are plain tensors for the rollout (models/sharding.py): graphs capture them
         # as they capture a single process's; if the next gather puts them elsewhere, the check above renews them
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.cuda_graphs,
-                                  shared_prefix=cfg.shared_prefix)
+                                  shared_prefix=cfg.shared_prefix, kv_cache_dtype=cfg.kv_cache_dtype)
         if cfg.shared_prefix is True and not self.runner.shared_prefix and not self._said_no_shared_prefix:
             self._said_no_shared_prefix = True  # once per engine, not at every rollout
             log.warning("shared_prefix needs the Triton kernels (a CUDA device, a power-of-two head_dim >= 16): "

@@ -14,6 +14,7 @@ from rlcu.engine.paged_attention import PagedAttention, cache_dtype
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import triton_supports
+from rlcu.kernels.kv_cache import as_bytes
 from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
 from rlcu.kernels.rope_store_kv import supported as rope_supported
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
@@ -26,11 +27,11 @@ SHARED_PREFIX_MIN_SEQS = 256
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int = 256,
-                 cuda_graphs: bool = True, shared_prefix: bool | None = False):
+                 cuda_graphs: bool = True, shared_prefix: bool | None = False, kv_cache_dtype: str = "auto"):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.dtype, self.device = cache_dtype(model), model.device
+        self.dtype, self.device = cache_dtype(model, kv_cache_dtype), model.device
         # zeros, not empty: a padding row of a graph batch reads block 0, and must not read NaN
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -42,6 +43,9 @@ class ModelRunner:
         # exact_logprobs: every step through the one attention kernel the training forward uses, the q/k norms
         # as the modules compute them there (docs/engine.md)
         self.exact = model.exact_logprobs
+        if self.exact and kv_cache_dtype != "auto":
+            raise ValueError(f"exact_logprobs reads the keys and values the training forward computes: set "
+                             f"kv_cache_dtype: auto (got {kv_cache_dtype!r}), or exact_logprobs: false")
         if self.exact and not (triton and triton_supports(cfg.head_dim, block_size)):
             raise ValueError(f"exact_logprobs needs the Triton kernels with a power-of-two head_dim >= 16 (got "
                              f"{cfg.head_dim}) on a CUDA device (or RLCU_TRITON=1): set exact_logprobs: false")
@@ -57,8 +61,8 @@ class ModelRunner:
         if pairs:
             src = torch.tensor([s for s, _ in pairs], device=self.device)
             dst = torch.tensor([d for _, d in pairs], device=self.device)
-            self.k_cache[:, dst] = self.k_cache[:, src]
-            self.v_cache[:, dst] = self.v_cache[:, src]
+            for cache in (as_bytes(self.k_cache), as_bytes(self.v_cache)):
+                cache[:, dst] = cache[:, src]
 
     @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]], bm: BlockManager,

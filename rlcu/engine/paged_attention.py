@@ -6,15 +6,20 @@ from __future__ import annotations
 import torch
 
 from rlcu.kernels.decode_attention import decode_attention
+from rlcu.kernels.kv_cache import FP8
 from rlcu.kernels.prefill_attention import paged_attention
 from rlcu.kernels.rope_store_kv import rope_store_kv
 from rlcu.kernels.shared_prefix_decode import shared_prefix_decode_triton
 from rlcu.models.llama import CausalLM
 
+# EngineConfig.kv_cache_dtype, with vLLM's names: "auto" stores keys and values as the forward computes them
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
 
-def cache_dtype(model: CausalLM) -> torch.dtype:
-    """Keys and values are stored as the forward computes them: the autocast dtype under mixed precision."""
-    return model.compute_dtype()
+
+def cache_dtype(model: CausalLM, kv_cache_dtype: str = "auto") -> torch.dtype:
+    """"auto": the forward's dtype (the autocast dtype under mixed precision); "fp8": half the bytes of bf16
+    for every decode step to read, at a logprob cost (docs/engine.md)."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model.compute_dtype()
 
 
 class PagedAttention:

@@ -18,9 +18,9 @@ from rlcu.engine.sequence import Sequence
 from rlcu.models.llama import CausalLM
 
 
-def bytes_per_block(model: CausalLM, block_size: int) -> int:
+def bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
     cfg = model.config
-    size = torch.empty((), dtype=cache_dtype(model)).element_size()
+    size = torch.empty((), dtype=cache_dtype(model, kv_cache_dtype)).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * size
 
 
@@ -57,4 +57,4 @@ def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int 
     if want is None:
         want = min(blocks_all_at_once(parents, bs), blocks_running_at_once(parents, bs, config.max_num_seqs))
     budget = int((available_memory(model.device) + held_bytes) * config.memory_fraction)
-    return max(1, min(want, budget // bytes_per_block(model, bs)))
+    return max(1, min(want, budget // bytes_per_block(model, bs, config.kv_cache_dtype)))

@@ -4,13 +4,15 @@ rope k, store) and a rotated-k tensor that is written once and read once. Rounds
 
 Qwen3's per-head RMSNorm of q and k (`q_weight`, `k_weight`) is applied in the same pass, rounded as
 `rms_norm_reference`: two launches per layer fewer, which at a decode step of a 28-layer model is 56 of
-its roughly 300 kernels (they are launch-bound at any batch size)."""
+its roughly 300 kernels (they are launch-bound at any batch size).
+
+An FP8 cache gets k and v saturated and rounded as `kv_cache.to_cache` does (kv_cache.py)."""
 from __future__ import annotations
 
 import torch
 
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
-from rlcu.kernels.kv_cache import store_kv_reference
+from rlcu.kernels.kv_cache import FP8, round_e4m3, store_kv_reference
 from rlcu.kernels.rmsnorm import rms_norm_reference
 from rlcu.kernels.rope import rope_reference
 
@@ -43,9 +45,15 @@ if HAS_TRITON:
         return o1, o2
 
     @triton.jit
+    def _to_cache(x, CACHE, FP8_CACHE: tl.constexpr):
+        if FP8_CACHE:  # rounded and saturated before the cast (kv_cache.py)
+            x = round_e4m3(x)
+        return x.to(CACHE.dtype.element_ty)
+
+    @triton.jit
     def _rope_store_kv_kernel(Q, K, V, COS, SIN, Q_OUT, KC, VC, slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
                               stride_kh, stride_vt, stride_vh, stride_ct, HQ: tl.constexpr, HKV: tl.constexpr,
-                              HALF: tl.constexpr, NORM: tl.constexpr):
+                              HALF: tl.constexpr, NORM: tl.constexpr, FP8_CACHE: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)  # heads 0..HQ-1 are queries, the rest key/value heads
         d = tl.arange(0, HALF)
@@ -64,11 +72,11 @@ if HAS_TRITON:
                 j = h - HQ
                 o1, o2 = _rotate(K + t * stride_kt + j * stride_kh, c1, c2, s1, s2, KW, eps, HALF, NORM)
                 dst = (slot * HKV + j) * 2 * HALF
-                tl.store(KC + dst + d, o1.to(KC.dtype.element_ty))
-                tl.store(KC + dst + HALF + d, o2.to(KC.dtype.element_ty))
+                tl.store(KC + dst + d, _to_cache(o1, KC, FP8_CACHE))
+                tl.store(KC + dst + HALF + d, _to_cache(o2, KC, FP8_CACHE))
                 v_row = V + t * stride_vt + j * stride_vh
-                tl.store(VC + dst + d, tl.load(v_row + d).to(VC.dtype.element_ty))
-                tl.store(VC + dst + HALF + d, tl.load(v_row + HALF + d).to(VC.dtype.element_ty))
+                tl.store(VC + dst + d, _to_cache(tl.load(v_row + d), VC, FP8_CACHE))
+                tl.store(VC + dst + HALF + d, _to_cache(tl.load(v_row + HALF + d), VC, FP8_CACHE))
 
 
 def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None,
@@ -85,7 +93,7 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=No
                                          q_weight if norm else q, k_weight if norm else k, eps,
                                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                          cos.stride(0),
-                                         HQ=hq, HKV=hkv, HALF=d // 2, NORM=norm)
+                                         HQ=hq, HKV=hkv, HALF=d // 2, NORM=norm, FP8_CACHE=k_cache.dtype == FP8)
     return q_out
 
 

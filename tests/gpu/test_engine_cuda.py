@@ -138,3 +138,29 @@ def test_lora_adapters_run_inside_the_cuda_graphs_and_follow_in_place_updates(tm
             m.lora.lora_B.mul_(-20.0)
     again = engine.generate(PROMPTS, sp)
     assert again.completion_ids != first.completion_ids
+
+
+def test_fp8_kv_cache_in_graphs_with_shared_prefix(tmp_path):
+    """kv_cache_dtype fp8 on the GPU, bf16: decode graphs with shared-prefix decode against eager plain decode
+    over the same FP8 cache (the same sampled completions, but for near-ties), and the engine's logprobs near
+    the training forward's."""
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=128, heads=8, kv_heads=2, head_dim=64),
+                          dtype="bfloat16")
+    model.cuda()
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    sp = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[EOS], seed=7)
+    fast = LLMEngine(model, EngineConfig(kv_cache_dtype="fp8", shared_prefix=True, block_size=4, release_memory=False))
+    got = fast.generate(prompts, sp)
+    assert fast.runner.k_cache.dtype == torch.float8_e4m3fn and any(key[2] for key in fast.runner.graphs.graphs)
+    want = LLMEngine(model, EngineConfig(kv_cache_dtype="fp8", cuda_graphs=False, shared_prefix=False,
+                                         block_size=4)).generate(prompts, sp)
+    same = sum(a == b for a, b in zip(got.completion_ids, want.completion_ids))
+    assert same >= len(prompts) - 2, f"{same}/{len(prompts)} identical"
+    gaps = []
+    for p, c, lp in zip(got.prompt_ids, got.completion_ids, got.logprobs):
+        x = torch.tensor([p + c], device="cuda")
+        ref, _ = completion_logprobs(model, x, torch.ones_like(x), len(c))
+        gaps.append((ref[0].float().cpu() - torch.tensor(lp)).abs())
+    gaps = torch.cat(gaps)
+    print(f"fp8 cache: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
+    assert gaps.mean() < 0.25
