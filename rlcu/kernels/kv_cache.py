@@ -52,5 +52,6 @@ if HAS_TRITON:
         bits = (bits + ((1 << (drop - 1)) - 1) + keep_odd) & ~((1 << drop) - 1)  # a carry moves the exponent up
         rounded = bits.to(tl.float32, bitcast=True)
         # under 2^-9: 0 or the smallest subnormal, 2^-9 (a tie at 2^-10 goes to 0, the even one)
-        tiny = tl.where(tl.abs(x) > 0.0009765625, 0.001953125, 0.0)
-        return tl.where(exponent < -9, tl.where(bits < 0, -tiny, tiny), rounded)  # (bits < 0: the sign, -0 too)
+        tiny = tl.where(tl.abs(x) > 0.0009765625, 0.001953125, 0.0).to(tl.int32, bitcast=True)
+        tiny = (tiny | (bits & -2147483648)).to(tl.float32, bitcast=True)  # x's sign bit, so -0 stays -0
+        return tl.where(exponent < -9, tiny, rounded)

@@ -95,7 +95,8 @@ def test_rope_store_kv_into_fp8_rounds_as_the_reference(dtype, qk_norm):
     assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
     k_got, k_ref = caches[0].float(), caches[2].float()
-    assert torch.allclose(k_got, k_ref, rtol=2 ** -3, atol=2 ** -9)  # one step of 3 mantissa bits
+    # one step of 3 mantissa bits, past what the dtype's rounding of the rotation itself allows
+    assert torch.allclose(k_got, k_ref, rtol=2 ** -3 + rtol, atol=2 ** -9 + atol)
     assert (k_got != k_ref).float().mean() < 0.02
     assert not torch.isnan(k_got).any() and not torch.isnan(caches[1].float()).any()
     if not qk_norm:
