@@ -41,8 +41,7 @@ if HAS_TRITON:
                        stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, stride_ps,
                        stride_ph, stride_pp, stride_pls, stride_plh, num_splits, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-                       DOT_FP16: tl.constexpr):
+                       PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -60,8 +59,6 @@ if HAS_TRITON:
         heads = kvh * GROUP + g
         gmask = g < GROUP
         q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-        if DOT_FP16:  # an FP8 cache widens to fp16 in one instruction (to bf16 in several); q fits fp16 exactly
-            q = q.to(tl.float16)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -90,7 +87,9 @@ if HAS_TRITON:
 
 
 DECODE_BLOCK_N = 64  # tokens per tile
-DECODE_BLOCK_N_FP8 = 64
+# an FP8 tile of 64 tokens is half the bytes in flight of a bf16 one: 128 keeps the loads as large (on the H200,
+# benchmarks/decode_kv_dtype.py, docs/benchmarks.md)
+DECODE_BLOCK_N_FP8 = 128
 
 
 def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: int = 64,
@@ -101,15 +100,13 @@ def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: 
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                            block_n: int | None = None, prefix=None, dot_fp16: bool | None = None):
+                            block_n: int | None = None, prefix=None):
     """`prefix`: (skip [S], out [S, Hq, P, D], lse [S, Hq, P]) from shared_prefix_decode: each sequence's first
     `skip` tokens are already attended, in P partials, and only the rest is read here."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
-    narrow = k_cache.element_size() == 1
-    block_n = block_n or (DECODE_BLOCK_N_FP8 if narrow else DECODE_BLOCK_N)
-    dot_fp16 = narrow and q.dtype == torch.bfloat16 if dot_fp16 is None else dot_fp16
+    block_n = block_n or (DECODE_BLOCK_N_FP8 if k_cache.element_size() == 1 else DECODE_BLOCK_N)
     if num_splits is None:
         num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
     group = hq // hkv
@@ -122,7 +119,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         plse.stride(0), plse.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
-        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0, DOT_FP16=dot_fp16)
+        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0)
     return combine_splits(partial, lse, q.dtype)
 
 
