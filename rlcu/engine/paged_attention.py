@@ -41,9 +41,9 @@ class PagedAttention:
         norm = ()
         if qk_norm is not None:
             q_norm, k_norm = qk_norm
-            if q_norm.weight.dtype == kc.dtype:
+            if q_norm.weight.dtype == q.dtype:
                 norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-            else:  # the fused kernel rounds the normed q/k once, to the cache dtype: not for wider weights (autocast)
+            else:  # the fused kernel rounds the normed q/k once, to q's dtype: not for wider weights (autocast)
                 q, k = q_norm(q), k_norm(k)
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:
