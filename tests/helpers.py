@@ -245,3 +245,16 @@ def hangs_forever(completions, **kwargs):
     Path(os.environ["RLCU_TEST_MARKER"]).touch()
     while True:
         time.sleep(0.01)
+
+
+def logprob_gaps(model, out, temperature: float = 1.0) -> torch.Tensor:
+    """|engine - training forward| logprob of every sampled token of the rollout `out`, on the model's device."""
+    from rlcu.grpo.logprobs import completion_logprobs
+
+    device = next(model.parameters()).device
+    gaps = []
+    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
+        ids = torch.tensor([p + c], device=device)
+        ref, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(c), temperature)
+        gaps.append((ref[0].float().cpu() - torch.tensor(lp)).abs())
+    return torch.cat(gaps)

@@ -6,23 +6,12 @@ import torch
 
 from rlcu.engine import pool
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
-from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.kernels._triton import HAS_TRITON
 from rlcu.kernels.kv_cache import FP8
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
 from rlcu.rollout.native import NativeRollout
-from tests.helpers import EOS, PROMPTS, tiny_hf_folder
-
-
-def logprob_gaps(model, out, temperature):
-    """|engine - training forward| for every sampled token."""
-    gaps = []
-    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
-        ids = torch.tensor([p + c])
-        ref, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(c), temperature)
-        gaps.append((ref[0] - torch.tensor(lp)).abs())
-    return torch.cat(gaps)
+from tests.helpers import EOS, PROMPTS, logprob_gaps, tiny_hf_folder
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -6,7 +6,7 @@ from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
-from tests.helpers import EOS, PROMPTS, tiny_hf_folder
+from tests.helpers import EOS, PROMPTS, logprob_gaps, tiny_hf_folder
 from tests.helpers import reference_generate as reference
 
 pytestmark = pytest.mark.gpu
@@ -37,13 +37,7 @@ def test_smollm2_on_cuda_matches_reference_with_dtype_tolerance(smollm2_folder, 
               for x, y in zip(got.completion_ids, want.completion_ids)]
     assert sum(p >= 8 for p in prefix) >= 3, f"identical greedy prefixes: {prefix}"
     sp = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[tok.eos_token_id], seed=0)
-    out = LLMEngine(model).generate([x for x in ids for _ in range(4)], sp)
-    gaps = []
-    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
-        x = torch.tensor([p + c], device="cuda")
-        ref, _ = completion_logprobs(model, x, torch.ones_like(x), len(c))
-        gaps.append((ref[0].float().cpu() - torch.tensor(lp)).abs())
-    gaps = torch.cat(gaps)
+    gaps = logprob_gaps(model, LLMEngine(model).generate([x for x in ids for _ in range(4)], sp))
     print(f"{dtype}: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
     assert gaps.mean() < (0.05 if dtype == torch.bfloat16 else 1e-3)
 
@@ -156,11 +150,6 @@ def test_fp8_kv_cache_in_graphs_with_shared_prefix(tmp_path):
                                          block_size=4)).generate(prompts, sp)
     same = sum(a == b for a, b in zip(got.completion_ids, want.completion_ids))
     assert same >= len(prompts) - 2, f"{same}/{len(prompts)} identical"
-    gaps = []
-    for p, c, lp in zip(got.prompt_ids, got.completion_ids, got.logprobs):
-        x = torch.tensor([p + c], device="cuda")
-        ref, _ = completion_logprobs(model, x, torch.ones_like(x), len(c))
-        gaps.append((ref[0].float().cpu() - torch.tensor(lp)).abs())
-    gaps = torch.cat(gaps)
+    gaps = logprob_gaps(model, got)
     print(f"fp8 cache: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
     assert gaps.mean() < 0.25
