@@ -293,6 +293,7 @@ def bench_step(args) -> dict:
                 strategy=args.strategy,
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),
+                # the largest of the steps' means, as the max is the largest of their maxima
                 logprob_mismatch_mean=max((s.get("mismatch_mean", float("nan")) for s in steps), default=float("nan")),
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))

@@ -17,8 +17,8 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
 
 
 def cache_dtype(model: CausalLM, kv_cache_dtype: str = "auto") -> torch.dtype:
-    """"auto": the forward's dtype (the autocast dtype under mixed precision); "fp8": half the bytes of bf16
-    for every decode step to read, at a logprob cost (docs/engine.md)."""
+    """The pool's dtype: the forward's (the autocast dtype under mixed precision) for "auto"; e4m3 for "fp8",
+    half the bytes of bf16 for every decode step to read, at a logprob cost (docs/engine.md)."""
     return KV_CACHE_DTYPES[kv_cache_dtype] or model.compute_dtype()
 
 

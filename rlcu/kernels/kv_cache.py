@@ -36,7 +36,7 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     for x, cache in ((k, k_cache), (v, v_cache)):
         rows = as_bytes(cache).view(-1, *cache.shape[2:])
-        rows.index_copy_(0, slot_mapping, as_bytes(to_cache(x, cache.dtype).contiguous()))
+        rows.index_copy_(0, slot_mapping, as_bytes(to_cache(x, cache.dtype)))
 
 
 if HAS_TRITON:
