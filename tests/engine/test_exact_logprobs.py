@@ -14,7 +14,8 @@ from rlcu.rollout import SamplingParams
 from tests.helpers import EOS, PROMPTS, tiny_hf_folder
 
 pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
-              pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")]
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines"),
+              pytest.mark.usefixtures("fixed_order_dot")]
 
 SAMPLING = SamplingParams(max_tokens=6, temperature=0.8, stop_token_ids=[EOS], seed=7)
 # prompts of 1 to 33 tokens; the repeated ones fork, their samples sharing the prompt's blocks
