@@ -34,6 +34,7 @@ def test_linear_against_float64(dtype, m, k, n, bias):
         assert torch.allclose(got.double(), exact, atol=atol, rtol=rtol), (got.double() - exact).abs().max()
 
 
+@pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_are_batch_invariant(dtype):
     """Every row computed alone, among 7 and among 200 rows (in another position) is the same bits."""
