@@ -1,8 +1,12 @@
 """kv_cache_dtype: fp8 keys and values (e4m3), through the reference path and the Triton kernels under the
 interpreter, on a tiny Qwen3 and on the real SmolLM2; its pool, its errors, and its logprob cost measured
 against the training forward."""
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
+import yaml
 
 from rlcu.engine import pool
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
@@ -76,3 +80,17 @@ def test_bad_kv_cache_dtype_and_exact_logprobs_are_clear_errors(tmp_path):
     model.set_exact_logprobs(True)
     with pytest.raises(ValueError, match="exact_logprobs .* set kv_cache_dtype: auto"):
         LLMEngine(model, EngineConfig(kv_cache_dtype="fp8")).generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+
+
+def test_the_shipped_fp8_fragment_gives_an_fp8_pool(tmp_path):
+    """configs/rollout/native-fp8.yaml, as `--config` hands it to the native rollout."""
+    fragment = Path(__file__).resolve().parents[2] / "configs/rollout/native-fp8.yaml"
+    rollout = yaml.safe_load(fragment.read_text())["model"]["rollout"]
+    assert rollout["name"] == "native"
+    backend = NativeRollout(**rollout["init_args"])
+    model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
+    backend.setup(SimpleNamespace(policy=model, tokenizer=None))
+    backend.config.release_memory = False
+    out = backend.generate(PROMPTS[:2], SamplingParams(max_tokens=3, temperature=0))
+    assert [len(c) for c in out.completion_ids] == [3, 3]
+    assert backend.engine.runner.k_cache.dtype == FP8
