@@ -10,9 +10,8 @@ import re
 from fractions import Fraction
 
 from rlcu.rewards.base import Reward, completion_text, require_column
-from rlcu.text import last_boxed
+from rlcu.text import last_boxed, last_number
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _SAFE = re.compile(r"^[0-9a-z+\-*/^().,\s]*$")
 _NAMES = {"sqrt", "pi", "e", "x", "y", "z", "n", "i", "log", "sin", "cos", "tan", "exp"}
 
@@ -21,8 +20,7 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+    return last_number(text)
 
 
 def _latex_to_plain(s: str) -> str:

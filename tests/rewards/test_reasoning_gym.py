@@ -62,3 +62,17 @@ def test_the_docs_example_builds_its_rows_and_reward():
     (reward,) = resolve_rewards(example["model"]["rewards"])
     assert "<answer>7</answer>" in rows[0]["prompt"][-1]["content"]
     assert reward.fn(["p"], ["<answer>no</answer>"], [[1]], rg_entry=[rows[0]["rg_entry"]]) == [0.1]
+
+
+def test_answer_from_last_number_scores_the_last_number_with_the_tasks_verifier():
+    rows = build_dataset("reasoning_gym", {"task": "basic_arithmetic", "n": 3, "seed": 4,
+                                           "instruction": "Give only the final number."})
+    reward = resolve_reward({"name": "reasoning_gym", "init_args": {"answer_from": "last_number"}})
+    a = rows[0]["answer"]
+    completions = [f"First 3, then {a}.", f"{a} or 12345", "no number", f"<answer>{a}</answer> 0"]
+    scores = reward.fn(["p"] * 4, completions, [[1]] * 4, rg_entry=[rows[0]["rg_entry"]] * 4)
+    assert scores[0] == 1.0 and scores[1] < 1.0 and scores[2] == 0.0 and scores[3] < 1.0
+    with pytest.raises(ValueError, match="answer_from must be one of tags, last_number"):
+        resolve_reward({"name": "reasoning_gym", "init_args": {"answer_from": "boxed"}})
+    with pytest.raises(ValueError, match="format_score credits answers inside <answer> tags"):
+        resolve_reward({"name": "reasoning_gym", "init_args": {"answer_from": "last_number", "format_score": 0.1}})
