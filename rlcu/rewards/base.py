@@ -90,7 +90,8 @@ def _preview(x, n=80) -> str:
 def require_column(reward: str, name: str, kwargs: dict) -> list:
     if name not in kwargs:
         cols = sorted(k for k in kwargs if k != "trainer_state")
-        raise KeyError(f"reward {reward!r} needs the dataset column {name!r}; the batch has {cols}")
+        raise KeyError(f"reward {reward!r} needs the dataset column {name!r}; the batch has {cols}: add that "
+                       f"column to the data, or choose a reward that does not need it")
     return kwargs[name]
 
 
