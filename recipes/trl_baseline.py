@@ -116,7 +116,8 @@ def main(argv=None):
                      seed=recipe["seed_everything"], bf16=torch.cuda.is_available(), logging_steps=1, report_to="none",
                      save_strategy="no", use_cpu=not torch.cuda.is_available(),
                      reward_weights=[r.weight for r in rewards],
-                     max_tool_calling_iterations=m.get("max_tool_calling_iterations"))
+                     max_tool_calling_iterations=m.get("max_tool_calling_iterations"),
+                     **{k: m[k] for k in SAME_NAMES if k in recipe["model"]})
     trainer = GRPOTrainer(model=model, reward_funcs=[as_trl(r) for r in rewards], args=cfg, train_dataset=train,
                           callbacks=[Log()], tools=tools or None, processing_class=tokenizer_for(model, m))
     try:
@@ -124,6 +125,11 @@ def main(argv=None):
     finally:
         out.close()
     return rows
+
+
+# GRPOModule options spelled and meant as GRPOConfig's: a recipe that sets one sets it on TRL's side too
+SAME_NAMES = ("epsilon", "epsilon_high", "beta", "top_p", "top_k", "min_p",
+              "mask_truncated_completions", "top_entropy_quantile", "num_iterations")
 
 
 def module_defaults() -> dict:

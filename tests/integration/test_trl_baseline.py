@@ -107,3 +107,21 @@ def test_curves_plot_both_held_out_accuracies(tmp_path, monkeypatch):
     curves.main([str(tmp_path / "rlcu.csv"), "--trl", str(tmp_path / "trl.csv"), "--out", str(tmp_path / "c.png")])
     assert ("rlcu", [0.1, 0.4]) in drawn and ("TRL", [0.1, 0.3]) in drawn
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_options_passed_to_trl_by_name_mean_the_same_on_both_sides():
+    """Each option the TRL script copies by name is a GRPOModule argument and a GRPOConfig field."""
+    pytest.importorskip("trl")
+    import dataclasses
+    import inspect
+
+    from trl import GRPOConfig
+
+    from rlcu.grpo.module import GRPOModule
+
+    spec = importlib.util.spec_from_file_location("trl_baseline_names", SCRIPT.parents[1] / "trl_baseline.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    ours = set(inspect.signature(GRPOModule).parameters)
+    assert set(script.SAME_NAMES) <= fields & ours
