@@ -245,7 +245,10 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
                             "(long_prompts=truncate_left)", long, len(rows), self.hparams.max_prompt_length)
         held_out = getattr(dm, "val_set", None)
         if held_out and self.hparams.eval_at_start and self._evaluates_later():
-            metrics = evaluation.evaluate_all(self, held_out, dm.val_batch_size)  # the curve's first point
+            # the curve's first point, in the numerics of the later ones: Lightning enters the precision's
+            # autocast around validation_step only, not around this hook
+            with self.trainer.precision_plugin.forward_context():
+                metrics = evaluation.evaluate_all(self, held_out, dm.val_batch_size)
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=0)
 

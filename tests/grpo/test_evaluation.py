@@ -138,3 +138,31 @@ def test_rlcu_eval_reproduces_the_final_metrics_from_the_checkpoint(tmp_path, mo
 
     assert evaluated(f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}") == pytest.approx(final, abs=1e-6)
     assert evaluated() == pytest.approx(start, abs=1e-6)  # no checkpoint: the model as it started
+
+
+@pytest.mark.parametrize("precision, autocast", [("bf16-mixed", torch.bfloat16), ("32-true", None)])
+def test_the_evaluation_before_training_runs_in_the_trainers_precision(tmp_path, monkeypatch, precision, autocast):
+    """The curve's first point is computed as the later ones (validation_step, under the precision's autocast)."""
+    import lightning.pytorch as pl
+
+    from rlcu.grpo import evaluation
+
+    seen = []
+
+    def record(module, rows, batch_size):
+        on = torch.is_autocast_enabled("cpu")
+        seen.append(torch.get_autocast_dtype("cpu") if on else None)
+        return {"eval/accuracy": 0.0}
+
+    monkeypatch.setattr(evaluation, "evaluate_all", record)
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    module = GRPOModule(model, tokenizer=tok, rewards=[exact_target], num_generations=2, max_completion_length=2)
+    dm = PromptDataModule(dataset=toy_rows(8, seed=2), batch_size=2, val_size=2)
+    trainer = pl.Trainer(accelerator="cpu", precision=precision, max_steps=1, val_check_interval=1,
+                         check_val_every_n_epoch=None, limit_val_batches=0.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    monkeypatch.setattr(module, "_evaluates_later", lambda: True)
+    trainer.fit(module, datamodule=dm)
+    assert seen[:1] == [autocast]
