@@ -3,6 +3,9 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
+# pytest-xdist workers (each a process of a few GB; 2 suits a 2-core, 24 GiB machine); WORKERS=0 runs in one process
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
 
 .PHONY: install quickstart lint test test-fast
 
@@ -22,7 +25,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"

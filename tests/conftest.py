@@ -1,7 +1,13 @@
 import os
 
-import pytest
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each of the N workers gets its share of the cores (and so do the processes it starts): OpenMP threads of
+    # several processes on the same cores spin against each other and slow every test several-fold
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_share)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; it must be chosen before any kernel is defined.
@@ -9,7 +15,15 @@ if not torch.cuda.is_available():
 
 
 
+# tests that start process groups (torchrun on fixed ports, Lightning's ddp): one xdist worker runs them all, in turn
+DISTRIBUTED = ("tests/integration/test_ddp.py", "tests/integration/test_fsdp_and_nodes.py",
+               "tests/gpu/test_fsdp_cuda.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(DISTRIBUTED):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (runs on the H200)")

@@ -151,6 +151,18 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
     assert got.completion_ids == want.completion_ids
 
 
+def triton_attention_with_reference_rope(monkeypatch):
+    """The Triton kernels under the interpreter, but the RoPE + KV-write step through its PyTorch reference: the
+    tests of the attention kernels need their inputs, not that kernel again (test_greedy_parity_with_triton_kernels
+    and tests/kernels/test_rope_store_kv.py cover it), and its program per token and head costs most of their
+    interpreter time."""
+    import rlcu.engine.paged_attention as paged
+    from rlcu.kernels.rope_store_kv import rope_store_kv_reference
+
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    monkeypatch.setattr(paged, "rope_store_kv", rope_store_kv_reference)
+
+
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.parametrize("config", [EngineConfig(block_size=4, shared_prefix=True),
@@ -163,7 +175,7 @@ def test_shared_prefix_decode_under_the_interpreter(tmp_path, monkeypatch, confi
     import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=6, kv_heads=2, head_dim=64))
-    monkeypatch.setenv("RLCU_TRITON", "1")
+    triton_attention_with_reference_rope(monkeypatch)
     calls = []
     real = paged.shared_prefix_decode_triton
     monkeypatch.setattr(paged, "shared_prefix_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -186,7 +198,7 @@ def test_shared_prefix_by_default_only_on_large_decode_steps(tmp_path, monkeypat
     import rlcu.engine.paged_attention as paged
 
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=64, heads=4, kv_heads=2, head_dim=32))
-    monkeypatch.setenv("RLCU_TRITON", "1")
+    triton_attention_with_reference_rope(monkeypatch)
     monkeypatch.setattr(runner, "SHARED_PREFIX_MIN_SEQS", 10)
     steps, grouped = [], []
     real_decode, real_shared = runner.ModelRunner.decode, paged.shared_prefix_decode_triton

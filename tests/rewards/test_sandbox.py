@@ -66,7 +66,9 @@ def test_hostile_programs_score_zero_and_leave_no_trace(name, monkeypatch):
     for path in (f"{ROOT}/rlcu-pwned", "/root/rlcu-pwned", "/etc/rlcu-pwned"):
         assert not os.path.exists(path)
     time.sleep(0.2)
-    alive = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) >= UID_BASE and _state(p) != "Z"]
+    # this process's sandbox uids only (take_uid's block for our pid): other test processes run sandboxes too
+    ours = range(UID_BASE + (os.getpid() % 100_000) * 1000, UID_BASE + (os.getpid() % 100_000 + 1) * 1000)
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in ours and _state(p) != "Z"]
     assert not alive, f"sandboxed processes outlived the reward: {alive}"
 
 
