@@ -3,9 +3,11 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers (each a process of a few GB; 2 suits a 2-core, 24 GiB machine); WORKERS=0 runs in one process
+# pytest-xdist workers (each a process of a few GB; 2 suits a 2-core, 24 GiB machine); WORKERS=0 runs in one process.
+# The tests that start process groups may run beside each other: each torchrun test has a port of its own, and
+# Lightning's ddp picks a free one.
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS)
 
 .PHONY: install quickstart lint test test-fast
 

@@ -15,15 +15,7 @@ if not torch.cuda.is_available():
 
 
 
-# tests that start process groups (torchrun on fixed ports, Lightning's ddp): one xdist worker runs them all, in turn
-DISTRIBUTED = ("tests/integration/test_ddp.py", "tests/integration/test_fsdp_and_nodes.py",
-               "tests/gpu/test_fsdp_cuda.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid.startswith(DISTRIBUTED):
-            item.add_marker(pytest.mark.xdist_group("distributed"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (runs on the H200)")

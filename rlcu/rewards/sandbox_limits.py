@@ -15,11 +15,17 @@ _uids_in_use: set[int] = set()
 _counter = itertools.count()
 
 
+def process_uids() -> range:
+    """The block of sandbox uids this process takes from: the process id keeps processes' sandboxes apart."""
+    start = UID_BASE + (os.getpid() % 100_000) * 1000
+    return range(start, start + 1000)
+
+
 def take_uid() -> int:
-    """A uid no other sandbox of this process uses now (the process id keeps processes apart)."""
+    """A uid of this process's block that no other sandbox of this process uses now."""
     with _uid_lock:
         while True:
-            uid = UID_BASE + (os.getpid() % 100_000) * 1000 + next(_counter) % 1000
+            uid = process_uids()[next(_counter) % 1000]
             if uid not in _uids_in_use:
                 _uids_in_use.add(uid)
                 return uid

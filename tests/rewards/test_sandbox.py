@@ -7,7 +7,7 @@ import pytest
 
 from rlcu.rewards import sandbox
 from rlcu.rewards.code import CodeTests, extract_program
-from rlcu.rewards.sandbox_limits import UID_BASE, whole_sandbox_limits
+from rlcu.rewards.sandbox_limits import process_uids, whole_sandbox_limits
 
 pytestmark = pytest.mark.skipif(sandbox.available() is not None, reason=str(sandbox.available()))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,8 +66,7 @@ def test_hostile_programs_score_zero_and_leave_no_trace(name, monkeypatch):
     for path in (f"{ROOT}/rlcu-pwned", "/root/rlcu-pwned", "/etc/rlcu-pwned"):
         assert not os.path.exists(path)
     time.sleep(0.2)
-    # this process's sandbox uids only (take_uid's block for our pid): other test processes run sandboxes too
-    ours = range(UID_BASE + (os.getpid() % 100_000) * 1000, UID_BASE + (os.getpid() % 100_000 + 1) * 1000)
+    ours = process_uids()  # this process's sandboxes only: other test processes run sandboxes too
     alive = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in ours and _state(p) != "Z"]
     assert not alive, f"sandboxed processes outlived the reward: {alive}"
 
