@@ -205,5 +205,6 @@ def build_dataset(source: str | list[str], args: dict[str, Any] | None = None, s
         return LOADERS[source](split=args.pop("split", split), **args)
     ds = load_rows(source, args.pop("split", split), args.pop("name", None))
     if args:
-        raise ValueError(f"unused dataset_args {sorted(args)} for a plain dataset (only 'split' and 'name' apply)")
+        raise ValueError(f"unused dataset_args {sorted(args)} for a plain dataset (only 'split' and 'name' apply): "
+                         f"drop them (on the command line --data.dataset_args={{}})")
     return ds

@@ -58,6 +58,8 @@ def test_bad_data_fails_at_setup_with_the_fix():
         build_dataset("arithmetic", {"split": "test"})
     with pytest.raises(TypeError):
         build_dataset("arithmetic", {"digitz": 3})
+    with pytest.raises(ValueError, match=r"unused dataset_args \['n'\] .*: drop them \(.*--data.dataset_args=\{\}\)"):
+        build_dataset(str(FIXTURES / "no_prompt.jsonl"), {"n": 4})
 
 
 def test_datamodule_batches_rows_reproducibly_and_wraps_text_as_chat():
