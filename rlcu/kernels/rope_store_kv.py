@@ -30,18 +30,21 @@ def rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight
 
 if HAS_TRITON:
     @triton.jit
-    def _rotate(row, c1, c2, s1, s2, W, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    def _rotate(X, stride_h, heads, hmask, c1, c2, s1, s2, W, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+        """Heads `heads` of one token as [heads, HALF] halves, each RMS-normalised on its own when NORM, rotated."""
         d = tl.arange(0, HALF)
-        x1 = tl.load(row + d)
-        x2 = tl.load(row + HALF + d)
-        dt = row.dtype.element_ty
+        row = X + heads[:, None] * stride_h + d[None, :]
+        x1 = tl.load(row, mask=hmask[:, None], other=0.0)
+        x2 = tl.load(row + HALF, mask=hmask[:, None], other=0.0)
+        dt = X.dtype.element_ty
         if NORM:  # rounded as rms_norm: the normalised row to x's dtype, then times the weight
             h1, h2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = 1.0 / tl.sqrt((tl.sum(h1 * h1, 0) + tl.sum(h2 * h2, 0)) / (2 * HALF) + eps)
-            x1 = ((h1 * rstd).to(dt).to(tl.float32) * tl.load(W + d).to(tl.float32)).to(dt)
-            x2 = ((h2 * rstd).to(dt).to(tl.float32) * tl.load(W + HALF + d).to(tl.float32)).to(dt)
-        o1 = ((x1 * c1).to(dt) + (-x2 * s1).to(dt)).to(dt)  # each product rounds to x's dtype first, as in torch
-        o2 = ((x2 * c2).to(dt) + (x1 * s2).to(dt)).to(dt)
+            rstd = 1.0 / tl.sqrt((tl.sum(h1 * h1, 1) + tl.sum(h2 * h2, 1)) / (2 * HALF) + eps)
+            x1 = ((h1 * rstd[:, None]).to(dt).to(tl.float32) * tl.load(W + d).to(tl.float32)[None, :]).to(dt)
+            x2 = ((h2 * rstd[:, None]).to(dt).to(tl.float32) * tl.load(W + HALF + d).to(tl.float32)[None, :]).to(dt)
+        # each product rounds to x's dtype first, as in torch
+        o1 = ((x1 * c1[None, :]).to(dt) + (-x2 * s1[None, :]).to(dt)).to(dt)
+        o2 = ((x2 * c2[None, :]).to(dt) + (x1 * s2[None, :]).to(dt)).to(dt)
         return o1, o2
 
     @triton.jit
@@ -53,30 +56,37 @@ if HAS_TRITON:
     @triton.jit
     def _rope_store_kv_kernel(Q, K, V, COS, SIN, Q_OUT, KC, VC, slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
                               stride_kh, stride_vt, stride_vh, stride_ct, HQ: tl.constexpr, HKV: tl.constexpr,
-                              HALF: tl.constexpr, NORM: tl.constexpr, FP8_CACHE: tl.constexpr):
+                              HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+                              FP8_CACHE: tl.constexpr):
+        """Program (t, 0) rotates token t's query heads, (t, 1) its key heads into the cache, with v beside them:
+        a program per token and head was 12,288 programs of 128 elements at a 512-sequence decode step."""
         t = tl.program_id(0)
-        h = tl.program_id(1)  # heads 0..HQ-1 are queries, the rest key/value heads
         d = tl.arange(0, HALF)
         c1 = tl.load(COS + t * stride_ct + d)
         c2 = tl.load(COS + t * stride_ct + HALF + d)
         s1 = tl.load(SIN + t * stride_ct + d)
         s2 = tl.load(SIN + t * stride_ct + HALF + d)
-        if h < HQ:
-            o1, o2 = _rotate(Q + t * stride_qt + h * stride_qh, c1, c2, s1, s2, QW, eps, HALF, NORM)
-            out = Q_OUT + (t * HQ + h) * 2 * HALF
-            tl.store(out + d, o1)
-            tl.store(out + HALF + d, o2)
+        if tl.program_id(1) == 0:
+            heads = tl.arange(0, HQ_PAD)
+            hmask = heads < HQ
+            o1, o2 = _rotate(Q + t * stride_qt, stride_qh, heads, hmask, c1, c2, s1, s2, QW, eps, HALF, NORM)
+            out = Q_OUT + (t * HQ + heads[:, None]) * 2 * HALF + d[None, :]
+            tl.store(out, o1, mask=hmask[:, None])
+            tl.store(out + HALF, o2, mask=hmask[:, None])
         else:
             slot = tl.load(slots + t)
             if slot >= 0:
-                j = h - HQ
-                o1, o2 = _rotate(K + t * stride_kt + j * stride_kh, c1, c2, s1, s2, KW, eps, HALF, NORM)
-                dst = (slot * HKV + j) * 2 * HALF
-                tl.store(KC + dst + d, _to_cache(o1, KC, FP8_CACHE))
-                tl.store(KC + dst + HALF + d, _to_cache(o2, KC, FP8_CACHE))
-                v_row = V + t * stride_vt + j * stride_vh
-                tl.store(VC + dst + d, _to_cache(tl.load(v_row + d), VC, FP8_CACHE))
-                tl.store(VC + dst + HALF + d, _to_cache(tl.load(v_row + HALF + d), VC, FP8_CACHE))
+                heads = tl.arange(0, HKV_PAD)
+                hmask = heads < HKV
+                o1, o2 = _rotate(K + t * stride_kt, stride_kh, heads, hmask, c1, c2, s1, s2, KW, eps, HALF, NORM)
+                dst = (slot * HKV + heads[:, None]) * 2 * HALF + d[None, :]
+                tl.store(KC + dst, _to_cache(o1, KC, FP8_CACHE), mask=hmask[:, None])
+                tl.store(KC + dst + HALF, _to_cache(o2, KC, FP8_CACHE), mask=hmask[:, None])
+                v_row = V + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
+                v1 = tl.load(v_row, mask=hmask[:, None], other=0.0)
+                v2 = tl.load(v_row + HALF, mask=hmask[:, None], other=0.0)
+                tl.store(VC + dst, _to_cache(v1, VC, FP8_CACHE), mask=hmask[:, None])
+                tl.store(VC + dst + HALF, _to_cache(v2, VC, FP8_CACHE), mask=hmask[:, None])
 
 
 def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None,
@@ -89,11 +99,11 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=No
     # the fused norm rounds once, to q's dtype: a wider weight (fp32 under autocast) would promote the product
     assert not norm or q_weight.dtype == k_weight.dtype == q.dtype, "q/k norm weights in q's dtype only"
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    _rope_store_kv_kernel[(t, hq + hkv)](q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
-                                         q_weight if norm else q, k_weight if norm else k, eps,
-                                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                         cos.stride(0),
-                                         HQ=hq, HKV=hkv, HALF=d // 2, NORM=norm, FP8_CACHE=k_cache.dtype == FP8)
+    _rope_store_kv_kernel[(t, 2)](q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
+                                  q_weight if norm else q, k_weight if norm else k, eps,
+                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                  cos.stride(0), HQ=hq, HKV=hkv, HQ_PAD=next_pow2(hq), HKV_PAD=next_pow2(hkv),
+                                  HALF=d // 2, NORM=norm, FP8_CACHE=k_cache.dtype == FP8)
     return q_out
 
 
