@@ -83,9 +83,41 @@ if HAS_TRITON:
         return total
 
     @triton.jit
-    def _gumbel(seed, idx):
-        """Gumbel noise of token `idx` for a row's seed: the one definition both sampling kernels draw from."""
-        return -tl.log(-tl.log(tl.maximum(tl.rand(seed, idx), 1e-20)))
+    def _chunk(base, seed, v0, end, inv_temp, Q: tl.constexpr):
+        """Tokens v0 .. v0 + 4Q - 1 (v0 a multiple of 4Q) in four blocks of Q: each block's token ids, scaled logits
+        (-inf from `end` on) and Gumbel noise. Token v0 + jQ + i takes the j-th of the four uniforms that Philox
+        makes from counter v0 / 4 + i, for a row's seed: the one definition of the noise both kernels draw from,
+        so that a draw depends on neither the kernel nor the split of the vocabulary. A Philox draw per token
+        (ten rounds of integer multiplies) was most of the sampler's time; here one serves four."""
+        i = tl.arange(0, Q)
+        u0, u1, u2, u3 = tl.rand4x(seed, v0 // 4 + i)
+        t0 = v0 + i
+        t1 = t0 + Q
+        t2 = t1 + Q
+        t3 = t2 + Q
+        return (t0, t1, t2, t3, _scaled(base, t0, end, inv_temp), _scaled(base, t1, end, inv_temp),
+                _scaled(base, t2, end, inv_temp), _scaled(base, t3, end, inv_temp), _gumbel(u0), _gumbel(u1),
+                _gumbel(u2), _gumbel(u3))
+
+    @triton.jit
+    def _scaled(base, t, end, inv_temp):
+        return tl.load(base + t, mask=t < end, other=float("-inf")).to(tl.float32) * inv_temp
+
+    @triton.jit
+    def _gumbel(u):
+        return -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+
+    @triton.jit
+    def _keep_better(best, best_idx, score, t):
+        """Per lane, the running Gumbel-max winner: a later token replaces it only when strictly better."""
+        better = score > best
+        return tl.where(better, score, best), tl.where(better, t, best_idx)
+
+    @triton.jit
+    def _winner(best, best_idx):
+        """The lanes' best score and its token, the lowest id on a tie (as one scan in token order keeps the first)."""
+        top = tl.max(best, 0)
+        return top, tl.min(tl.where(best == top, best_idx, 2147483647), 0)
 
     @triton.jit
     def _sample_kernel(L, stride_l, V, SEEDS, TOK, LP, inv_temp, top_k, top_p, log_min_p,
@@ -123,18 +155,16 @@ if HAS_TRITON:
             floor = a
         floor = tl.maximum(floor, m + log_min_p - 1e-6 * tl.abs(m))  # min-p (a hair below, so the max stays)
         seed = tl.load(SEEDS + row)
-        best = float("-inf")
-        best_idx = 0
+        Q: tl.constexpr = BLOCK_V // 4
+        best = tl.full([Q], float("-inf"), tl.float32)
+        best_idx = tl.zeros([Q], tl.int32)
         for v0 in range(0, V, BLOCK_V):  # Gumbel-max over the kept tokens
-            idx = v0 + tl.arange(0, BLOCK_V)
-            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_temp
-            g = _gumbel(seed, idx)
-            score = tl.where((x > floor) & (idx < V), x + g, float("-inf"))
-            chunk_best = tl.max(score, 0)
-            chunk_idx = v0 + tl.argmax(score, 0)
-            better = chunk_best > best
-            best_idx = tl.where(better, chunk_idx, best_idx)
-            best = tl.where(better, chunk_best, best)
+            t0, t1, t2, t3, x0, x1, x2, x3, g0, g1, g2, g3 = _chunk(base, seed, v0, V, inv_temp, Q)
+            best, best_idx = _keep_better(best, best_idx, tl.where(x0 > floor, x0 + g0, float("-inf")), t0)
+            best, best_idx = _keep_better(best, best_idx, tl.where(x1 > floor, x1 + g1, float("-inf")), t1)
+            best, best_idx = _keep_better(best, best_idx, tl.where(x2 > floor, x2 + g2, float("-inf")), t2)
+            best, best_idx = _keep_better(best, best_idx, tl.where(x3 > floor, x3 + g3, float("-inf")), t3)
+        best, best_idx = _winner(best, best_idx)
         x_tok = tl.load(base + best_idx).to(tl.float32) * inv_temp
         tl.store(TOK + row, best_idx.to(tl.int64))
         tl.store(LP + row, x_tok - lse)
@@ -143,33 +173,33 @@ if HAS_TRITON:
     @triton.jit
     def _split_kernel(L, stride_l, V, SEEDS, M, S, BEST, IDX, inv_temp, span, num_splits, BLOCK_V: tl.constexpr):
         """No filter: one program per (row, share of the vocabulary) finds its share's max, sum of exp and
-        Gumbel-max winner; `_combine_kernel` merges the shares. The noise is the same function of (seed,
-        token) as in `_sample_kernel`, so the draw does not depend on how the vocabulary is split."""
+        Gumbel-max winner; `_combine_kernel` merges the shares. The sum and the winner are kept per lane and
+        reduced once at the end: a chunk's only reduction is its max."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         base = L + row * stride_l
         seed = tl.load(SEEDS + row)
         start = split * span
         end = tl.minimum(start + span, V)
+        Q: tl.constexpr = BLOCK_V // 4
         m = float("-inf")
-        total = 0.0
-        best = float("-inf")
-        best_idx = 0
+        total = tl.zeros([Q], tl.float32)
+        best = tl.full([Q], float("-inf"), tl.float32)
+        best_idx = tl.zeros([Q], tl.int32)
         for v0 in range(start, end, BLOCK_V):
-            idx = v0 + tl.arange(0, BLOCK_V)
-            inside = idx < end
-            x = tl.load(base + idx, mask=inside, other=float("-inf")).to(tl.float32) * inv_temp
-            m_new = tl.maximum(m, tl.max(x, 0))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new))
+            t0, t1, t2, t3, x0, x1, x2, x3, g0, g1, g2, g3 = _chunk(base, seed, v0, end, inv_temp, Q)
+            m_new = tl.maximum(m, tl.max(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), 0))
+            total = (total * tl.exp(m - m_new) + tl.exp(x0 - m_new) + tl.exp(x1 - m_new) + tl.exp(x2 - m_new)
+                     + tl.exp(x3 - m_new))
             m = m_new
-            score = tl.where(inside, x + _gumbel(seed, idx), float("-inf"))
-            chunk_best = tl.max(score, 0)
-            better = chunk_best > best
-            best_idx = tl.where(better, v0 + tl.argmax(score, 0), best_idx)
-            best = tl.where(better, chunk_best, best)
+            best, best_idx = _keep_better(best, best_idx, x0 + g0, t0)
+            best, best_idx = _keep_better(best, best_idx, x1 + g1, t1)
+            best, best_idx = _keep_better(best, best_idx, x2 + g2, t2)
+            best, best_idx = _keep_better(best, best_idx, x3 + g3, t3)
+        best, best_idx = _winner(best, best_idx)
         out = row * num_splits + split
         tl.store(M + out, m)
-        tl.store(S + out, total)
+        tl.store(S + out, tl.sum(total, 0))
         tl.store(BEST + out, best)
         tl.store(IDX + out, best_idx)
 
@@ -200,7 +230,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds: torch.Tensor,
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     top_k_on = 0 < top_k < v
-    block_v = 1024 if v >= 1024 else triton.next_power_of_2(v)
+    block_v = 1024 if v >= 1024 else max(16, triton.next_power_of_2(v))  # four blocks of 4+ (_chunk)
     if not top_k_on and top_p >= 1.0 and min_p <= 0.0:
         chunks = -(-v // block_v)
         splits = max(1, min(chunks, PROGRAMS // max(1, b), 64))
