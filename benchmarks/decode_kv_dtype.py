@@ -1,16 +1,19 @@
 """Paged decode attention alone on the standard workload's shape (16 query / 8 KV heads, head_dim 128, blocks of
-16): a bf16 cache against an FP8 one, tiles of 64 and 128 tokens, at the mean context of a
-128 + 512 rollout. Prints the kernel's time and the KV bytes it reads per second.
+16, random block tables), at the mean context of a 128 + 512 rollout: a bf16 cache against an FP8 one, over
+tiles of 64, 128 and 256 tokens, 2-8 warps, 2-4 pipeline stages and 1-2 splits of each sequence. Prints the
+default launch and the fastest few of each cache dtype, with the KV bytes read per second.
     python3 benchmarks/decode_kv_dtype.py [SEQUENCES ...]"""
+import itertools
 import sys
 
 import torch
 from triton.testing import do_bench
 
-from rlcu.kernels.decode_attention import decode_attention_triton
+from rlcu.kernels.decode_attention import DECODE_BLOCK_N, DECODE_BLOCK_N_FP8, decode_attention_triton
 from rlcu.kernels.kv_cache import FP8, to_cache
 
 HQ, HKV, D, BS, CTX = 16, 8, 128, 16, 384
+GRID = dict(block_n=(64, 128, 256), num_warps=(2, 4, 8), num_stages=(2, 3, 4), num_splits=(1, 2))
 
 
 def main(sizes):
@@ -21,16 +24,24 @@ def main(sizes):
         table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(n, CTX // BS)
         ctx = torch.full((n,), CTX, dtype=torch.int32, device="cuda")
         q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k8, v8 = to_cache(k, FP8), to_cache(v, FP8)
-        want = decode_attention_triton(q, k8, v8, table, ctx, D ** -0.5, block_n=64).float()
-        for name, caches in (("bf16", (k, v)), ("fp8", (k8, v8))):
-            for block_n in (64, 128):
-                run = lambda: decode_attention_triton(q, *caches, table, ctx, D ** -0.5, block_n=block_n)  # noqa: E731
-                gap = (run().float() - want).abs().max().item() if name == "fp8" else float("nan")
-                ms = do_bench(run, warmup=25, rep=200)
-                gb = 2 * n * CTX * HKV * D * caches[0].element_size() / 1e9
-                print(f"{n:4d} seqs  {name:4s} block_n {block_n:3d}: {1e3 * ms:7.1f} us  {gb / ms * 1e3:6.0f} GB/s  "
-                      f"(fp8 |diff| from block_n 64: {gap:.1e})", flush=True)
+        for name, caches, default_n in (("bf16", (k, v), DECODE_BLOCK_N), ("fp8", (to_cache(k, FP8), to_cache(v, FP8)),
+                                                                          DECODE_BLOCK_N_FP8)):
+            want = decode_attention_triton(q, *caches, table, ctx, D ** -0.5).float()
+            gb = 2 * n * CTX * HKV * D * caches[0].element_size() / 1e9
+            default = dict(block_n=default_n, num_warps=4, num_stages=3, num_splits=None)
+            timed = []
+            for values in [tuple(default.values())] + list(itertools.product(*GRID.values())):
+                launch = dict(zip(GRID, values))
+                run = lambda: decode_attention_triton(q, *caches, table, ctx, D ** -0.5, **launch)  # noqa: E731
+                try:
+                    gap = (run().float() - want).abs().max().item()
+                    timed.append((do_bench(run, warmup=10, rep=40), gap, launch))
+                except Exception as error:  # a launch past the shared memory or registers of the GPU
+                    print(f"{n:4d} seqs  {name}: {launch} failed: {type(error).__name__}", flush=True)
+            first = timed[0]
+            for label, (ms, gap, launch) in [("default", first)] + [("best", t) for t in sorted(timed)[:5]]:
+                print(f"{n:4d} seqs  {name:4s} {label:7s} {1e3 * ms:7.1f} us  {gb / ms * 1e3:6.0f} GB/s  "
+                      f"|diff| from the default {gap:.1e}  {launch}", flush=True)
 
 
 if __name__ == "__main__":

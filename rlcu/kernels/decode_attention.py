@@ -100,9 +100,10 @@ def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: 
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                            block_n: int | None = None, prefix=None):
+                            block_n: int | None = None, prefix=None, num_warps: int = 4, num_stages: int = 3):
     """`prefix`: (skip [S], out [S, Hq, P, D], lse [S, Hq, P]) from shared_prefix_decode: each sequence's first
-    `skip` tokens are already attended, in P partials, and only the rest is read here."""
+    `skip` tokens are already attended, in P partials, and only the rest is read here. `num_warps`,
+    `num_stages`: Triton's launch options (its defaults), for benchmarks/decode_kv_dtype.py's sweep."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
@@ -119,7 +120,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         plse.stride(0), plse.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
-        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0)
+        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0, num_warps=num_warps,
+        num_stages=num_stages)
     return combine_splits(partial, lse, q.dtype)
 
 
