@@ -2,6 +2,8 @@
 (qkv, gate_up, o, down) at M rows, bf16, each timed inside a CUDA graph as the engine replays them, against a
 Triton kernel over tiles of 16-128 columns, K steps of 64-256, 1-8 splits of K (partials summed after) and
 3-5 pipeline stages. Prints cuBLAS and the fastest four Triton launches of each shape (docs/benchmarks.md).
+The kernel is rlcu/kernels/matmul.py's loop with split K added, kept here: the project's own must never split K
+(its rows are batch-invariant for exact_logprobs), and the sweep found nothing to take from this one.
     python3 benchmarks/skinny_gemm.py [M]"""
 import itertools
 import sys

@@ -154,7 +154,7 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
 def triton_attention_with_reference_rope(monkeypatch):
     """The Triton kernels under the interpreter, but the RoPE + KV-write step through its PyTorch reference: the
     tests of the attention kernels need their inputs, not that kernel again (test_greedy_parity_with_triton_kernels
-    and tests/kernels/test_rope_store_kv.py cover it), and it would double their interpreter time."""
+    and tests/kernels/test_rope_store_kv.py cover it), and it adds half again to their interpreter time."""
     import rlcu.engine.paged_attention as paged
     from rlcu.kernels.rope_store_kv import rope_store_kv_reference
 
