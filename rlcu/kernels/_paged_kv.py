@@ -2,28 +2,67 @@
 each row found through the sequence's block table (many loads in flight at once; a tile may span cache
 blocks of any size, so the block size need not suit tl.dot), and the decode kernels' online-softmax step
 over such a tile, and its split epilogue."""
+import torch
+
 from rlcu.kernels._triton import HAS_TRITON, tl, triton
+
+
+def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, q_dtype: torch.dtype):
+    """(K, V, E4M3_PAIRS): the caches as the decode kernels take them. An FP8 cache under a 16-bit query goes as
+    int16 views, two e4m3 values an element, which `load_kv_tile` widens to fp16 in registers: read as FP8,
+    Triton stages the tile in shared memory and widens it there a byte load at a time, for the values' transpose
+    in P @ V (6% slower at 512 sequences, 14% at 64 on the H200: docs/benchmarks.md). Strides are then in int16
+    elements. An fp32 query keeps the FP8 read and its fp32 dot."""
+    if k_cache.element_size() == 1 and q_dtype != torch.float32:
+        return k_cache.view(torch.int16), v_cache.view(torch.int16), True
+    return k_cache, v_cache, False
+
 
 if HAS_TRITON:
     @triton.jit
-    def load_kv_tile(KC, VC, table_row, token, mask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE: tl.constexpr):
+    def widen_e4m3_pairs(x):
+        """int16 [N, M], two e4m3 values each (the lower byte first) -> fp16 [N, 2M], exactly."""
+        lo = (x & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((x >> 8) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return tl.reshape(tl.join(lo, hi), [x.shape[0], 2 * x.shape[1]])
+
+    @triton.jit
+    def load_kv_tile(KC, VC, table_row, token, mask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE: tl.constexpr,
+                     E4M3_PAIRS: tl.constexpr):
         block = tl.load(table_row + token // BLOCK_SIZE, mask=mask, other=0)
-        offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset + d[None, :]
-        return tl.load(KC + offs, mask=mask[:, None], other=0.0), tl.load(VC + offs, mask=mask[:, None], other=0.0)
+        if E4M3_PAIRS:  # kv_operands
+            pair = tl.arange(0, d.shape[0] // 2)
+            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset + pair[None, :]
+            k = widen_e4m3_pairs(tl.load(KC + offs, mask=mask[:, None], other=0))
+            v = widen_e4m3_pairs(tl.load(VC + offs, mask=mask[:, None], other=0))
+        else:
+            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset + d[None, :]
+            k = tl.load(KC + offs, mask=mask[:, None], other=0.0)
+            v = tl.load(VC + offs, mask=mask[:, None], other=0.0)
+        return k, v
 
     @triton.jit
     def attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, tmask, rows, scale, stride_kb, stride_kt, head_offset, d,
-                       BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, E4M3_PAIRS: tl.constexpr):
         """One online-softmax step of query rows `q` over a tile of tokens (`tmask`: those that exist); rows
-        outside `rows` see none of it, and a row that has seen nothing yet keeps m = -inf without NaN."""
-        k, v = load_kv_tile(KC, VC, table_row, token, tmask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        outside `rows` see none of it, and a row that has seen nothing yet keeps m = -inf without NaN.
+        With E4M3_PAIRS (kv_operands) both dots take fp16, which holds every e4m3 value; q is scaled first so
+        that fp16's range (65,504) holds it too."""
+        k, v = load_kv_tile(KC, VC, table_row, token, tmask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE,
+                            E4M3_PAIRS)
+        if E4M3_PAIRS:
+            scores = tl.dot((q * scale).to(tl.float16), tl.trans(k))
+        else:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         scores = tl.where(rows[:, None] & tmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - shift[:, None])
         alpha = tl.exp(m - shift)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        if E4M3_PAIRS:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         return acc, m_new, l * alpha + tl.sum(p, 1)
 
     @triton.jit
@@ -34,4 +73,4 @@ if HAS_TRITON:
         out = acc / tl.where(empty, 1.0, l)[:, None]
         return out, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
 else:  # pragma: no cover - depends on the environment
-    load_kv_tile = attend_kv_tile = finish_split = None
+    widen_e4m3_pairs = load_kv_tile = attend_kv_tile = finish_split = None

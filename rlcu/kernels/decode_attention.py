@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlcu.kernels._paged_kv import attend_kv_tile, finish_split
+from rlcu.kernels._paged_kv import attend_kv_tile, finish_split, kv_operands
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
 
 
@@ -41,7 +41,8 @@ if HAS_TRITON:
                        stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, stride_ps,
                        stride_ph, stride_pp, stride_pls, stride_plh, num_splits, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr):
+                       PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+                       E4M3_PAIRS: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -78,7 +79,7 @@ if HAS_TRITON:
         for tile in range(first, last):
             token = skip + tile * BLOCK_N + n
             acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, BT + s * stride_bts, token, token < ctx, gmask, scale,
-                                       stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
+                                       stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS)
         out, lse = finish_split(acc, m, l)
         o_offs = s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :]
         tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=gmask[:, None])
@@ -113,15 +114,16 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     group = hq // hkv
     partial, lse = split_buffers(q, num_splits)
     skip, po, plse = prefix if prefix is not None else (context_lens, lse[:, :, None], lse)  # unread without a prefix
+    kc, vc, pairs = kv_operands(k_cache, v_cache, q.dtype)
     _decode_kernel[(n_seq, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial, lse, skip, po, plse, scale, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), partial.stride(0),
+        q, kc, vc, block_tables, context_lens, partial, lse, skip, po, plse, scale, q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0), partial.stride(0),
         partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), po.stride(0), po.stride(1), po.stride(2),
         plse.stride(0), plse.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
-        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0, num_warps=num_warps,
-        num_stages=num_stages)
+        WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0, E4M3_PAIRS=pairs,
+        num_warps=num_warps, num_stages=num_stages)
     return combine_splits(partial, lse, q.dtype)
 
 

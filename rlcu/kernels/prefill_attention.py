@@ -71,7 +71,7 @@ if HAS_TRITON:
             token = k0 + n
             kmask = token < key_end
             k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, kmask, stride_kb, stride_kt, kvh * stride_kh, d,
-                                BLOCK_SIZE)
+                                BLOCK_SIZE, False)
             k, v = k.to(q.dtype), v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(kmask[None, :] & (token[None, :] <= q_pos[:, None]), scores, float("-inf"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcu.kernels._paged_kv import attend_kv_tile, finish_split
+from rlcu.kernels._paged_kv import attend_kv_tile, finish_split, kv_operands
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton
 from rlcu.kernels.decode_attention import decode_attention_triton
 
@@ -75,7 +75,7 @@ if HAS_TRITON:
                        stride_kt, stride_kh, stride_bts, stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
                        num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, E4M3_PAIRS: tl.constexpr):
         grp = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -101,7 +101,7 @@ if HAS_TRITON:
             for t in range(split * per_split, tl.minimum(split * per_split + per_split, tiles)):
                 token = t * BLOCK_N + n
                 acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, token < shared, row_ok, scale,
-                                           stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION)
+                                           stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS)
             out, lse = finish_split(acc, m, l)
             tl.store(PO + seq[:, None] * stride_ps + head[:, None] * stride_ph + split * stride_pp + d[None, :], out,
                      mask=row_ok[:, None])
@@ -119,11 +119,12 @@ def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
     group_pad = next_pow2(group)
     po = torch.empty(n_seq, hq, prefix_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(n_seq, hq, prefix_splits, dtype=torch.float32, device=q.device)
+    kc, vc, pairs = kv_operands(k_cache, v_cache, q.dtype)
     _prefix_kernel[(shared.shape[0], hkv, prefix_splits)](
-        q, k_cache, v_cache, block_tables, order, starts, shared, po, plse, scale, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), po.stride(0), po.stride(1),
+        q, kc, vc, block_tables, order, starts, shared, po, plse, scale, q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0), po.stride(0), po.stride(1),
         po.stride(2), plse.stride(0), plse.stride(1), prefix_splits, GROUP=group, GROUP_PAD=group_pad,
         ROWS=max(16, MEMBERS * group_pad), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", E4M3_PAIRS=pairs)
     return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, block_n,
                                    prefix=(skip, po, plse))
