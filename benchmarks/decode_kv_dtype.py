@@ -1,19 +1,22 @@
 """Paged decode attention alone on the standard workload's shape (16 query / 8 KV heads, head_dim 128, blocks of
 16, random block tables), at the mean context of a 128 + 512 rollout: a bf16 cache against an FP8 one, over
-tiles of 64, 128 and 256 tokens, 2-8 warps, 2-4 pipeline stages and 1-2 splits of each sequence. Prints the
-default launch and the fastest few of each cache dtype, with the KV bytes read per second.
+tiles of 64 and 128 tokens, 4 and 8 warps, 3-6 pipeline stages and 1-4 splits of each sequence. Prints the
+default launch and the fastest few of each cache dtype, with the KV bytes read per second, each timed in a CUDA
+graph (as the engine runs it: at 64 sequences the host's launch would take longer than the kernel).
     python3 benchmarks/decode_kv_dtype.py [SEQUENCES ...]"""
 import itertools
 import sys
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench_cudagraph
 
 from rlcu.kernels.decode_attention import DECODE_BLOCK_N, DECODE_BLOCK_N_FP8, decode_attention_triton
 from rlcu.kernels.kv_cache import FP8, to_cache
 
 HQ, HKV, D, BS, CTX = 16, 8, 128, 16, 384
-GRID = dict(block_n=(64, 128, 256), num_warps=(2, 4, 8), num_stages=(2, 3, 4), num_splits=(1, 2))
+# Triton double-buffers the gathered tiles only from 5 stages on (below that, one buffer: each tile's load waits for
+# the last tile's arithmetic), so the sweep reaches 6
+GRID = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4, 5, 6), num_splits=(1, 2, 4))
 
 
 def main(sizes):
@@ -35,7 +38,7 @@ def main(sizes):
                 run = lambda: decode_attention_triton(q, *caches, table, ctx, D ** -0.5, **launch)  # noqa: E731
                 try:
                     gap = (run().float() - want).abs().max().item()
-                    timed.append((do_bench(run, warmup=10, rep=40), gap, launch))
+                    timed.append((do_bench_cudagraph(run, rep=40), gap, launch))
                 except Exception as error:  # a launch past the shared memory or registers of the GPU
                     print(f"{n:4d} seqs  {name}: {launch} failed: {type(error).__name__}", flush=True)
             first = timed[0]
