@@ -11,7 +11,8 @@ from rlcu.data import packaged
 SMOKE = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=1",
          "--model.model=smollm2-135m-instruct", "--data.batch_size=2", "--model.num_generations=2",
          "--model.max_completion_length=32", "--data.val_size=2", "--model.eval_num_samples=0",
-         "--trainer.val_check_interval=1", "--trainer.enable_progress_bar=false"]
+         "--trainer.val_check_interval=1", "--model.eval_at_start=false", "--trainer.enable_checkpointing=false",
+         "--trainer.enable_progress_bar=false"]
 
 
 @pytest.mark.slow
@@ -39,7 +40,8 @@ def test_reasoning_gym_recipe_smoke_command_trains_a_step(smollm2_folder, tmp_pa
     cli.main(["run", "reasoning-gym", "--trainer.accelerator=cpu", "--trainer.precision=32-true",
               "--trainer.max_steps=1", "--data.batch_size=2", "--model.num_generations=2",
               "--model.max_completion_length=32", "--data.val_size=2", "--model.eval_num_samples=0",
-              "--trainer.val_check_interval=1", "--trainer.enable_progress_bar=false"])
+              "--trainer.val_check_interval=1", "--model.eval_at_start=false", "--trainer.enable_checkpointing=false",
+              "--trainer.enable_progress_bar=false"])
     metrics = list(csv.DictReader(open(next(tmp_path.glob("runs/reasoning-gym/version_*/metrics.csv")))))
     assert any(r.get("rewards/reasoning_gym/mean") for r in metrics)
     assert any(r.get("eval/accuracy") for r in metrics)
