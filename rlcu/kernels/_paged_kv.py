@@ -1,7 +1,7 @@
 """What the paged attention kernels share: the gather of the keys and values of a tile of token positions,
 each row found through the sequence's block table (many loads in flight at once; a tile may span cache
-blocks of any size, so the block size need not suit tl.dot), and the decode kernels' online-softmax step
-over such a tile, and its split epilogue."""
+blocks of any size, so the block size need not suit tl.dot; an FP8 cache as pairs, `kv_operands`), and the
+decode kernels' online-softmax step over such a tile, and its split epilogue."""
 import torch
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton
@@ -11,8 +11,8 @@ def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, q_dtype: torch.dty
     """(K, V, E4M3_PAIRS): the caches as the decode kernels take them. An FP8 cache under a 16-bit query goes as
     int16 views, two e4m3 values an element, which `load_kv_tile` widens to fp16 in registers: read as FP8,
     Triton stages the tile in shared memory and widens it there a byte load at a time, for the values' transpose
-    in P @ V (6% slower at 512 sequences, 14% at 64 on the H200: docs/benchmarks.md). Strides are then in int16
-    elements. An fp32 query keeps the FP8 read and its fp32 dot."""
+    in P @ V (on the H200 172.9 against 166.8 us at 512 sequences, 28.8 against 27.4 at 64: docs/benchmarks.md).
+    Strides are then in int16 elements. An fp32 query keeps the FP8 read and its fp32 dot."""
     if k_cache.element_size() == 1 and q_dtype != torch.float32:
         return k_cache.view(torch.int16), v_cache.view(torch.int16), True
     return k_cache, v_cache, False
@@ -30,13 +30,13 @@ if HAS_TRITON:
     def load_kv_tile(KC, VC, table_row, token, mask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE: tl.constexpr,
                      E4M3_PAIRS: tl.constexpr):
         block = tl.load(table_row + token // BLOCK_SIZE, mask=mask, other=0)
+        row = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset
         if E4M3_PAIRS:  # kv_operands
-            pair = tl.arange(0, d.shape[0] // 2)
-            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset + pair[None, :]
+            offs = row + tl.arange(0, d.shape[0] // 2)[None, :]
             k = widen_e4m3_pairs(tl.load(KC + offs, mask=mask[:, None], other=0))
             v = widen_e4m3_pairs(tl.load(VC + offs, mask=mask[:, None], other=0))
         else:
-            offs = block[:, None] * stride_kb + (token % BLOCK_SIZE)[:, None] * stride_kt + head_offset + d[None, :]
+            offs = row + d[None, :]
             k = tl.load(KC + offs, mask=mask[:, None], other=0.0)
             v = tl.load(VC + offs, mask=mask[:, None], other=0.0)
         return k, v
