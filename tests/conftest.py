@@ -55,7 +55,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_language_once_per_launch()
 
 
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -70,6 +70,7 @@ if HAS_TRITON:
         for k0 in range(0, key_end, BLOCK_N):
             token = k0 + n
             kmask = token < key_end
+            # E4M3_PAIRS off: an FP8 cache is read as FP8 and widened to q's dtype below
             k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, kmask, stride_kb, stride_kt, kvh * stride_kh, d,
                                 BLOCK_SIZE, False)
             k, v = k.to(q.dtype), v.to(q.dtype)
