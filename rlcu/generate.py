@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str]) -> Path:
     from rlcu.contracts import eos_token_ids
-    from rlcu.data.prompts import encode_prompt
+    from rlcu.data.prompts import encode_prompts
     from rlcu.grpo.module import resolve_rollout
     from rlcu.models import load_model
     from rlcu.paths import check_writable_file
@@ -71,7 +71,7 @@ def run(argv: list[str]) -> Path:
     model.to(device).eval()
     backend = resolve_rollout(args.rollout)
     backend.setup(SimpleNamespace(policy=model, tokenizer=tok))
-    prompt_ids = [encode_prompt(tok, r.get("prompt", r.get("messages"))) for r in rows]
+    prompt_ids = encode_prompts(tok, [r.get("prompt", r.get("messages")) for r in rows])
     stops = eos_token_ids(model.config, tok)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, stop_token_ids=stops, seed=args.seed)

@@ -15,16 +15,31 @@ def encode_prompt(tokenizer, prompt: Any) -> list[int]:
     """Token ids of a prompt: chat messages go through the tokenizer's chat template with the
     generation prompt; plain text is tokenised as is. No special tokens are added beyond the template's
     (TRL does the same), so text prompts and templates are never doubled up with a BOS."""
+    return encode_prompts(tokenizer, [prompt])[0]
+
+
+def encode_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
+    """`encode_prompt` of each prompt, tokenised in one call. A fast tokenizer whose backend has no truncation
+    or padding of its own hands the whole list to that backend: transformers' per-text conversions cost twice
+    the tokenisation itself (the calculator recipe's 20,000 prompts: 8.5 s one by one, 3.9 s so, on 2 CPU cores)."""
+    texts = [prompt_text(tokenizer, p) for p in prompts]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def prompt_text(tokenizer, prompt: Any) -> str:
+    """What the tokenizer reads for a prompt: chat messages rendered by its template, or the text itself."""
     if is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat template; "
                              "give plain-text prompts or a tokenizer with a chat_template")
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    elif isinstance(prompt, str):
-        text = prompt
-    else:
-        raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if isinstance(prompt, str):
+        return prompt
+    raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
 def decode_completions(tokenizer, completion_ids: list[list[int]]) -> list[str]:

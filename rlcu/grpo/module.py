@@ -27,7 +27,7 @@ from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --tra
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, eos_token_ids
-from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, is_conversational
+from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, encode_prompts, is_conversational
 from rlcu.grpo import evaluation
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
@@ -238,8 +238,9 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         rows = getattr(dm, "train_set", None)
         if rows is not None:
-            long = sum(len(self.encode(row["prompt"], i, truncate=False)) > self.hparams.max_prompt_length
-                       for i, row in enumerate(rows))
+            long = 0
+            for i, ids in enumerate(encode_prompts(self.tokenizer, [row["prompt"] for row in rows])):
+                long += self.check_prompt_length(len(self.nonempty(ids, i)), i)
             if long:
                 log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
                             "(long_prompts=truncate_left)", long, len(rows), self.hparams.max_prompt_length)
@@ -404,13 +405,17 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
             self.rollout.release()
             self.policy.train(was_training)
 
-    def encode(self, prompt, index: int, truncate: bool = True) -> list[int]:
+    def encode(self, prompt, index: int) -> list[int]:
         """A prompt's token ids; one over max_prompt_length is an error or keeps its end (long_prompts)."""
-        ids = encode_prompt(self.tokenizer, prompt)
+        ids = self.nonempty(encode_prompt(self.tokenizer, prompt), index)
+        if self.check_prompt_length(len(ids), index):
+            ids = ids[-self.hparams.max_prompt_length:]  # the end holds the question and the generation prompt
+        return ids
+
+    @staticmethod
+    def nonempty(ids: list[int], index: int) -> list[int]:
         if not ids:
             raise ValueError(f"prompt {index} encodes to no tokens")
-        if self.check_prompt_length(len(ids), index) and truncate:
-            ids = ids[-self.hparams.max_prompt_length:]  # the end holds the question and the generation prompt
         return ids
 
     def check_prompt_length(self, length: int, index: int) -> bool:

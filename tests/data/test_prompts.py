@@ -3,7 +3,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from rlcu.data.prompts import decode_completions
+from rlcu.data.prompts import decode_completions, encode_prompts
 from rlcu.data.tokenizers import word_tokenizer
 
 
@@ -36,6 +36,24 @@ def test_fast_path_skips_the_python_loop_and_clean_up_falls_back(smollm2_folder,
     ids = [[0, 1, 2, 5], [3, 4, 0]]
     want = ["hello, world.", "don't hello"]
     assert decode_completions(words, ids) == words.batch_decode(ids, skip_special_tokens=True) == want
+
+
+def test_encode_prompts_equals_the_tokenizer_one_prompt_at_a_time(smollm2_folder, monkeypatch):
+    """Chat and text prompts, tokenised in one call to the fast backend, as transformers tokenises each; a
+    backend with truncation of its own (set in some tokenizer.json files) goes through transformers, which
+    lifts it, so a long prompt is not cut where the per-prompt path would not cut it."""
+    tok = AutoTokenizer.from_pretrained(smollm2_folder)
+    prompts = ["Réponse: 42 🙂 <|im_end|> done", [{"role": "user", "content": "What is 2 + 2?"}],
+               [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x" * 300}]]
+    texts = [p if isinstance(p, str) else tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    want = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert encode_prompts(tok, prompts) == want and len(want[2]) > 40
+    tok.backend_tokenizer.enable_truncation(max_length=8)
+    assert encode_prompts(tok, prompts) == want
+    monkeypatch.setattr(type(tok), "__call__", lambda *a, **k: pytest.fail("the backend was not used"))
+    tok.backend_tokenizer.no_truncation()
+    assert encode_prompts(tok, prompts) == want
 
 
 def _word_level(words):

@@ -100,6 +100,12 @@ def test_long_prompts_are_an_error_or_lose_their_start(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         trainer.fit(lenient, PromptDataModule(rows, batch_size=4))
     assert "4 of 4 training prompts are longer than max_prompt_length=8" in caplog.text
+    for bad, says in ((long_prompt, "prompt 2 has 30 tokens"), ("", "prompt 2 encodes to no tokens")):
+        data = PromptDataModule([{"prompt": "t1 t2", "target": 9}] * 2 + [{"prompt": bad, "target": 9}], batch_size=3)
+        with pytest.raises(ValueError, match=says) as raised:
+            L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False).fit(strict, data)
+        assert any(entry.name == "on_fit_start" for entry in raised.traceback)  # at set-up, before any step
     with pytest.raises(ValueError, match="long_prompts must be one of"):
         GRPOModule(model, tokenizer=tok, rewards=[match_target], long_prompts="cut")
 
