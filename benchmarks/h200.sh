@@ -6,7 +6,7 @@
 # trl8 / trl32 (TRL's GRPO step), hf (transformers generate), ddp (the countdown recipe on one GPU, then two
 # under DDP and under FSDP; needs the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8
 # step of the tree in $BASE, an older checkout's rlcu/, then of this one, alternating: a change that must not
-# cost speed), memory (the 1.7B and 4B
+# cost speed; KV the kv_cache_dtype, default auto), memory (the 1.7B and 4B
 # shapes, full fine-tuning, fp32 and bf16 AdamW moments, on GPU 0 while TRL runs them on GPU 1), fsdp8b (the 8B
 # shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
@@ -52,9 +52,9 @@ case $part in
     for round in $(seq 1 "${ROUNDS:-1}"); do
       for tree in "$base" "$PWD"; do
         tag=$( [ "$tree" = "$PWD" ] && echo head || echo base )$round
-        (cd "$tree" && log rollout64-$tag rlcu bench rollout --sequences 64 --new_tokens 512;
-         log rollout512-$tag rlcu bench rollout --sequences 512 --new_tokens 512;
-         log step8x8-$tag rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4)
+        (cd "$tree" && log rollout64-$tag rlcu bench rollout --sequences 64 --new_tokens 512 --kv_cache_dtype "${KV:-auto}";
+         log rollout512-$tag rlcu bench rollout --sequences 512 --new_tokens 512 --kv_cache_dtype "${KV:-auto}";
+         log step8x8-$tag rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --kv_cache_dtype "${KV:-auto}")
       done
     done ;;
   memory)
