@@ -20,8 +20,8 @@ def encode_prompt(tokenizer, prompt: Any) -> list[int]:
 
 def encode_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
     """`encode_prompt` of each prompt, tokenised in one call. A fast tokenizer whose backend has no truncation
-    or padding of its own hands the whole list to that backend: transformers' per-text conversions cost twice
-    the tokenisation itself (the calculator recipe's 20,000 prompts: 8.5 s one by one, 3.9 s so, on 2 CPU cores)."""
+    or padding of its own hands the whole list to that backend: transformers' per-text conversions cost more than
+    the tokenisation itself (the calculator recipe's prompts: half the time, docs/benchmarks.md)."""
     texts = [prompt_text(tokenizer, p) for p in prompts]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is not None and backend.truncation is None and backend.padding is None
