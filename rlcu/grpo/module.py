@@ -374,7 +374,8 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
     def sample(self, rows: list[dict], g: int, sampling: SamplingParams) -> Sampled:
         """`g` completions per row, adjacent; with tools or environments, `g` episodes per row."""
         if self.agent is None:
-            prompt_ids = [self.encode(r["prompt"], i) for i, r in enumerate(rows)]
+            prompt_ids = [self.fit_prompt(ids, i)
+                          for i, ids in enumerate(encode_prompts(self.tokenizer, [r["prompt"] for r in rows]))]
             return Sampled(self.generate([ids for ids in prompt_ids for _ in range(g)], sampling))
         trainer = self._attached_trainer()
         runner = EpisodeRunner([r for r in rows for _ in range(g)], self.agent,
@@ -407,7 +408,10 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
 
     def encode(self, prompt, index: int) -> list[int]:
         """A prompt's token ids; one over max_prompt_length is an error or keeps its end (long_prompts)."""
-        ids = self.nonempty(encode_prompt(self.tokenizer, prompt), index)
+        return self.fit_prompt(encode_prompt(self.tokenizer, prompt), index)
+
+    def fit_prompt(self, ids: list[int], index: int) -> list[int]:
+        ids = self.nonempty(ids, index)
         if self.check_prompt_length(len(ids), index):
             ids = ids[-self.hparams.max_prompt_length:]  # the end holds the question and the generation prompt
         return ids
