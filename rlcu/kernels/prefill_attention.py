@@ -72,7 +72,7 @@ if HAS_TRITON:
             kmask = token < key_end
             # E4M3_PAIRS off: an FP8 cache is read as FP8 and widened to q's dtype below
             k, v = load_kv_tile(KC, VC, BT + s * stride_bts, token, kmask, stride_kb, stride_kt, kvh * stride_kh, d,
-                                BLOCK_SIZE, False)
+                                BLOCK_SIZE, 0)
             k, v = k.to(q.dtype), v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(kmask[None, :] & (token[None, :] <= q_pos[:, None]), scores, float("-inf"))
