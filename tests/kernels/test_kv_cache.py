@@ -122,6 +122,25 @@ def test_decode_attention_reads_fp8(dtype, hq, hkv, d, num_splits):
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_pairs_widen_alike_in_ptx_and_in_triton(dtype, monkeypatch):
+    """On a GPU the pairs widen with one PTX conversion each (E4M3_PAIRS=2); Triton's byte split (1, the CPU
+    interpreter's) gives the same fp16 values, so the two decode outputs are equal to the bit."""
+    import rlcu.kernels.decode_attention as decode
+
+    context_lens = [1, 17, 40, 129, 300]
+    k, v, table = fp8_cache(context_lens, 8, 128, 16)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(context_lens), 16, 128, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    ptx = decode_attention_triton(q, k, v, table, ctx, 1 / math.sqrt(128), num_splits=2)
+    real = decode.kv_operands
+    assert real(k, v, dtype)[2] == 2
+    monkeypatch.setattr(decode, "kv_operands", lambda *a: (*real(*a)[:2], 1))
+    split = decode_attention_triton(q, k, v, table, ctx, 1 / math.sqrt(128), num_splits=2)
+    assert torch.equal(ptx, split)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_reads_fp8(dtype):
     context_lens, q_lens = [20, 5, 70], [7, 5, 40]  # a chunk after a cached prefix, a whole prompt, two query tiles
