@@ -12,20 +12,25 @@ def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, q_dtype: torch.dty
     int16 views, two e4m3 values an element, which `load_kv_tile` widens to fp16 in registers: read as FP8,
     Triton stages the tile in shared memory and widens it there a byte load at a time, for the values' transpose
     in P @ V (on the H200 172.9 against 166.8 us at 512 sequences, 28.8 against 27.4 at 64: docs/benchmarks.md).
-    Strides are then in int16 elements. E4M3_PAIRS is 2 on a GPU (one PTX conversion a pair, `widen_e4m3_pairs`),
-    1 under the CPU interpreter, which runs no PTX, 0 otherwise: an fp32 query keeps the FP8 read and its fp32 dot."""
+    Strides are then in int16 elements. E4M3_PAIRS is 2 on a GPU that converts e4m3 itself (sm_89 and later: one
+    PTX conversion a pair, `widen_e4m3_pairs`), 1 under the CPU interpreter, which runs no PTX, and on older GPUs,
+    0 otherwise: an fp32 query keeps the FP8 read and its fp32 dot."""
     if k_cache.element_size() == 1 and q_dtype != torch.float32:
-        return k_cache.view(torch.int16), v_cache.view(torch.int16), 2 if k_cache.is_cuda else 1
+        return k_cache.view(torch.int16), v_cache.view(torch.int16), 2 if converts_e4m3(k_cache.device) else 1
     return k_cache, v_cache, 0
+
+
+def converts_e4m3(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 if HAS_TRITON:
     @triton.jit
     def widen_e4m3_pairs(x, PTX: tl.constexpr):
         """int16 [N, M], two e4m3 values each (the lower byte first) -> fp16 [N, 2M], exactly. PTX: one
-        cvt.rn.f16x2.e4m3x2 a pair, already packed as the dot's operands are (sm_89 and later); split into bytes
-        as Triton does it otherwise, each is converted alone and re-packed with byte permutes: compiled for sm_90,
-        the FP8 decode kernel has 1,178 instructions against 1,802 (the bf16 one 743, for as many bytes)."""
+        cvt.rn.f16x2.e4m3x2 a pair, already packed as the dot's operands are (`converts_e4m3`); split into bytes
+        as Triton does it otherwise, each is converted alone and re-packed with byte permutes: compiled for sm_90 by
+        Triton 3.6, the decode kernel has 1,957 instructions against 2,517 (the bf16 one 1,491, for as many bytes)."""
         if PTX:
             lo, hi = tl.inline_asm_elementwise("{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }",
                                                "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
