@@ -10,7 +10,7 @@ import sys
 import torch
 from triton.testing import do_bench_cudagraph
 
-from rlcu.kernels.decode_attention import DECODE_BLOCK_N, DECODE_BLOCK_N_FP8, decode_attention_triton
+from rlcu.kernels.decode_attention import decode_attention_triton, default_block_n
 from rlcu.kernels.kv_cache import FP8, to_cache
 
 HQ, HKV, D, BS, CTX = 16, 8, 128, 16, 384
@@ -27,8 +27,8 @@ def main(sizes):
         table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(n, CTX // BS)
         ctx = torch.full((n,), CTX, dtype=torch.int32, device="cuda")
         q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
-        for name, caches, default_n in (("bf16", (k, v), DECODE_BLOCK_N), ("fp8", (to_cache(k, FP8), to_cache(v, FP8)),
-                                                                          DECODE_BLOCK_N_FP8)):
+        for name, caches in (("bf16", (k, v)), ("fp8", (to_cache(k, FP8), to_cache(v, FP8)))):
+            default_n = default_block_n(n, HKV, name == "fp8")
             want = decode_attention_triton(q, *caches, table, ctx, D ** -0.5).float()
             gb = 2 * n * CTX * HKV * D * caches[0].element_size() / 1e9
             default = dict(block_n=default_n, num_warps=4, num_stages=3, num_splits=None)

@@ -88,9 +88,16 @@ if HAS_TRITON:
 
 
 DECODE_BLOCK_N = 64  # tokens per tile
-# an FP8 tile of 64 tokens is half the bytes in flight of a bf16 one: 128 keeps the loads as large (on the H200,
-# benchmarks/decode_kv_dtype.py, docs/benchmarks.md)
+# an FP8 tile of 64 tokens is half the bytes in flight of a bf16 one: 128 keeps the loads as large, which pays
+# when there are many programs an SM; with few, each program's chain of tiles is its latency, and shorter tiles
+# finish sooner (on the H200, benchmarks/decode_kv_dtype.py, docs/benchmarks.md)
 DECODE_BLOCK_N_FP8 = 128
+FP8_LONG_TILES_FROM = 16  # programs an SM
+
+
+def default_block_n(n_seq: int, num_kv_heads: int, fp8: bool, sms: int | None = None) -> int:
+    sms = num_sms() if sms is None else sms
+    return DECODE_BLOCK_N_FP8 if fp8 and n_seq * num_kv_heads >= FP8_LONG_TILES_FROM * sms else DECODE_BLOCK_N
 
 
 def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: int = 64,
@@ -108,7 +115,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
-    block_n = block_n or (DECODE_BLOCK_N_FP8 if k_cache.element_size() == 1 else DECODE_BLOCK_N)
+    block_n = block_n or default_block_n(n_seq, hkv, k_cache.element_size() == 1)
     if num_splits is None:
         num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
     group = hq // hkv

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rlcu.kernels import _triton
-from rlcu.kernels.decode_attention import decode_attention_reference, decode_attention_triton
+from rlcu.kernels.decode_attention import (DECODE_BLOCK_N, DECODE_BLOCK_N_FP8, decode_attention_reference,
+                                          decode_attention_triton, default_block_n)
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 from tests.helpers import float64_attention, paged_cache
@@ -43,3 +44,9 @@ def test_garbage_past_the_context_never_leaks():
     both = (decode_attention_reference(q, k, v, table, ctx, 0.125), decode_attention_triton(q, k, v, table, ctx, 0.125))
     for out in both:
         assert torch.allclose(out, clean, atol=2e-5)
+
+
+def test_fp8_caches_take_long_tiles_only_when_many_programs_share_an_sm():
+    assert default_block_n(512, 8, fp8=True, sms=132) == DECODE_BLOCK_N_FP8  # 31 programs an SM
+    assert default_block_n(64, 8, fp8=True, sms=132) == DECODE_BLOCK_N  # 4: each program's chain of tiles is its time
+    assert default_block_n(512, 8, fp8=False, sms=132) == DECODE_BLOCK_N
