@@ -92,7 +92,7 @@ DECODE_BLOCK_N = 64  # tokens per tile
 # when there are many programs an SM; with few, each program's chain of tiles is its latency, and shorter tiles
 # finish sooner (on the H200, benchmarks/decode_kv_dtype.py, docs/benchmarks.md)
 DECODE_BLOCK_N_FP8 = 128
-FP8_LONG_TILES_FROM = 16  # programs an SM
+FP8_LONG_TILES_FROM = 6  # programs an SM: 128 sequences x 8 KV heads on 132 SMs, not 64
 
 
 def default_block_n(n_seq: int, num_kv_heads: int, fp8: bool, sms: int | None = None) -> int:

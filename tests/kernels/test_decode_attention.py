@@ -47,6 +47,6 @@ def test_garbage_past_the_context_never_leaks():
 
 
 def test_fp8_caches_take_long_tiles_only_when_many_programs_share_an_sm():
-    assert default_block_n(512, 8, fp8=True, sms=132) == DECODE_BLOCK_N_FP8  # 31 programs an SM
-    assert default_block_n(64, 8, fp8=True, sms=132) == DECODE_BLOCK_N  # 4: each program's chain of tiles is its time
+    assert default_block_n(128, 8, fp8=True, sms=132) == DECODE_BLOCK_N_FP8  # 7.8 programs an SM
+    assert default_block_n(64, 8, fp8=True, sms=132) == DECODE_BLOCK_N  # 3.9: each program's chain of tiles is its time
     assert default_block_n(512, 8, fp8=False, sms=132) == DECODE_BLOCK_N
