@@ -29,7 +29,8 @@ def main():
             ctx = torch.full((n,), context, device="cuda", dtype=torch.int32)
             q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
             row = [f"ctx={context} seqs={n:4d}"]
-            for name, caches, tiles in (("bf16", (k, v), (64,)), ("fp8", (to_cache(k, FP8), to_cache(v, FP8)), (64, 128))):
+            fp8 = (to_cache(k, FP8), to_cache(v, FP8))
+            for name, caches, tiles in (("bf16", (k, v), (64,)), ("fp8", fp8, (64, 128))):
                 nbytes = 2 * caches[0].numel() * caches[0].element_size()
                 for block_n in tiles:
                     us = time_us(q, caches, table, ctx, block_n)

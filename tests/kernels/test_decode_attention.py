@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from rlcu.kernels import _triton
-from rlcu.kernels.decode_attention import (DECODE_BLOCK_N, DECODE_BLOCK_N_FP8, decode_attention_reference,
-                                          decode_attention_triton, default_block_n)
+from rlcu.kernels.decode_attention import (
+    DECODE_BLOCK_N,
+    DECODE_BLOCK_N_FP8,
+    decode_attention_reference,
+    decode_attention_triton,
+    default_block_n,
+)
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 from tests.helpers import float64_attention, paged_cache
