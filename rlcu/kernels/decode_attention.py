@@ -90,7 +90,7 @@ if HAS_TRITON:
 DECODE_BLOCK_N = 64  # tokens per tile
 # an FP8 tile of 64 tokens is half the bytes in flight of a bf16 one: 128 keeps the loads as large, which pays
 # when there are many programs an SM; with few, each program's chain of tiles is its latency, and shorter tiles
-# finish sooner (on the H200, benchmarks/decode_kv_dtype.py, docs/benchmarks.md)
+# finish sooner (on the H200: benchmarks/decode_tiles.py, docs/benchmarks.md "61c3f7c")
 DECODE_BLOCK_N_FP8 = 128
 FP8_LONG_TILES_FROM = 6  # programs an SM: 128 sequences x 8 KV heads on 132 SMs, not 64
 
