@@ -148,8 +148,8 @@ def main(m: int):
             except Exception as error:  # a launch past the shared memory or registers of the GPU
                 print(f"  {name} {launch} failed: {type(error).__name__}")
         timed.sort()
-        gb = n * k * 2 / 1e3
-        print(f"M={m} {name}: kernel + cuBLAS {base:6.2f} us ({gb / base:4.2f} TB/s of weights); fused, best "
+        mb = n * k * 2 / 1e6
+        print(f"M={m} {name}: kernel + cuBLAS {base:6.2f} us ({mb / base:4.2f} TB/s of weights); fused, best "
               + ", ".join(f"{t:6.2f} us {launch}" for t, launch in timed[:3]), flush=True)
         total_split += base
         total_fused += timed[0][0]
