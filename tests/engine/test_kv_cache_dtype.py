@@ -35,6 +35,7 @@ def test_fp8_triton_kernels_equal_the_reference_path(tmp_path, monkeypatch):
     assert worst < 1e-4, worst
 
 
+@pytest.mark.slow
 def test_fp8_cache_costs_little_on_smollm2(smollm2_folder):
     """The real model, sampled at temperature 1 with an FP8 cache: the engine's logprobs against the training
     forward's (which attends in fp32) differ, as the cache rounds each key and value to 3 mantissa bits, but

@@ -1,6 +1,7 @@
 """GRPO on episodes: TRL-style tools and environment classes, unchanged, run GRPO steps on the real
 SmolLM2 on CPU; rewards get the episode's messages (and the environments); tool tokens carry no loss;
 the tool metrics are logged with TRL's names."""
+import pytest
 import torch
 
 from rlcu.contracts import RolloutBatch
@@ -24,6 +25,7 @@ def test_tool_tokens_carry_no_loss_and_do_not_count_as_length():
     assert batch.lengths.tolist() == [2, 1]
 
 
+@pytest.mark.slow
 def test_trl_style_tools_run_a_grpo_step(smollm2_folder, tmp_path):
     model, tok = load_model(smollm2_folder)
     seen = {}
@@ -49,6 +51,7 @@ def test_trl_style_tools_run_a_grpo_step(smollm2_folder, tmp_path):
     assert module.last_rollout.completions[0][1] == {"role": "tool", "name": "multiply", "content": "84"}
 
 
+@pytest.mark.slow
 def test_a_trl_environment_class_and_a_text_environment_train_on_the_engine(smollm2_folder, tmp_path):
     """The native engine samples for real here: whatever SmolLM2 does, the step runs and the environments'
     own rewards are logged under their class names."""

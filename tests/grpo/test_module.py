@@ -243,6 +243,7 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.slow
 def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch):
     """Two GRPO steps in exact mode (Triton's interpreter): the trainer's logprobs equal the sampler's at
     both (the second after an update), so the importance-sampling correction weighs every sequence 1."""

@@ -105,6 +105,7 @@ def test_bench_step_trains_lora_adapters(tmp_path, capsys):
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.slow
 def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RLCU_TRITON", "1")
     folder = tiny_hf_folder(tmp_path, "llama")

@@ -75,6 +75,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(name, tiny, folder):
     extra, says = BAD[name]
     done = run_command(tiny, folder, *extra)
