@@ -19,14 +19,19 @@ HQ, HKV, D, BS, CTX = 16, 8, 128, 16, 384
 GRID = dict(block_n=(64, 128), num_warps=(4, 8), num_stages=(3, 4, 5, 6), num_splits=(1, 2, 4))
 
 
+def paged_case(n: int, context: int = CTX):
+    """q [n, HQ, D], bf16 K and V caches in blocks of BS with random block tables, and every context at `context`."""
+    blocks = n * context // BS
+    k = torch.randn(blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(n, context // BS)
+    ctx = torch.full((n,), context, dtype=torch.int32, device="cuda")
+    return torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16), k, v, table, ctx
+
+
 def main(sizes):
     for n in sizes:
-        blocks = n * CTX // BS
-        k = torch.randn(blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        table = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(n, CTX // BS)
-        ctx = torch.full((n,), CTX, dtype=torch.int32, device="cuda")
-        q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16)
+        q, k, v, table, ctx = paged_case(n)
         for name, caches in (("bf16", (k, v)), ("fp8", (to_cache(k, FP8), to_cache(v, FP8)))):
             default_n = default_block_n(n, HKV, name == "fp8")
             want = decode_attention_triton(q, *caches, table, ctx, D ** -0.5).float()

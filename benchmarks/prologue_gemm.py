@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from rlcu.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
+from rlcu.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
+
 HIDDEN, INTERMEDIATE, QKV, LAYERS, EPS = 1024, 3072, 4096, 28, 1e-6
 
 
@@ -91,14 +94,12 @@ def silu_linear(gu, w, launch=(64, 64, 3)):
 
 
 def rms_reference(x, residual, g, w):
-    h = x.float() + residual.float()
-    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * g.float()).to(x.dtype)
-    return torch.nn.functional.linear(normed, w), h.to(x.dtype)
+    normed, h = rms_norm_reference(x, g, EPS, residual)
+    return torch.nn.functional.linear(normed, w), h
 
 
 def silu_reference(gu, w):
-    gate, up = gu.float().chunk(2, dim=-1)
-    return torch.nn.functional.linear((torch.nn.functional.silu(gate) * up).to(gu.dtype), w)
+    return torch.nn.functional.linear(silu_mul_reference(gu), w)
 
 
 def check(m, dtype, device):
@@ -121,9 +122,6 @@ def graph_us(fn, calls: int) -> float:
 
 
 def main(m: int):
-    from rlcu.kernels.rmsnorm import rms_norm
-    from rlcu.kernels.silu_mul import silu_mul
-
     check(m, torch.bfloat16, "cuda")
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, res = torch.randn(m, HIDDEN, **bf), torch.randn(m, HIDDEN, **bf)

@@ -56,10 +56,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def pytest_collection_modifyitems(config, items):
-    # modules with slow tests first, each kept whole (its module fixtures set up once): pytest-xdist hands out
-    # tests in this order, so the two workers end on short tests together instead of one on a long one
-    slow_modules = {item.module.__name__ for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (runs on the H200)")

@@ -2,6 +2,8 @@
 each row found through the sequence's block table (many loads in flight at once; a tile may span cache
 blocks of any size, so the block size need not suit tl.dot; an FP8 cache as pairs, `kv_operands`), and the
 decode kernels' online-softmax step over such a tile, and its split epilogue."""
+import functools
+
 import torch
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton
@@ -21,7 +23,12 @@ def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, q_dtype: torch.dty
 
 
 def converts_e4m3(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.cache  # asked at every decode launch, once a layer in eager decode
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 if HAS_TRITON:
