@@ -120,6 +120,10 @@ def parser() -> argparse.ArgumentParser:
                    help="AdamW moments in bf16 (stochastic rounding): 4 bytes a parameter less")
     s.add_argument("--optimizer_offload", action="store_true",
                    help="AdamW's masters and moments in host memory, the step on the CPU")
+    s.add_argument("--stop_tokens", type=int, default=0,
+                   help="the first N token ids end a completion: uneven lengths, where the default forces all to full")
+    s.add_argument("--reward_ms", type=float, default=0.0,
+                   help="the reward also computes for this many ms of Python a completion (a verifier's cost)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
                    help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
@@ -226,6 +230,7 @@ def bench_step(args) -> dict:
     rows = [{"prompt": tok.decode(p)} for p in prompts]
 
     def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
+        busy(args.reward_ms * len(completions) / 1e3)
         return [float(len(c)) for c in completions]
 
     rollout = NativeRollout(EngineConfig(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
@@ -238,7 +243,7 @@ def bench_step(args) -> dict:
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
                         peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype,
                         optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs)
-    module.stop_token_ids = []  # completions run to full length, as the peers force them to
+    module.stop_token_ids = list(range(args.stop_tokens))  # by default none: full length, as the peers force it
     steps: list[dict] = []
     profile: dict = {}
 
@@ -254,6 +259,7 @@ def bench_step(args) -> dict:
             m = trainer.callback_metrics
             steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"]) for k in PHASES
                                                                        if f"timing/{k}" in m}))
+            steps[-1]["mean_length"] = float(m["completions/mean_length"])
             if "logprob_mismatch/max" in m:
                 steps[-1]["mismatch"] = float(m["logprob_mismatch/max"])
                 steps[-1]["mismatch_mean"] = float(m["logprob_mismatch/mean"])
@@ -289,14 +295,22 @@ def bench_step(args) -> dict:
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
                 lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype,
                 optimizer_offload=args.optimizer_offload, kv_cache_dtype=args.kv_cache_dtype,
-                exact_logprobs=args.exact_logprobs, devices=args.devices,
-                strategy=args.strategy,
+                exact_logprobs=args.exact_logprobs, devices=args.devices, strategy=args.strategy,
+                stop_tokens=args.stop_tokens, reward_ms=args.reward_ms,
+                mean_length=round(sum(s["mean_length"] for s in steady) / len(steady), 1),
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),
                 # the largest of the steps' means, as the max is the largest of their maxima
                 logprob_mismatch_mean=max((s.get("mismatch_mean", float("nan")) for s in steps), default=float("nan")),
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
+
+
+def busy(seconds: float) -> None:
+    """Python work for `seconds`, holding the interpreter's lock as a verifier written in Python does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(100))
 
 
 def _sync(device: str) -> None:
