@@ -120,10 +120,15 @@ def parser() -> argparse.ArgumentParser:
                    help="AdamW moments in bf16 (stochastic rounding): 4 bytes a parameter less")
     s.add_argument("--optimizer_offload", action="store_true",
                    help="AdamW's masters and moments in host memory, the step on the CPU")
+    s.add_argument("--score_during_generation", action="store_true",
+                   help="score completions as they end, while the rest decode (the module's option)")
     s.add_argument("--stop_tokens", type=int, default=0,
                    help="the first N token ids end a completion: uneven lengths, where the default forces all to full")
     s.add_argument("--reward_ms", type=float, default=0.0,
                    help="the reward also computes for this many ms of Python a completion (a verifier's cost)")
+    s.add_argument("--reward_wait_ms", type=float, default=0.0,
+                   help="the reward also waits this many ms a completion, not holding the interpreter (a sandbox's "
+                        "subprocess, a judge behind HTTP)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
                    help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
@@ -231,6 +236,7 @@ def bench_step(args) -> dict:
 
     def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
         busy(args.reward_ms * len(completions) / 1e3)
+        time.sleep(args.reward_wait_ms * len(completions) / 1e3)
         return [float(len(c)) for c in completions]
 
     rollout = NativeRollout(EngineConfig(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
@@ -242,7 +248,8 @@ def bench_step(args) -> dict:
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
                         peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype,
-                        optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs)
+                        optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs,
+                        score_during_generation=args.score_during_generation)
     module.stop_token_ids = list(range(args.stop_tokens))  # by default none: full length, as the peers force it
     steps: list[dict] = []
     profile: dict = {}
@@ -296,7 +303,8 @@ def bench_step(args) -> dict:
                 lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype,
                 optimizer_offload=args.optimizer_offload, kv_cache_dtype=args.kv_cache_dtype,
                 exact_logprobs=args.exact_logprobs, devices=args.devices, strategy=args.strategy,
-                stop_tokens=args.stop_tokens, reward_ms=args.reward_ms,
+                score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,
+                reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms,
                 mean_length=round(sum(s["mean_length"] for s in steady) / len(steady), 1),
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),

@@ -11,6 +11,7 @@ turn. Parked blocks are taken back under memory pressure, and every block is fre
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -91,14 +92,17 @@ class LLMEngine:
         self._said_no_shared_prefix = False
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
-                 continuation: Continuation | None = None) -> RolloutBatch:
-        """Completions of the prompts; with a `continuation`, episodes of several turns (module docstring)."""
+                 continuation: Continuation | None = None,
+                 on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
+        """Completions of the prompts; with a `continuation`, episodes of several turns (module docstring).
+        `on_finished`: called from the decode loop with each request's completion (a `Turn`) the step it ends,
+        while the others still decode; it must return quickly (hand its work to another thread)."""
         # never inference tensors, even when called from Lightning's validation loop: a kept pool is
         # written again by later rollouts outside inference mode
         with torch.inference_mode(False), torch.no_grad():
             parents = self._requests(prompt_token_ids, sampling)
             self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held()))
-            self._start(parents, sampling, continuation is not None)
+            self._start(parents, sampling, continuation is not None, on_finished)
             if continuation is None:
                 while not self.scheduler.is_finished():
                     self.step()
@@ -253,10 +257,13 @@ class LLMEngine:
                         "decoding with the plain attention kernel instead")
         self.runner.param_addresses = addresses
 
-    def _start(self, parents: list[Sequence], sampling: SamplingParams, episodes: bool = False) -> None:
+    def _start(self, parents: list[Sequence], sampling: SamplingParams, episodes: bool = False,
+               on_finished: Callable[[Turn], None] | None = None) -> None:
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
+        on_end = None if on_finished is None else (
+            lambda seq: on_finished(Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason)))
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   StopStrings(self.tokenizer, sampling.stop), parks=episodes)
+                                   StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end)
         self._turns_ended: list[Sequence] = []
         for seq in parents:
             self.scheduler.add(seq)

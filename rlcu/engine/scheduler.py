@@ -14,6 +14,7 @@ back first when the pool runs short (they are recomputed from their tokens when 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from rlcu.contracts import StopStrings
 from rlcu.engine.block_manager import BlockManager
@@ -22,8 +23,10 @@ from rlcu.engine.sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 stop_strings: StopStrings | None = None, parks: bool = False):
+                 stop_strings: StopStrings | None = None, parks: bool = False,
+                 on_end: Callable[[Sequence], None] | None = None):
         self.bm = block_manager
+        self.on_end = on_end  # told of each request as it finishes, from the engine's loop: it must be quick
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.stop_strings = stop_strings
         self.parks = parks
@@ -174,3 +177,5 @@ class Scheduler:
         seq.finish_reason = finish_reason or seq.finish_reason
         self.bm.free_sequence(seq)
         self.finished[seq.request_index] = seq
+        if self.on_end is not None:
+            self.on_end(seq)

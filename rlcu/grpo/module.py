@@ -9,10 +9,12 @@ Options keep TRL's names and meanings (checked in `options.py`). The maths are t
 `loss.py`; the data passed between phases the dataclasses of `batch.py`; the update phase is `update.py`."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,11 +28,12 @@ from torch.profiler import record_function
 from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
-from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, eos_token_ids
+from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, eos_token_ids
 from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, encode_prompts, is_conversational
 from rlcu.grpo import evaluation
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
+from rlcu.grpo.group_scoring import GroupScorer
 from rlcu.grpo.metrics import completion_metrics, reward_metrics
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
 from rlcu.grpo.options import EVAL_NUM_SAMPLES, check_against_model, check_options, eval_samples, sampling_correction
@@ -39,11 +42,11 @@ from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
-from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
+from rlcu.rewards.base import BoundReward, NonFiniteReward, RewardError, resolve_rewards
 from rlcu.rewards.scoring import RewardInterrupted, score
 from rlcu.rollout.base import RolloutBackend
 from rlcu.rollout.native import NativeRollout
-from rlcu.rollout.turns import generate_in_turns, takes_continuation
+from rlcu.rollout.turns import generate_in_turns, takes
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
@@ -118,6 +121,7 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         max_consecutive_faults: int = 3,
         reward_timeout: float | None = 300.0,
         on_reward_error: str = "raise",
+        score_during_generation: bool = False,
         long_prompts: str = "error",
         old_logprobs: str = "trainer",
         peft_config: Any = None,
@@ -175,6 +179,8 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         if beta != 0.0 and peft_config is None:
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rollout = resolve_rollout(rollout)
+        if score_during_generation:
+            self._check_scoring_during_generation()
         if exact_logprobs:  # after the reference copy: only the policy's logprobs meet the sampler's
             if not isinstance(self.rollout, NativeRollout):
                 raise ValueError(f"exact_logprobs needs the native rollout backend (the engine that runs the "
@@ -194,6 +200,15 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
+
+    def _check_scoring_during_generation(self) -> None:
+        if self.agent is not None:
+            raise ValueError("score_during_generation scores single-turn completions as they end; episodes (tools, "
+                             "environment_factory) are scored after the rollout: set score_during_generation=false")
+        if not takes(self.rollout.generate, "on_finished"):
+            raise ValueError(f"score_during_generation needs a rollout backend that reports each completion as it "
+                             f"ends (generate(..., on_finished=)); {type(self.rollout).__name__} does not: use "
+                             "rollout: native, or set score_during_generation=false")
 
     @staticmethod
     def _policy(model, tokenizer, dtype: str):
@@ -308,16 +323,19 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         rows = as_rows(batch)
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
-        with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
-            rollout = self._rollout(rows)
-        t1 = self._now()
-        memory = {"memory/generate_GB": self._peak_memory_gb()}
-        try:
-            with record_function("rlcu/score"):
-                scored, grpo_batch, keep, metrics = self._score_step(rows, rollout)
-        except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
-            self._log_metrics(self._fault(str(e)))
-            return None
+        with self._group_scorer(rows) as scorer:
+            with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
+                rollout = self._rollout(rows, scorer)
+            t1 = self._now()
+            memory = {"memory/generate_GB": self._peak_memory_gb()}
+            early = {} if scorer is None else {"scored_during_generation": scorer.groups_scored_early / len(rows)}
+            try:
+                with record_function("rlcu/score"):
+                    scored, grpo_batch, keep, metrics = self._score_step(rows, rollout, scorer)
+            except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
+                self._log_metrics(self._fault(str(e)))
+                return None
+        metrics.update(early)
         t2 = self._now()
         with record_function("rlcu/train"):
             metrics.update(self._update(grpo_batch, keep) if keep.any() else self._skip())
@@ -333,15 +351,29 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         self.last_rollout = scored
         return None
 
-    def _rollout(self, rows: list[dict]) -> Sampled:
+    def _rollout(self, rows: list[dict], scorer: GroupScorer | None = None) -> Sampled:
         hp = self.hparams
         sampling = self.sampling_params(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
-        return self.sample(rows, hp.num_generations, sampling)
+        return self.sample(rows, hp.num_generations, sampling, None if scorer is None else scorer.on_finished)
 
-    def _score_step(self, rows: list[dict], sampled: Sampled):
+    def _group_scorer(self, rows: list[dict]):
+        """With score_during_generation, what scores each group as it finishes (`group_scoring.py`)."""
+        if not self.hparams.score_during_generation:
+            return contextlib.nullcontext()
+        return GroupScorer(lambda k, ids: self._score_group(rows, k, ids), len(rows), self.hparams.num_generations)
+
+    def _score_group(self, rows: list[dict], k: int, completion_ids: list[list[int]]) -> ScoredRollout:
+        g = self.hparams.num_generations
+        try:
+            return self.score_completions(rows[k:k + 1], completion_ids, g)
+        except RewardError as e:  # its sample number counts within the group
+            raise type(e)(f"{e} (in group {k}: rows {k * g}-{k * g + g - 1} of the batch)") from e
+
+    def _score_step(self, rows: list[dict], sampled: Sampled, scorer: GroupScorer | None = None):
         """Rewards, advantages and the training batch; which rows train (filter_zero_std_groups); metrics."""
         hp = self.hparams
-        scored, rollout = self.score(rows, sampled), sampled.batch
+        rollout = sampled.batch
+        scored = self.score(rows, sampled) if scorer is None else scorer.result(rollout.completion_ids)
         rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
         scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
         if hp.advantage_estimator == "rloo":
@@ -371,12 +403,15 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
                               top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
                               stop=list(hp.stop or []), seed=seed)
 
-    def sample(self, rows: list[dict], g: int, sampling: SamplingParams) -> Sampled:
-        """`g` completions per row, adjacent; with tools or environments, `g` episodes per row."""
+    def sample(self, rows: list[dict], g: int, sampling: SamplingParams,
+               on_finished: Callable[[Turn], None] | None = None) -> Sampled:
+        """`g` completions per row, adjacent; with tools or environments, `g` episodes per row. `on_finished`
+        (single-turn only): told of each completion as it ends, on a backend that reports them."""
         if self.agent is None:
             prompt_ids = [self.fit_prompt(ids, i)
                           for i, ids in enumerate(encode_prompts(self.tokenizer, [r["prompt"] for r in rows]))]
-            return Sampled(self.generate([ids for ids in prompt_ids for _ in range(g)], sampling))
+            return Sampled(self.generate([ids for ids in prompt_ids for _ in range(g)], sampling,
+                                         on_finished=on_finished))
         trainer = self._attached_trainer()
         runner = EpisodeRunner([r for r in rows for _ in range(g)], self.agent,
                                (lambda: trainer.received_sigterm) if trainer else None)
@@ -389,7 +424,8 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
             raise SIGTERMException from e
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
-                 continuation: Continuation | None = None) -> RolloutBatch:
+                 continuation: Continuation | None = None,
+                 on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
         """A rollout on the policy in eval mode; the backend's memory is given back for training after. A
         backend that cannot run episodes itself runs them turn by turn (`rollout/turns.py`)."""
         was_training = self.policy.training
@@ -397,9 +433,11 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         try:
             # FSDP: the whole model for the rollout, sharded again after (timing/gather, timing/reshard)
             with full_parameters(self.policy, self._sharding_times, self._now):
+                if continuation is None and on_finished is not None and takes(self.rollout.generate, "on_finished"):
+                    return self.rollout.generate(prompt_ids, sampling, on_finished=on_finished)
                 if continuation is None:
                     return self.rollout.generate(prompt_ids, sampling)
-                if takes_continuation(self.rollout.generate):
+                if takes(self.rollout.generate, "continuation"):
                     return self.rollout.generate(prompt_ids, sampling, continuation=continuation)
                 return generate_in_turns(self.rollout.generate, prompt_ids, sampling, continuation)
         finally:
@@ -434,13 +472,17 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
     def score(self, rows: list[dict], sampled: Sampled, g: int | None = None) -> ScoredRollout:
         """Each reward of each completion; rows[i]'s columns go to its `g` completions (TRL's contract). An
         episode's completion is its messages after the prompt; rewards also get `environments` (TRL's)."""
+        return self.score_completions(rows, sampled.batch.completion_ids, g, sampled.episodes)
+
+    def score_completions(self, rows: list[dict], completion_ids: list[list[int]], g: int | None = None,
+                          episodes: EpisodeRunner | None = None) -> ScoredRollout:
+        """`score` from the completions' token ids (and the episodes behind them, if any)."""
         g = self.hparams.num_generations if g is None else g
-        rollout, episodes = sampled.batch, sampled.episodes
         prompts = [r["prompt"] for r in rows for _ in range(g)]
         if episodes is not None:
             completions = episodes.completions
         else:
-            texts = decode_completions(self.tokenizer, rollout.completion_ids)
+            texts = decode_completions(self.tokenizer, completion_ids)
             completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
                            for p, t in zip(prompts, texts)]
         columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
@@ -448,7 +490,7 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
             columns["environments"] = episodes.environments
         trainer = self._attached_trainer()
         try:
-            values = score(self.rewards, prompts, completions, rollout.completion_ids, columns,
+            values = score(self.rewards, prompts, completions, completion_ids, columns,
                            timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
                            stop_requested=(lambda: trainer.received_sigterm) if trainer else None,
                            trainer_state=self.trainer_state())

@@ -1,9 +1,10 @@
 """The native rollout backend: rlcu's paged-KV engine running the module's own parameters in place."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
-from rlcu.contracts import Continuation, RolloutBatch, SamplingParams
+from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 
 
@@ -31,11 +32,13 @@ class NativeRollout:
         self.engine = LLMEngine(module.policy, self.config, tokenizer=getattr(module, "tokenizer", None))
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
-                 continuation: Continuation | None = None) -> RolloutBatch:
-        """Completions; with a `continuation`, episodes whose KV stays in the pool between turns."""
+                 continuation: Continuation | None = None,
+                 on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
+        """Completions; with a `continuation`, episodes whose KV stays in the pool between turns; `on_finished`
+        hears of each completion as it ends (`LLMEngine.generate`)."""
         if self.engine is None:
             raise RuntimeError("NativeRollout.generate() called before setup(module)")
-        return self.engine.generate(prompt_token_ids, sampling, continuation)
+        return self.engine.generate(prompt_token_ids, sampling, continuation, on_finished)
 
     def release(self) -> None:
         if self.engine is not None:

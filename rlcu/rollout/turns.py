@@ -13,9 +13,10 @@ from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, che
 TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
 
 
-def takes_continuation(generate) -> bool:
-    """Whether a backend's generate() runs episodes itself (a `continuation` parameter)."""
-    return "continuation" in inspect.signature(generate).parameters
+def takes(generate, parameter: str) -> bool:
+    """Whether a backend's generate() takes an optional `parameter`: `continuation` (it runs episodes itself),
+    `on_finished` (it reports each completion as it ends)."""
+    return parameter in inspect.signature(generate).parameters
 
 
 def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: SamplingParams,

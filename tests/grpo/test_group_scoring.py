@@ -1,0 +1,138 @@
+"""score_during_generation: each group is scored as its last completion ends, while the rest decode; the
+update is the one scoring after the rollout gives; errors and unsupported set-ups are named."""
+import sys
+import threading
+
+import pytest
+import torch
+
+from rlcu.contracts import Turn
+from rlcu.engine.llm_engine import LLMEngine
+from rlcu.grpo.batch import ScoredRollout
+from rlcu.grpo.group_scoring import SWITCH_INTERVAL_S, GroupScorer
+from rlcu.grpo.module import GRPOModule
+from rlcu.models import load_model
+from rlcu.rewards.base import RewardError
+from rlcu.rollout import SamplingParams
+from rlcu.rollout.reference import ReferenceRollout
+from tests.helpers import CHAT_TEMPLATE, PROMPTS, fit, match_target, tiny_hf_folder, toy_rows
+
+
+def scored_rows(k, ids):
+    return ScoredRollout([f"p{k}"] * len(ids), [str(i) for i in ids], torch.tensor([[float(len(i))] for i in ids]))
+
+
+def test_a_group_is_scored_when_its_last_completion_ends_and_results_come_in_row_order():
+    calls, group0_scored, interval = [], threading.Event(), sys.getswitchinterval()
+
+    def score_group(k, ids):
+        calls.append(k)
+        if k == 0:
+            group0_scored.set()
+        return scored_rows(k, ids)
+
+    with GroupScorer(score_group, num_groups=2, g=2) as scorer:
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        scorer.on_finished(Turn(3, [7, 7, 7], "stop"))  # group 1's second: group 1 still waits on row 2
+        scorer.on_finished(Turn(0, [5], "stop"))
+        assert not group0_scored.is_set() and calls == []
+        scorer.on_finished(Turn(1, [5, 6], "length"))  # group 0 complete: scored now, while row 2 "decodes"
+        assert group0_scored.wait(10) and calls == [0]
+        scorer.on_finished(Turn(2, [8], "stop"))
+        out = scorer.result([[5], [5, 6], [8], [7, 7, 7]])
+    assert sys.getswitchinterval() == interval  # given back
+    assert out.prompts == ["p0", "p0", "p1", "p1"] and out.rewards[:, 0].tolist() == [1.0, 2.0, 1.0, 3.0]
+    assert sorted(calls) == [0, 1]
+
+
+def test_unreported_groups_are_scored_from_the_rollout_and_errors_surface_in_result():
+    def score_group(k, ids):
+        if k == 1:
+            raise RewardError("reward 'r' raised ValueError: bad")
+        return scored_rows(k, ids)
+
+    with GroupScorer(score_group, num_groups=2, g=1) as scorer:
+        scorer.on_finished(Turn(0, [4, 4], "stop"))
+        with pytest.raises(RewardError, match="bad"):
+            scorer.result([[4, 4], [9]])  # group 1 never reported: scored here, and its error raised
+    with GroupScorer(scored_rows, num_groups=1, g=2) as scorer:
+        out = scorer.result([[1], [2, 2]])  # nothing reported (a backend without on_finished)
+    assert out.rewards[:, 0].tolist() == [1.0, 2.0]
+
+
+def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    engine = LLMEngine(model)
+    seen: dict[int, tuple[list[int], str, int]] = {}
+
+    def on_finished(turn):
+        assert turn.request not in seen
+        seen[turn.request] = (list(turn.completion_ids), turn.finish_reason, len(engine.scheduler.running))
+
+    prompts = [p for p in PROMPTS for _ in range(3)]  # forks of each prompt report apart
+    sp = SamplingParams(max_tokens=16, temperature=1.0, stop_token_ids=list(range(0, 64, 3)), seed=5)
+    out = engine.generate(prompts, sp, on_finished=on_finished)
+    assert sorted(seen) == list(range(len(prompts)))
+    assert [seen[i][0] for i in range(len(prompts))] == out.completion_ids
+    assert [seen[i][1] for i in range(len(prompts))] == out.finish_reasons
+    assert len({len(c) for c in out.completion_ids}) > 1  # uneven lengths, so ...
+    assert any(running > 0 for _, _, running in seen.values())  # ... some were reported while others decoded
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8))
+    tok.chat_template = CHAT_TEMPLATE
+    return model, tok
+
+
+def test_scoring_during_generation_gives_the_same_update(tmp_path):
+    folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    runs = {}
+    for overlap in (False, True):
+        model, tok = load_model(folder)
+        tok.chat_template = CHAT_TEMPLATE
+        module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=6,
+                            learning_rate=1e-2, micro_batch_size=8, score_during_generation=overlap)
+        metrics = [m for m in fit(module, toy_rows(8), steps=2, log_dir=tmp_path / str(overlap)) if "reward" in m]
+        runs[overlap] = metrics, module.last_rollout, [p.detach().clone() for p in module.policy.parameters()]
+    (plain, plain_last, plain_w), (early, early_last, early_w) = runs[False], runs[True]
+    for a, b in zip(plain, early):
+        assert a["reward"] == b["reward"] and a["loss"] == b["loss"]
+        assert 0.0 <= b["scored_during_generation"] <= 1.0 and "scored_during_generation" not in a
+    assert plain_last.completions == early_last.completions and plain_last.prompts == early_last.prompts
+    assert torch.equal(plain_last.rewards, early_last.rewards)
+    assert all(torch.equal(a, b) for a, b in zip(plain_w, early_w))
+
+
+def test_a_failing_reward_names_its_group(tiny, tmp_path):
+    def fails_on_row_1(prompts, completions, **kwargs):
+        if "p1" in str(prompts):
+            raise ValueError("no answer")
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": f"p{i}", "target": "x"} for i in range(8)]
+    module = GRPOModule(tiny[0], tokenizer=tiny[1], rewards=[fails_on_row_1], num_generations=2,
+                        max_completion_length=4, micro_batch_size=8, score_during_generation=True)
+    with pytest.raises(RewardError, match=r"fails_on_row_1.*raised ValueError: no answer.*in group 1: rows 2-3"):
+        fit(module, rows, steps=1, log_dir=tmp_path, batch_size=4)
+
+
+def test_unsupported_set_ups_are_named(tiny):
+    with pytest.raises(ValueError, match="score_during_generation needs a rollout backend .* ReferenceRollout"):
+        GRPOModule(tiny[0], tokenizer=tiny[1], rewards=[match_target], rollout=ReferenceRollout(),
+                   score_during_generation=True)
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    with pytest.raises(ValueError, match="episodes .* are scored after the rollout"):
+        GRPOModule(tiny[0], tokenizer=tiny[1], rewards=[match_target], tools=[add], tool_format="hermes",
+                   score_during_generation=True)
