@@ -3,8 +3,8 @@ reward, reward_std, rewards/<name>/mean|std, frac_reward_zero_std, completions/*
 entropy, kl, sampling/importance_sampling_ratio/min|mean|max (the sampler correction), plus rlcu's
 timing/* (generate, score, train; elapsed: seconds since training started),
 tokens_per_second, memory/generate_GB and memory/train_GB (CUDA peaks of
-each phase, set in the module), scored_during_generation (with that option: the share of groups whose
-rewards were in when the rollout ended), faults/skipped_updates and eval/*."""
+each phase, set in the module), scored_during_generation (with that option: the share of completions
+scored when the rollout ended), faults/skipped_updates and eval/*."""
 from __future__ import annotations
 
 import torch

@@ -33,7 +33,7 @@ from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, encode
 from rlcu.grpo import evaluation
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
-from rlcu.grpo.group_scoring import GroupScorer
+from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.metrics import completion_metrics, reward_metrics
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
 from rlcu.grpo.options import EVAL_NUM_SAMPLES, check_against_model, check_options, eval_samples, sampling_correction
@@ -42,7 +42,7 @@ from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
-from rlcu.rewards.base import BoundReward, NonFiniteReward, RewardError, resolve_rewards
+from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
 from rlcu.rewards.scoring import RewardInterrupted, score
 from rlcu.rollout.base import RolloutBackend
 from rlcu.rollout.native import NativeRollout
@@ -323,12 +323,12 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         rows = as_rows(batch)
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
-        with self._group_scorer(rows) as scorer:
+        with self._early_scorer(rows) as scorer:
             with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
                 rollout = self._rollout(rows, scorer)
             t1 = self._now()
             memory = {"memory/generate_GB": self._peak_memory_gb()}
-            early = {} if scorer is None else {"scored_during_generation": scorer.groups_scored_early / len(rows)}
+            early = {} if scorer is None else {"scored_during_generation": scorer.rows_scored / len(rollout.batch)}
             try:
                 with record_function("rlcu/score"):
                     scored, grpo_batch, keep, metrics = self._score_step(rows, rollout, scorer)
@@ -351,29 +351,29 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         self.last_rollout = scored
         return None
 
-    def _rollout(self, rows: list[dict], scorer: GroupScorer | None = None) -> Sampled:
+    def _rollout(self, rows: list[dict], scorer: EarlyScorer | None = None) -> Sampled:
         hp = self.hparams
         sampling = self.sampling_params(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
         return self.sample(rows, hp.num_generations, sampling, None if scorer is None else scorer.on_finished)
 
-    def _group_scorer(self, rows: list[dict]):
-        """With score_during_generation, what scores each group as it finishes (`group_scoring.py`)."""
+    def _early_scorer(self, rows: list[dict]):
+        """With score_during_generation, what scores completions as they end (`early_scoring.py`)."""
         if not self.hparams.score_during_generation:
             return contextlib.nullcontext()
-        return GroupScorer(lambda k, ids: self._score_group(rows, k, ids), len(rows), self.hparams.num_generations)
+        return EarlyScorer(lambda indices, ids: self._score_rows(rows, indices, ids),
+                           len(rows) * self.hparams.num_generations)
 
-    def _score_group(self, rows: list[dict], k: int, completion_ids: list[list[int]]) -> ScoredRollout:
+    def _score_rows(self, rows: list[dict], indices: list[int], completion_ids: list[list[int]]) -> ScoredRollout:
+        """`score` of some of the batch's completions: each with its own prompt and columns."""
         g = self.hparams.num_generations
-        try:
-            return self.score_completions(rows[k:k + 1], completion_ids, g)
-        except RewardError as e:  # its sample number counts within the group
-            raise type(e)(f"{e} (in group {k}: rows {k * g}-{k * g + g - 1} of the batch)") from e
+        return self.score_completions([rows[i // g] for i in indices], completion_ids, 1)
 
-    def _score_step(self, rows: list[dict], sampled: Sampled, scorer: GroupScorer | None = None):
+    def _score_step(self, rows: list[dict], sampled: Sampled, scorer: EarlyScorer | None = None):
         """Rewards, advantages and the training batch; which rows train (filter_zero_std_groups); metrics."""
         hp = self.hparams
         rollout = sampled.batch
-        scored = self.score(rows, sampled) if scorer is None else scorer.result(rollout.completion_ids)
+        scored = (self.score(rows, sampled) if scorer is None
+                  else scorer.result(rollout.completion_ids, lambda: self.score(rows, sampled)))
         rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
         scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
         if hp.advantage_estimator == "rloo":

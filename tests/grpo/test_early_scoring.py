@@ -1,5 +1,5 @@
-"""score_during_generation: each group is scored as its last completion ends, while the rest decode; the
-update is the one scoring after the rollout gives; errors and unsupported set-ups are named."""
+"""score_during_generation: completions are scored as they end, while the rest decode; the update is the one
+scoring after the rollout gives; errors and unsupported set-ups are named."""
 import sys
 import threading
 
@@ -9,7 +9,7 @@ import torch
 from rlcu.contracts import Turn
 from rlcu.engine.llm_engine import LLMEngine
 from rlcu.grpo.batch import ScoredRollout
-from rlcu.grpo.group_scoring import SWITCH_INTERVAL_S, GroupScorer
+from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S, EarlyScorer
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
 from rlcu.rewards.base import RewardError
@@ -18,46 +18,55 @@ from rlcu.rollout.reference import ReferenceRollout
 from tests.helpers import CHAT_TEMPLATE, PROMPTS, fit, match_target, tiny_hf_folder, toy_rows
 
 
-def scored_rows(k, ids):
-    return ScoredRollout([f"p{k}"] * len(ids), [str(i) for i in ids], torch.tensor([[float(len(i))] for i in ids]))
+def scored_rows(rows, ids):
+    return ScoredRollout([f"p{r}" for r in rows], [str(i) for i in ids], torch.tensor([[float(len(i))] for i in ids]))
 
 
-def test_a_group_is_scored_when_its_last_completion_ends_and_results_come_in_row_order():
-    calls, group0_scored, interval = [], threading.Event(), sys.getswitchinterval()
+def test_completions_are_scored_as_they_end_and_results_come_in_row_order():
+    calls, first_call, go_on, interval = [], threading.Event(), threading.Event(), sys.getswitchinterval()
 
-    def score_group(k, ids):
-        calls.append(k)
-        if k == 0:
-            group0_scored.set()
-        return scored_rows(k, ids)
+    def score_rows(rows, ids):
+        calls.append(list(rows))
+        first_call.set()
+        go_on.wait(10)  # a slow reward: what ends meanwhile waits for the next call
+        return scored_rows(rows, ids)
 
-    with GroupScorer(score_group, num_groups=2, g=2) as scorer:
+    with EarlyScorer(score_rows, num_rows=4) as scorer:
         assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
-        scorer.on_finished(Turn(3, [7, 7, 7], "stop"))  # group 1's second: group 1 still waits on row 2
-        scorer.on_finished(Turn(0, [5], "stop"))
-        assert not group0_scored.is_set() and calls == []
-        scorer.on_finished(Turn(1, [5, 6], "length"))  # group 0 complete: scored now, while row 2 "decodes"
-        assert group0_scored.wait(10) and calls == [0]
         scorer.on_finished(Turn(2, [8], "stop"))
-        out = scorer.result([[5], [5, 6], [8], [7, 7, 7]])
+        assert first_call.wait(10) and calls == [[2]]  # scored while the other three "decode"
+        scorer.on_finished(Turn(0, [5], "stop"))
+        scorer.on_finished(Turn(3, [7, 7, 7], "length"))
+        go_on.set()
+        scorer.on_finished(Turn(1, [5, 6], "stop"))
+        out = scorer.result([[5], [5, 6], [8], [7, 7, 7]], None)
     assert sys.getswitchinterval() == interval  # given back
-    assert out.prompts == ["p0", "p0", "p1", "p1"] and out.rewards[:, 0].tolist() == [1.0, 2.0, 1.0, 3.0]
-    assert sorted(calls) == [0, 1]
+    assert out.prompts == ["p0", "p1", "p2", "p3"] and out.rewards[:, 0].tolist() == [1.0, 2.0, 1.0, 3.0]
+    assert calls[0] == [2] and sorted(r for c in calls for r in c) == [0, 1, 2, 3] and len(calls) <= 3
+    assert scorer.rows_scored == 4
 
 
-def test_unreported_groups_are_scored_from_the_rollout_and_errors_surface_in_result():
-    def score_group(k, ids):
-        if k == 1:
+def test_unreported_completions_are_scored_from_the_rollout_and_a_reward_error_scores_the_batch_again():
+    def score_rows(rows, ids):
+        if 1 in rows:
             raise RewardError("reward 'r' raised ValueError: bad")
-        return scored_rows(k, ids)
+        return scored_rows(rows, ids)
 
-    with GroupScorer(score_group, num_groups=2, g=1) as scorer:
+    with EarlyScorer(score_rows, num_rows=2) as scorer:
         scorer.on_finished(Turn(0, [4, 4], "stop"))
-        with pytest.raises(RewardError, match="bad"):
-            scorer.result([[4, 4], [9]])  # group 1 never reported: scored here, and its error raised
-    with GroupScorer(scored_rows, num_groups=1, g=2) as scorer:
-        out = scorer.result([[1], [2, 2]])  # nothing reported (a backend without on_finished)
+        assert scorer.result([[4, 4], [9]], lambda: "scored again") == "scored again"  # row 1 failed: all again
+    with EarlyScorer(scored_rows, num_rows=2) as scorer:
+        scorer.on_finished(Turn(1, [3], "stop"))  # reported otherwise than the rollout's result: scored again
+        out = scorer.result([[1], [2, 2]], None)
     assert out.rewards[:, 0].tolist() == [1.0, 2.0]
+
+    def interrupted(rows, ids):
+        raise KeyboardInterrupt
+
+    with EarlyScorer(interrupted, num_rows=1) as scorer:
+        scorer.on_finished(Turn(0, [3], "stop"))
+        with pytest.raises(KeyboardInterrupt):  # anything but a reward's error: raised in the caller's thread
+            scorer.result([[3]], None)
 
 
 def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path):
@@ -106,7 +115,7 @@ def test_scoring_during_generation_gives_the_same_update(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(plain_w, early_w))
 
 
-def test_a_failing_reward_names_its_group(tiny, tmp_path):
+def test_a_failing_reward_names_its_rows(tiny, tmp_path):
     def fails_on_row_1(prompts, completions, **kwargs):
         if "p1" in str(prompts):
             raise ValueError("no answer")
@@ -115,7 +124,8 @@ def test_a_failing_reward_names_its_group(tiny, tmp_path):
     rows = [{"prompt": f"p{i}", "target": "x"} for i in range(8)]
     module = GRPOModule(tiny[0], tokenizer=tiny[1], rewards=[fails_on_row_1], num_generations=2,
                         max_completion_length=4, micro_batch_size=8, score_during_generation=True)
-    with pytest.raises(RewardError, match=r"fails_on_row_1.*raised ValueError: no answer.*in group 1: rows 2-3"):
+    # the error scoring after the rollout raises: the batch's sample number, not the worker's call's
+    with pytest.raises(RewardError, match=r"fails_on_row_1.*raised ValueError: no answer on sample 2 \(prompt 'p1'"):
         fit(module, rows, steps=1, log_dir=tmp_path, batch_size=4)
 
 
