@@ -60,15 +60,18 @@ def test_bench_step_reports_each_phase(tmp_path, capsys):
     assert out["mean_length"] == 5.0  # no stop token: every completion runs to full length
 
 
-def test_bench_step_takes_uneven_lengths_and_a_costly_reward(tmp_path, capsys):
+def test_bench_step_takes_uneven_lengths_a_costly_reward_and_scoring_during_generation(tmp_path, capsys):
     folder = tiny_hf_folder(tmp_path, "llama")
-    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
-          "--generations", "4", "--prompt_len", "4", "--new_tokens", "12", "--steps", "2", "--stop_tokens", "20",
-          "--reward_ms", "25"])
+    common = ["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+              "--generations", "4", "--prompt_len", "4", "--new_tokens", "12", "--steps", "2", "--stop_tokens", "20"]
+    main(common + ["--reward_ms", "25", "--reward_wait_ms", "10"])
     out = last_json(capsys)
-    assert out["stop_tokens"] == 20 and out["reward_ms"] == 25
+    assert out["stop_tokens"] == 20 and out["reward_ms"] == 25 and out["reward_wait_ms"] == 10
+    assert out["score_during_generation"] is False
     assert out["mean_length"] < 12  # a third of the vocabulary stops a completion
-    assert out["steady"]["score"] >= 8 * 0.025  # the reward's cost: 25 ms for each of the 8 completions
+    assert out["steady"]["score"] >= 8 * 0.035  # the reward's cost: 25 + 10 ms for each of the 8 completions
+    main(common + ["--score_during_generation"])
+    assert last_json(capsys)["score_during_generation"] is True
 
 
 def test_bench_step_profiles_an_extra_step_by_phase(tmp_path, capsys):
