@@ -6,10 +6,10 @@ optimization. One `training_step` is one GRPO step, in named phases:
     update:   num_iterations x [micro-batched forward/backward, clip, optimizer step, LR schedule]
 
 Options keep TRL's names and meanings (checked in `options.py`). The maths are the pure functions of
-`loss.py`; the data passed between phases the dataclasses of `batch.py`; the update phase is `update.py`."""
+`loss.py`; the data passed between phases the dataclasses of `batch.py`; the score phase is `score_phase.py`
+(with `score()`, which held-out evaluation uses too), the update phase `update.py`."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -29,21 +29,20 @@ from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --tra
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, eos_token_ids
-from rlcu.data.prompts import as_rows, decode_completions, encode_prompt, encode_prompts, is_conversational
+from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.grpo import evaluation
 from rlcu.grpo import loss as grpo_loss
-from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
+from rlcu.grpo.batch import Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
-from rlcu.grpo.metrics import completion_metrics, reward_metrics
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
 from rlcu.grpo.options import EVAL_NUM_SAMPLES, check_against_model, check_options, eval_samples, sampling_correction
+from rlcu.grpo.score_phase import GRPOScore
 from rlcu.grpo.update import GRPOUpdate
 from rlcu.hparams import not_plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
-from rlcu.rewards.scoring import RewardInterrupted, score
 from rlcu.rollout.base import RolloutBackend
 from rlcu.rollout.native import NativeRollout
 from rlcu.rollout.turns import generate_in_turns, takes
@@ -75,7 +74,7 @@ class Counters:
     last_entropy: float = math.inf  # use_adaptive_entropy: the mean entropy of the last optimizer step
 
 
-class GRPOModule(GRPOUpdate, L.LightningModule):
+class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
     def __init__(
         self,
         model: str | CausalLM = "smollm2-135m-instruct",
@@ -200,15 +199,6 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
-
-    def _check_scoring_during_generation(self) -> None:
-        if self.agent is not None:
-            raise ValueError("score_during_generation scores single-turn completions as they end; episodes (tools, "
-                             "environment_factory) are scored after the rollout: set score_during_generation=false")
-        if not takes(self.rollout.generate, "on_finished"):
-            raise ValueError(f"score_during_generation needs a rollout backend that reports each completion as it "
-                             f"ends (generate(..., on_finished=)); {type(self.rollout).__name__} does not: use "
-                             "rollout: native, or set score_during_generation=false")
 
     @staticmethod
     def _policy(model, tokenizer, dtype: str):
@@ -356,45 +346,6 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
         sampling = self.sampling_params(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
         return self.sample(rows, hp.num_generations, sampling, None if scorer is None else scorer.on_finished)
 
-    def _early_scorer(self, rows: list[dict]):
-        """With score_during_generation, what scores completions as they end (`early_scoring.py`)."""
-        if not self.hparams.score_during_generation:
-            return contextlib.nullcontext()
-        return EarlyScorer(lambda indices, ids: self._score_rows(rows, indices, ids),
-                           len(rows) * self.hparams.num_generations)
-
-    def _score_rows(self, rows: list[dict], indices: list[int], completion_ids: list[list[int]]) -> ScoredRollout:
-        """`score` of some of the batch's completions: each with its own prompt and columns."""
-        g = self.hparams.num_generations
-        return self.score_completions([rows[i // g] for i in indices], completion_ids, 1)
-
-    def _score_step(self, rows: list[dict], sampled: Sampled, scorer: EarlyScorer | None = None):
-        """Rewards, advantages and the training batch; which rows train (filter_zero_std_groups); metrics."""
-        hp = self.hparams
-        rollout = sampled.batch
-        scored = (self.score(rows, sampled) if scorer is None
-                  else scorer.result(rollout.completion_ids, lambda: self.score(rows, sampled)))
-        rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
-        scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
-        if hp.advantage_estimator == "rloo":
-            scored.advantages = grpo_loss.rloo_advantages(rewards, hp.num_generations)
-        elif hp.advantage_estimator == "reinforce_pp":
-            scored.advantages = grpo_loss.reinforce_pp_advantages(rewards)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages, pad, hp.mask_truncated_completions)
-        keep = ~is_std_zero if hp.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
-        metrics = reward_metrics(scored.rewards, [r.name for r in self.rewards], rewards, is_std_zero)
-        metrics.update(completion_metrics(grpo_batch.lengths, grpo_batch.truncated))
-        if sampled.episodes is not None:
-            metrics.update(sampled.episodes.metrics())
-        if self.world_size > 1 and hp.filter_zero_std_groups:
-            # DDP: every rank runs the same micro-batches (each backward is a collective), so the filtered
-            # rows stay and lose their loss mask; the step is skipped only when no rank kept anything
-            grpo_batch.loss_mask[~keep] = 0
-            kept = self.trainer.strategy.reduce(keep.sum().to(self.device), reduce_op="sum")
-            keep = torch.full_like(keep, bool(kept > 0))
-        return scored, grpo_batch, keep, metrics
-
     # ---- the phases' public parts (held-out evaluation uses them too) ------------------------------
     def sampling_params(self, seed: int | None = None, greedy: bool = False) -> SamplingParams:
         """The run's sampling settings (greedy: temperature 0, for evaluation)."""
@@ -468,42 +419,6 @@ class GRPOModule(GRPOUpdate, L.LightningModule):
                              "max_prompt_length, shorten the prompt"
                              + ("" if self.agent else ", or set long_prompts=truncate_left"))
         return length > limit
-
-    def score(self, rows: list[dict], sampled: Sampled, g: int | None = None) -> ScoredRollout:
-        """Each reward of each completion; rows[i]'s columns go to its `g` completions (TRL's contract). An
-        episode's completion is its messages after the prompt; rewards also get `environments` (TRL's)."""
-        return self.score_completions(rows, sampled.batch.completion_ids, g, sampled.episodes)
-
-    def score_completions(self, rows: list[dict], completion_ids: list[list[int]], g: int | None = None,
-                          episodes: EpisodeRunner | None = None) -> ScoredRollout:
-        """`score` from the completions' token ids (and the episodes behind them, if any)."""
-        g = self.hparams.num_generations if g is None else g
-        prompts = [r["prompt"] for r in rows for _ in range(g)]
-        if episodes is not None:
-            completions = episodes.completions
-        else:
-            texts = decode_completions(self.tokenizer, completion_ids)
-            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t
-                           for p, t in zip(prompts, texts)]
-        columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-        if episodes is not None and episodes.environments is not None:
-            columns["environments"] = episodes.environments
-        trainer = self._attached_trainer()
-        try:
-            values = score(self.rewards, prompts, completions, completion_ids, columns,
-                           timeout=self.hparams.reward_timeout, on_error=self.hparams.on_reward_error,
-                           stop_requested=(lambda: trainer.received_sigterm) if trainer else None,
-                           trainer_state=self.trainer_state())
-        except RewardInterrupted as e:  # SIGTERM while a reward hangs: stop as Lightning stops on SIGTERM
-            log.warning("%s; stopping", e)
-            raise SIGTERMException from e
-        return ScoredRollout(prompts, completions, values)
-
-    def trainer_state(self) -> dict:
-        """TRL passes `trainer_state` to rewards for schedules that depend on progress."""
-        trainer = self._attached_trainer()
-        return {"global_step": self.global_step, "max_steps": trainer.max_steps if trainer else -1,
-                "epoch": self.current_epoch}
 
     # ---- faults, logging, timing -----------------------------------------------------------------
     def _skip(self) -> dict[str, float]:

@@ -262,3 +262,22 @@ def test_shared_prefix_without_triton_says_so_once(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="rlcu.engine.llm_engine"):
         plain = LLMEngine(model).generate(PROMPTS, sp)  # the default (auto) asks for nothing: no warning
     assert got[0].completion_ids == plain.completion_ids and not caplog.records
+
+
+def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+    engine = LLMEngine(model)
+    seen: dict[int, tuple[list[int], str, int]] = {}
+
+    def on_finished(turn):
+        assert turn.request not in seen
+        seen[turn.request] = (list(turn.completion_ids), turn.finish_reason, len(engine.scheduler.running))
+
+    prompts = [p for p in PROMPTS for _ in range(3)]  # forks of each prompt report apart
+    sp = SamplingParams(max_tokens=16, temperature=1.0, stop_token_ids=list(range(0, 64, 3)), seed=5)
+    out = engine.generate(prompts, sp, on_finished=on_finished)
+    assert sorted(seen) == list(range(len(prompts)))
+    assert [seen[i][0] for i in range(len(prompts))] == out.completion_ids
+    assert [seen[i][1] for i in range(len(prompts))] == out.finish_reasons
+    assert len({len(c) for c in out.completion_ids}) > 1  # uneven lengths, so ...
+    assert any(running > 0 for _, _, running in seen.values())  # ... some were reported while others decoded

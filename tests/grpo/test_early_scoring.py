@@ -7,15 +7,13 @@ import pytest
 import torch
 
 from rlcu.contracts import Turn
-from rlcu.engine.llm_engine import LLMEngine
 from rlcu.grpo.batch import ScoredRollout
 from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S, EarlyScorer
 from rlcu.grpo.module import GRPOModule
 from rlcu.models import load_model
 from rlcu.rewards.base import RewardError
-from rlcu.rollout import SamplingParams
 from rlcu.rollout.reference import ReferenceRollout
-from tests.helpers import CHAT_TEMPLATE, PROMPTS, fit, match_target, tiny_hf_folder, toy_rows
+from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_rows
 
 
 def scored_rows(rows, ids):
@@ -67,25 +65,6 @@ def test_unreported_completions_are_scored_from_the_rollout_and_a_reward_error_s
         scorer.on_finished(Turn(0, [3], "stop"))
         with pytest.raises(KeyboardInterrupt):  # anything but a reward's error: raised in the caller's thread
             scorer.result([[3]], None)
-
-
-def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path):
-    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
-    engine = LLMEngine(model)
-    seen: dict[int, tuple[list[int], str, int]] = {}
-
-    def on_finished(turn):
-        assert turn.request not in seen
-        seen[turn.request] = (list(turn.completion_ids), turn.finish_reason, len(engine.scheduler.running))
-
-    prompts = [p for p in PROMPTS for _ in range(3)]  # forks of each prompt report apart
-    sp = SamplingParams(max_tokens=16, temperature=1.0, stop_token_ids=list(range(0, 64, 3)), seed=5)
-    out = engine.generate(prompts, sp, on_finished=on_finished)
-    assert sorted(seen) == list(range(len(prompts)))
-    assert [seen[i][0] for i in range(len(prompts))] == out.completion_ids
-    assert [seen[i][1] for i in range(len(prompts))] == out.finish_reasons
-    assert len({len(c) for c in out.completion_ids}) > 1  # uneven lengths, so ...
-    assert any(running > 0 for _, _, running in seen.values())  # ... some were reported while others decoded
 
 
 @pytest.fixture
