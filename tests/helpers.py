@@ -181,13 +181,19 @@ TOY_STEPS = 120  # lr 5e-3: every variant rises on seeds 0-2 with both backends 
 TOY_WINDOW = 10
 
 
+def toy_model(path: Path):
+    """(model, tokenizer) of the toy task: a tiny llama over 32 tokens, its tokenizer with CHAT_TEMPLATE."""
+    from rlcu.models import load_model
+
+    return load_model(tiny_hf_folder(path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                                     chat_template=CHAT_TEMPLATE))
+
+
 def run_toy(tmp_path, seed=0, accelerator="cpu", **options):
     """GRPO on the toy task (reward: match the target token) for TOY_STEPS steps; the logged metrics."""
     from rlcu.grpo.module import GRPOModule
-    from rlcu.models import load_model
 
-    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8))
+    model, tok = toy_model(tmp_path / "m")
     options = dict(dict(num_generations=8, max_completion_length=4, learning_rate=5e-3, micro_batch_size=16,
                         seed=seed), **options)
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], **options)

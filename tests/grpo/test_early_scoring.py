@@ -10,10 +10,9 @@ from rlcu.contracts import Turn
 from rlcu.grpo.batch import ScoredRollout
 from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S, EarlyScorer
 from rlcu.grpo.module import GRPOModule
-from rlcu.models import load_model
 from rlcu.rewards.base import RewardError
 from rlcu.rollout.reference import ReferenceRollout
-from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_rows
+from tests.helpers import fit, match_target, toy_model, toy_rows
 
 
 def scored_rows(rows, ids):
@@ -69,18 +68,13 @@ def test_unreported_completions_are_scored_from_the_rollout_and_a_reward_error_s
 
 @pytest.fixture
 def tiny(tmp_path):
-    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8))
-    tok.chat_template = CHAT_TEMPLATE
-    return model, tok
+    return toy_model(tmp_path / "m")
 
 
 def test_scoring_during_generation_gives_the_same_update(tmp_path):
-    folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
     runs = {}
     for overlap in (False, True):
-        model, tok = load_model(folder)
-        tok.chat_template = CHAT_TEMPLATE
+        model, tok = toy_model(tmp_path / "m")  # the same seeded weights both times
         module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=6,
                             learning_rate=1e-2, micro_batch_size=8, score_during_generation=overlap)
         metrics = [m for m in fit(module, toy_rows(8), steps=2, log_dir=tmp_path / str(overlap)) if "reward" in m]

@@ -7,15 +7,12 @@ from rlcu.models import load_model
 from rlcu.plugins import UnknownPluginError
 from rlcu.rewards.base import RewardError
 from rlcu.rollout import SamplingParams
-from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_rows
+from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_model, toy_rows
 
 
 @pytest.fixture
 def tiny(tmp_path):
-    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8))
-    tok.chat_template = CHAT_TEMPLATE
-    return model, tok
+    return toy_model(tmp_path / "m")
 
 
 def make(tiny, **kw):
