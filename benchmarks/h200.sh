@@ -2,7 +2,8 @@
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
 # PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8, with and without shared-prefix decode, and
-# the micro-batch variants), profile (the two rollouts under the profiler), rlcu-extra (no look-ahead, packing),
+# the micro-batch variants), targets (issue #20's 0.6B rows with profiles, and TRL's), uneven (uneven completion
+# lengths: scoring during generation, packing), profile (the two rollouts under the profiler), rlcu-extra (no look-ahead, packing),
 # trl8 / trl32 (TRL's GRPO step), hf (transformers generate), ddp (the countdown recipe on one GPU, then two
 # under DDP and under FSDP; needs the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8
 # step of the tree in $BASE, an older checkout's rlcu/, then of this one, alternating: a change that must not
@@ -114,6 +115,25 @@ case $part in
       [ -f "$out/$recipe-rlcu.csv" ] && [ -f "$out/$recipe-trl.csv" ] &&
         python3 "$root/recipes/curves.py" "$out/$recipe-rlcu.csv" --trl "$out/$recipe-trl.csv" --out "$out/$recipe.png"
     done ;;
+  targets)
+    # the 0.6B rows of issue #20's targets (docs/benchmarks.md), each step with a profiled extra step (what bounds
+    # a miss), then TRL's two steps; the 1.7B rows are the `long` part (TRL alone takes 420-490 s a step there)
+    log rollout64 rlcu bench rollout --sequences 64 --new_tokens 512
+    log rollout512 rlcu bench rollout --sequences 512 --new_tokens 512
+    log rollout512-fp8 rlcu bench rollout --sequences 512 --new_tokens 512 --kv_cache_dtype fp8
+    log rollout64prof rlcu bench rollout --sequences 64 --new_tokens 512 --repeats 1 --profile "$out/prof-rollout64"
+    log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --profile "$out/prof-step8x8"
+    log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --profile "$out/prof-step32x8"
+    (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 2 && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
+  uneven)
+    # completions of uneven length (--stop_tokens): a costly reward scored after the rollout or during it, and
+    # padded against packed training (the 2026-12-02 sections of docs/benchmarks.md)
+    u="--prompts 32 --generations 8 --new_tokens 512 --steps 4 --stop_tokens 512"
+    log uneven-wait5 rlcu bench step $u --reward_wait_ms 5
+    log uneven-wait5-during rlcu bench step $u --reward_wait_ms 5 --score_during_generation
+    log uneven-python2 rlcu bench step $u --reward_ms 2
+    log uneven-python2-during rlcu bench step $u --reward_ms 2 --score_during_generation
+    log uneven-packed rlcu bench step $u --packing ;;
   trl8) (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 3) ;;
   trl32) (cd "$peers" && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
   hf) (cd "$peers" && log hf_generate python3 hf_generate.py) ;;
