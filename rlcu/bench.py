@@ -267,6 +267,7 @@ def bench_step(args) -> dict:
             steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"]) for k in PHASES
                                                                        if f"timing/{k}" in m}))
             steps[-1]["mean_length"] = float(m["completions/mean_length"])
+            steps[-1]["clipped_ratio"] = float(m["completions/clipped_ratio"])  # the share that reached new_tokens
             if "logprob_mismatch/max" in m:
                 steps[-1]["mismatch"] = float(m["logprob_mismatch/max"])
                 steps[-1]["mismatch_mean"] = float(m["logprob_mismatch/mean"])
@@ -306,6 +307,7 @@ def bench_step(args) -> dict:
                 score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,
                 reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms,
                 mean_length=round(sum(s["mean_length"] for s in steady) / len(steady), 1),
+                clipped_ratio=round(sum(s["clipped_ratio"] for s in steady) / len(steady), 3),
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
                 logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),
                 # the largest of the steps' means, as the max is the largest of their maxima

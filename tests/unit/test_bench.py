@@ -57,7 +57,7 @@ def test_bench_step_reports_each_phase(tmp_path, capsys):
           "--no_gradient_checkpointing"])
     assert last_json(capsys)["gradient_checkpointing"] is False
     assert out["steady"]["generate"] + out["steady"]["train"] <= out["steady"]["total"] * 1.01
-    assert out["mean_length"] == 5.0  # no stop token: every completion runs to full length
+    assert out["mean_length"] == 5.0 and out["clipped_ratio"] == 1.0  # no stop token: all run to full length
 
 
 def test_bench_step_takes_uneven_lengths_a_costly_reward_and_scoring_during_generation(tmp_path, capsys):
@@ -68,7 +68,7 @@ def test_bench_step_takes_uneven_lengths_a_costly_reward_and_scoring_during_gene
     out = last_json(capsys)
     assert out["stop_tokens"] == 20 and out["reward_ms"] == 25 and out["reward_wait_ms"] == 10
     assert out["score_during_generation"] is False
-    assert out["mean_length"] < 12  # a third of the vocabulary stops a completion
+    assert out["mean_length"] < 12 and out["clipped_ratio"] < 1.0  # a third of the vocabulary stops a completion
     assert out["steady"]["score"] >= 8 * 0.035  # the reward's cost: 25 + 10 ms for each of the 8 completions
     main(common + ["--score_during_generation"])
     assert last_json(capsys)["score_during_generation"] is True
