@@ -264,9 +264,12 @@ def test_shared_prefix_without_triton_says_so_once(tmp_path, caplog):
     assert got[0].completion_ids == plain.completion_ids and not caplog.records
 
 
-def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path):
+@pytest.mark.parametrize("config", [EngineConfig(),
+                                    EngineConfig(num_blocks=6, max_num_seqs=8, max_num_batched_tokens=32)],
+                         ids=["roomy", "preempting"])
+def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path, config):
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
-    engine = LLMEngine(model)
+    engine = LLMEngine(model, config)
     seen: dict[int, tuple[list[int], str, int]] = {}
 
     def on_finished(turn):
@@ -281,3 +284,5 @@ def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path):
     assert [seen[i][1] for i in range(len(prompts))] == out.finish_reasons
     assert len({len(c) for c in out.completion_ids}) > 1  # uneven lengths, so ...
     assert any(running > 0 for _, _, running in seen.values())  # ... some were reported while others decoded
+    if config.num_blocks:
+        assert engine.stats["preemptions"] > 0  # a preempted sequence is reported once, when it really ends
