@@ -51,6 +51,11 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     return t, lp, ready
 
 
+def as_turn(seq: Sequence) -> Turn:
+    """A sequence's turn as it ended: what continuations and `on_finished` are handed."""
+    return Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason)
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -191,8 +196,7 @@ class LLMEngine:
         try:
             while True:
                 for seq in self._turns_ended:
-                    turn = Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason)
-                    pending[pool.submit(continuation, turn)] = seq
+                    pending[pool.submit(continuation, as_turn(seq))] = seq
                 self._turns_ended = []
                 idle = self.scheduler.is_finished() and self._ahead is None
                 if idle and not pending:
@@ -260,8 +264,7 @@ class LLMEngine:
     def _start(self, parents: list[Sequence], sampling: SamplingParams, episodes: bool = False,
                on_finished: Callable[[Turn], None] | None = None) -> None:
         bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
-        on_end = None if on_finished is None else (
-            lambda seq: on_finished(Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason)))
+        on_end = None if on_finished is None else (lambda seq: on_finished(as_turn(seq)))
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end)
         self._turns_ended: list[Sequence] = []

@@ -83,8 +83,8 @@ class EarlyScorer:
             return score_all()
         if self._error is not None:
             raise self._error
-        parts, by_row = list(self._parts), {}
-        for rows, scored in parts:
+        by_row = {}
+        for rows, scored in self._parts:
             for j, r in enumerate(rows):
                 by_row[r] = (scored, j)
         missing = [r for r in range(len(completion_ids))

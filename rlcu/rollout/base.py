@@ -19,8 +19,8 @@ class RolloutBackend(Protocol):
         """One completion per prompt. A backend may also take `continuation=` (a `Continuation`) and run
         multi-turn episodes itself; for one that does not, the module runs them turn by turn
         (`rollout/turns.py`). It may also take `on_finished=`, a callable it calls with each request's
-        completion (a `Turn`) as soon as that one ends, so that the module scores finished groups while the
-        rest decode (`score_during_generation`); for one that does not, scoring waits for the rollout."""
+        completion (a `Turn`) as soon as that one ends, so that the module scores finished completions while
+        the rest decode (`score_during_generation`); for one that does not, scoring waits for the rollout."""
 
     def release(self) -> None:
         """Free generation memory (KV cache) before the training phase."""
