@@ -2,8 +2,10 @@
 # rlcu's speed benchmarks and the peers', side by side on one GPU (docs/benchmarks.md quotes these runs).
 #   benchmarks/h200.sh OUT_DIR PART [PEERS_DIR]
 # PART: rlcu (rollout 64 and 512 sequences, GRPO steps 8x8 and 32x8, with and without shared-prefix decode, and
-# the micro-batch variants), targets (issue #20's 0.6B rows with profiles, and TRL's), uneven (uneven completion
-# lengths: scoring during generation, packing), profile (the two rollouts under the profiler), rlcu-extra (no look-ahead, packing),
+# the micro-batch variants), targets (issue #20's 0.6B rows with profiles, and TRL's), targets-long (its 1.7B
+# rows: 8x8x4096 with a profiled extra step and with FP8 keys and values, 16x16x2048; TRL's are the long part),
+# uneven (uneven completion lengths: scoring during generation, packing), profile (the two rollouts under the
+# profiler), rlcu-extra (no look-ahead, packing),
 # trl8 / trl32 (TRL's GRPO step), hf (transformers generate), ddp (the countdown recipe on one GPU, then two
 # under DDP and under FSDP; needs the SmolLM2 weights, RLCU_SMOLLM2_GGUF), ab (rollouts 64 and 512 and the 8x8
 # step of the tree in $BASE, an older checkout's rlcu/, then of this one, alternating: a change that must not
@@ -125,6 +127,15 @@ case $part in
     log step8x8 rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --profile "$out/prof-step8x8"
     log step32x8 rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --profile "$out/prof-step32x8"
     (cd "$peers" && log trl8x8 python3 trl_grpo.py 8 8 512 2 && log trl32x8 python3 trl_grpo.py 32 8 512 2) ;;
+  targets-long)
+    # the 1.7B rows of issue #20's targets: 8x8x4096 with a profiled extra step (what bounds the miss), the same with
+    # the FP8 cache (opt-in), then 16x16x2048; TRL's side (420-490 s a step) is the `long` part's
+    m="--model qwen3-1.7b-random --micro_batch_size 16 --adam_state_dtype bfloat16"
+    log step-1.7b-8x8x4096 rlcu bench step $m --prompts 8 --generations 8 --new_tokens 4096 --steps 2 \
+      --profile "$out/prof-1.7b-8x8x4096"
+    log step-1.7b-8x8x4096-fp8 rlcu bench step $m --prompts 8 --generations 8 --new_tokens 4096 --steps 2 \
+      --kv_cache_dtype fp8
+    log step-1.7b-16x16x2048 rlcu bench step $m --prompts 16 --generations 16 --new_tokens 2048 --steps 2 ;;
   uneven)
     # completions of uneven length (--stop_tokens): a costly reward scored after the rollout or during it, and
     # padded against packed training (the 2026-12-02 sections of docs/benchmarks.md)
