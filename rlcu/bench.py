@@ -41,7 +41,7 @@ SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> E
 def random_model(device: str, dtype: torch.dtype, seed: int = 0, shape: str = STANDARD):
     """The standard workload's model (or a larger shape of it), initialised as transformers does (normal, std 0.02)."""
     from rlcu.models.config import ModelConfig
-    from rlcu.models.llama import CausalLM
+    from rlcu.models.decoder import CausalLM
 
     fields = dict(QWEN3_06B, **SHAPES[shape])
     cfg = ModelConfig(**fields, eos_token_id=fields["vocab_size"] - 1, pad_token_id=fields["vocab_size"] - 2)

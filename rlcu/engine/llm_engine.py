@@ -26,7 +26,7 @@ from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.kernels.sampling import sample
 from rlcu.kernels.token_logprob import token_logprob
-from rlcu.models.llama import CausalLM
+from rlcu.models.decoder import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from rlcu.kernels.kv_cache import as_bytes
 from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
 from rlcu.kernels.rope_store_kv import supported as rope_supported
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
-from rlcu.models.llama import CausalLM
+from rlcu.models.decoder import CausalLM
 
 # Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
 # extra kernel (measured in docs/engine.md)
@@ -49,10 +49,12 @@ class ModelRunner:
         if self.exact and not (triton and triton_supports(cfg.head_dim, block_size)):
             raise ValueError(f"exact_logprobs needs the Triton kernels with a power-of-two head_dim >= 16 (got "
                              f"{cfg.head_dim}) on a CUDA device (or RLCU_TRITON=1): set exact_logprobs: false")
+        # a sliding window's first key would cut into the shared prompt's partial softmax: the plain kernel
         self.shared_prefix = (shared_prefix is not False and triton and triton_supports(cfg.head_dim, block_size)
-                              and not self.exact)
+                              and not self.exact and not cfg.windowed)
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
-        self.fuse_qk_norm = bool(cfg.qk_norm) and triton and rope_supported(cfg.head_dim) and not self.exact
+        self.fuse_qk_norm = (cfg.qk_norm and cfg.spec.qk_norm != "full" and triton and rope_supported(cfg.head_dim)
+                             and not self.exact)
         if cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)

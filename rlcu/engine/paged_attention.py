@@ -10,7 +10,7 @@ from rlcu.kernels.kv_cache import FP8
 from rlcu.kernels.prefill_attention import paged_attention
 from rlcu.kernels.rope_store_kv import rope_store_kv
 from rlcu.kernels.shared_prefix_decode import shared_prefix_decode_triton
-from rlcu.models.llama import CausalLM
+from rlcu.models.decoder import CausalLM
 
 # EngineConfig.kv_cache_dtype, with vLLM's names: "auto" stores keys and values as the forward computes them
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
@@ -33,10 +33,9 @@ class PagedAttention:
         self.ctx, self.tables = context_lens, block_tables
         self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
         self.prefix_splits = prefix_splits
-        self.scale = runner.model.config.head_dim ** -0.5
         self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, qk_norm=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
         norm = ()
         if qk_norm is not None:
@@ -47,10 +46,10 @@ class PagedAttention:
                 q, k = q_norm(q), k_norm(k)
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:
-            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, self.scale,
+            out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, scale,
                                               self.num_splits, self.prefix_splits)
         elif self.decode_only:
-            out = decode_attention(q, kc, vc, self.tables, self.ctx, self.scale, self.num_splits)
+            out = decode_attention(q, kc, vc, self.tables, self.ctx, scale, self.num_splits, window=window)
         else:
-            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, self.scale, self.tiles)
+            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, scale, self.tiles, window=window)
         return out[None]

@@ -15,7 +15,7 @@ import torch
 
 from rlcu.engine.paged_attention import cache_dtype
 from rlcu.engine.sequence import Sequence
-from rlcu.models.llama import CausalLM
+from rlcu.models.decoder import CausalLM
 
 
 def bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:

@@ -39,6 +39,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     sequence, and only real completion tokens go through the LM head (the padded slots are 0). A model in
     exact mode (`exact_logprobs`) always runs packed, through the engine's own attention kernel."""
     c = num_completion_tokens
+    if model.logits_from_forward:  # the transformers fallback: its own forward's logits, whatever follows its head
+        return _forward_completion_logprobs(model, input_ids, attention_mask, c, temperature)
     if packed or model.exact_logprobs:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -63,3 +65,9 @@ def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature
                                   model.exact_logprobs)
     zeros = logps.new_zeros(real.shape)
     return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)
+
+
+def _forward_completion_logprobs(model, input_ids, attention_mask, c, temperature):
+    logits = model.logits(input_ids, attention_mask, keep=c + 1)[:, :-1].float() / temperature
+    logp = logits.log_softmax(-1)
+    return logp.gather(-1, input_ids[:, -c:, None])[..., 0], -(logp.exp() * logp).sum(-1)

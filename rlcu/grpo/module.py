@@ -109,6 +109,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         warmup_steps: int = 0,
         max_grad_norm: float | None = 1.0,
         dtype: str = "float32",
+        trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
         packing: bool = False,
         exact_logprobs: bool = False,
@@ -161,8 +162,11 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
                                                    environment_factory=environment_factory))
         check_options(self.hparams)
         self.automatic_optimization = False
-        self.policy, self.tokenizer = self._policy(model, tokenizer, dtype)
+        self.policy, self.tokenizer = self._policy(model, tokenizer, dtype, trust_remote_code)
         self.policy.gradient_checkpointing = gradient_checkpointing
+        if peft_config is not None and not self.policy.native:
+            raise ValueError(f"peft_config: LoRA runs in rlcu's native families; {self.policy.config.model_type} runs "
+                             "on the transformers fallback: train it in full, or merge adapters elsewhere")
         if peft_config is not None:  # TRL's name: LoRA adapters trained on the frozen base, inside the engine too
             add_lora(self.policy, peft_config)
         # tools / environments (TRL's names): multi-turn episodes, run as a continuation of the rollout
@@ -185,6 +189,10 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
                 raise ValueError(f"exact_logprobs needs the native rollout backend (the engine that runs the "
                                  f"trainer's kernels), got {type(self.rollout).__name__}: use rollout: native")
             self.policy.set_exact_logprobs(True)
+        if not self.policy.native and isinstance(self.rollout, NativeRollout):
+            log.info("%s has no native path: rollouts from the reference backend over transformers' KV cache",
+                     self.policy.config.model_type)
+            self.rollout = resolve_rollout("reference")
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
@@ -201,12 +209,18 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
 
     @staticmethod
-    def _policy(model, tokenizer, dtype: str):
+    def _policy(model, tokenizer, dtype: str, trust_remote_code: bool = False):
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ValueError("a model given as a module needs its tokenizer too (tokenizer=...)")
+            from transformers import PreTrainedModel
+
+            if isinstance(model, PreTrainedModel):  # TRL's way: a transformers model object, trained as it is
+                from rlcu.models.hf import HFCausalLM
+
+                return HFCausalLM(model), tokenizer
             return model, tokenizer
-        policy, loaded_tokenizer = load_model(model, dtype=dtype)
+        policy, loaded_tokenizer = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
         return policy, tokenizer if tokenizer is not None else loaded_tokenizer
 
     # ---- Lightning hooks -------------------------------------------------------------------------

@@ -18,13 +18,18 @@ from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               window: int | None = None) -> torch.Tensor:
     """q: [S, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [S, max_blocks];
-    context_lens: [S]. Returns [S, Hq, D]. All sequences at once: their blocks gathered and padded."""
+    context_lens: [S]; `window`: only the last `window` keys (None: all). Returns [S, Hq, D]. All sequences
+    at once: their blocks gathered and padded."""
     tables = block_tables.long()
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [S, Hkv, max_blocks * block_size, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
+    pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = pos < context_lens[:, None]
+    if window is not None:
+        mask &= pos >= context_lens[:, None] - window
     # slots past the context may hold anything: the engine's pool starts as zeros, but a block returned to it
     # keeps what an earlier sequence wrote, and a caller's pool may hold NaN; a mask alone would still let
     # NaN * 0 through, so zero them
@@ -37,9 +42,9 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 if HAS_TRITON:
     @triton.jit
-    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, SKIP, PO, PLSE, scale, stride_qs, stride_qh, stride_kb, stride_kt,
-                       stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh, stride_ps,
-                       stride_ph, stride_pp, stride_pls, stride_plh, num_splits, GROUP: tl.constexpr,
+    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, SKIP, PO, PLSE, scale, window, stride_qs, stride_qh, stride_kb,
+                       stride_kt, stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
+                       stride_ps, stride_ph, stride_pp, stride_pls, stride_plh, num_splits, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                        PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
                        E4M3_PAIRS: tl.constexpr):
@@ -50,6 +55,9 @@ if HAS_TRITON:
         skip = 0
         if PREFIX_SPLITS > 0:  # tokens before `skip` were attended by shared_prefix_decode's first kernel
             skip = tl.load(SKIP + s)
+        # a sliding window's first key; tiles stay aligned to absolute positions, so the sums do not depend on it
+        lo = tl.maximum(ctx - window, 0)
+        skip = tl.maximum(skip, (lo // BLOCK_N) * BLOCK_N)
         num_tiles = tl.cdiv(ctx - skip, BLOCK_N)
         per_split = tl.cdiv(num_tiles, num_splits)
         first = split * per_split
@@ -78,7 +86,8 @@ if HAS_TRITON:
                     m = m_new
         for tile in range(first, last):
             token = skip + tile * BLOCK_N + n
-            acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, BT + s * stride_bts, token, token < ctx, gmask, scale,
+            acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, BT + s * stride_bts, token, (token < ctx) & (token >= lo),
+                                       gmask, scale,
                                        stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS)
         out, lse = finish_split(acc, m, l)
         o_offs = s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :]
@@ -107,14 +116,19 @@ def default_num_splits(n_seq: int, num_kv_heads: int, max_tokens: int, block_n: 
     return max(1, min(-(-max_tokens // block_n), 16, sms * 4 // max(1, n_seq * num_kv_heads)))
 
 
+NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any context
+
+
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                            block_n: int | None = None, prefix=None, num_warps: int = 4, num_stages: int = 3):
+                            block_n: int | None = None, prefix=None, num_warps: int = 4, num_stages: int = 3,
+                            window: int | None = None):
     """`prefix`: (skip [S], out [S, Hq, P, D], lse [S, Hq, P]) from shared_prefix_decode: each sequence's first
     `skip` tokens are already attended, in P partials, and only the rest is read here. `num_warps`,
     `num_stages`: Triton's launch options (its defaults), for benchmarks/decode_kv_dtype.py's sweep."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
+    assert prefix is None or window is None, "shared-prefix decode does not take a sliding window"
     block_n = block_n or default_block_n(n_seq, hkv, k_cache.element_size() == 1)
     if num_splits is None:
         num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
@@ -123,7 +137,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     skip, po, plse = prefix if prefix is not None else (context_lens, lse[:, :, None], lse)  # unread without a prefix
     kc, vc, pairs = kv_operands(k_cache, v_cache, q.dtype)
     _decode_kernel[(n_seq, hkv, num_splits)](
-        q, kc, vc, block_tables, context_lens, partial, lse, skip, po, plse, scale, q.stride(0), q.stride(1),
+        q, kc, vc, block_tables, context_lens, partial, lse, skip, po, plse, scale, window or NO_WINDOW,
+        q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0), partial.stride(0),
         partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), po.stride(0), po.stride(1), po.stride(2),
         plse.stride(0), plse.stride(1), num_splits,
@@ -154,7 +169,9 @@ def triton_supports(head_dim: int, block_size: int) -> bool:
     return head_dim == next_pow2(head_dim) >= 16 and block_size >= 1
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
+                     window: int | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
-    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
+                                       window=window)
+    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window)

@@ -12,17 +12,18 @@ import torch.nn.functional as F
 
 from rlcu.kernels._paged_kv import load_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
-from rlcu.kernels.decode_attention import triton_supports
+from rlcu.kernels.decode_attention import NO_WINDOW, triton_supports
 
 BLOCK_M = 32  # queries per program
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              scale: float, window: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (sequences concatenated); caches: [num_blocks, block_size, Hkv, D];
     cu_seqlens_q: [S + 1]; context_lens: [S] (keys per sequence, this step's included);
-    block_tables: [S, max_blocks]. Returns [T, Hq, D]."""
+    block_tables: [S, max_blocks]; `window`: a query sees only the last `window` keys up to itself.
+    Returns [T, Hq, D]."""
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -35,7 +36,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v_cache[blocks].flatten(0, 1)[:n_ctx]
         n = end - start
         q_pos = torch.arange(n_ctx - n, n_ctx, device=q.device)[:, None]
-        mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos
+        k_pos = torch.arange(n_ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= q_pos - k_pos < window
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype),
                                            v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
@@ -44,7 +48,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 if HAS_TRITON:
     @triton.jit
-    def _prefill_kernel(Q, KC, VC, BT, CU, CTX, TILE_SEQ, TILE_START, O, scale, stride_qt, stride_qh, stride_kb,
+    def _prefill_kernel(Q, KC, VC, BT, CU, CTX, TILE_SEQ, TILE_START, O, scale, window, stride_qt, stride_qh, stride_kb,
                         stride_kt, stride_kh, stride_bts, stride_ot, stride_oh, GROUP: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -67,7 +71,10 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         n = tl.arange(0, BLOCK_N)
         key_end = tl.minimum(ctx - n_q + first_row + BLOCK_M, ctx)  # the tile's last query sees no further
-        for k0 in range(0, key_end, BLOCK_N):
+        # the tile's first query sees no key before its window; tiles stay aligned to absolute positions, and a
+        # tile wholly outside a row's window leaves that row's state as it was, so the sums do not depend on it
+        key_start = (tl.maximum(ctx - n_q + first_row - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for k0 in range(key_start, key_end, BLOCK_N):
             token = k0 + n
             kmask = token < key_end
             # E4M3_PAIRS off: an FP8 cache is read as FP8 and widened to q's dtype below
@@ -75,7 +82,8 @@ if HAS_TRITON:
                                 BLOCK_SIZE, 0)
             k, v = k.to(q.dtype), v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(kmask[None, :] & (token[None, :] <= q_pos[:, None]), scores, float("-inf"))
+            seen = (token[None, :] <= q_pos[:, None]) & (q_pos[:, None] - token[None, :] < window)
+            scores = tl.where(kmask[None, :] & seen, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
             p = tl.exp(scores - m_safe[:, None])
@@ -100,7 +108,7 @@ def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                           block_m: int = BLOCK_M, block_n: int = 64):
+                           block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None):
     """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -111,13 +119,16 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
     if len(tiles[0]):
         _prefill_kernel[(len(tiles[0]), hq)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out, scale,
+            window or NO_WINDOW,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
             BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None):
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
+                    window: int | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
-        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles)
-    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles,
+                                      window=window)
+    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window)

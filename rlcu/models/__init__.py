@@ -1,5 +1,5 @@
 from rlcu.models.config import ModelConfig, UnsupportedModelError
-from rlcu.models.llama import CausalLM
+from rlcu.models.decoder import CausalLM
 from rlcu.models.loading import load_model, save_pretrained
 from rlcu.models.lora import LoraSpec, add_lora, merge_lora, save_adapter
 

@@ -15,35 +15,38 @@ from rlcu.kernels.rope import rope
 
 class AttentionContext(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
+                 sin: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """q: [B, T, Hq, D], k/v: [B, T, Hkv, D], before RoPE; cos/sin: [B, T, 1, D] -> [B, T, Hq, D].
+        `scale` multiplies q.k; `window`: a query sees only the last `window` keys up to itself (None: all).
         The context applies RoPE, so that the engine can fuse it with its KV-cache write. A context whose
         `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword
         `qk_norm=(q_norm, k_norm)`, with q and k unnormalised."""
 
 
-def causal_key_mask(key_valid: torch.Tensor, num_queries: int) -> torch.Tensor:
+def causal_key_mask(key_valid: torch.Tensor, num_queries: int, window: int | None = None) -> torch.Tensor:
     """[B, S] key validity -> [B, 1, T, S] boolean mask for the last T positions of S.
 
-    A query may see valid keys at or before its own position. It always sees itself, so that padding
-    queries have a non-empty row (SDPA turns an empty row into NaN, which would poison gradients)."""
+    A query may see valid keys at or before its own position (and, with a window, fewer than `window` before
+    it: real tokens are contiguous in a row, so columns count positions). It always sees itself, so that
+    padding queries have a non-empty row (SDPA turns an empty row into NaN, which would poison gradients)."""
     s = key_valid.shape[1]
     q_pos = torch.arange(s - num_queries, s, device=key_valid.device)[:, None]
     k_pos = torch.arange(s, device=key_valid.device)[None, :]
-    causal = k_pos <= q_pos
+    causal = (k_pos <= q_pos) if window is None else (k_pos <= q_pos) & (q_pos - k_pos < window)
     mask = causal[None] & key_valid[:, None, :]
     mask |= (k_pos == q_pos)[None]
     return mask[:, None]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float | None = None) -> torch.Tensor:
     if mask is not None and k.shape[2] != q.shape[2]:
         # with a mask, SDPA's GQA support falls back to the math kernel, which keeps [B, H, T, T]
         # probabilities for backward; repeated K/V heads take the memory-efficient kernel instead
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=mask is None, enable_gqa=mask is None)
+                                         attn_mask=mask, is_causal=mask is None, enable_gqa=mask is None, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -53,10 +56,19 @@ class PaddedAttention:
     def __init__(self, attention_mask: torch.Tensor | None):
         # no padding at all (equal lengths): plain causal attention, which takes the flash kernel
         unpadded = attention_mask is None or bool(attention_mask.all())
-        self.mask = None if unpadded else causal_key_mask(attention_mask.bool(), attention_mask.shape[1])
+        self.attention_mask = None if unpadded else attention_mask.bool()
+        self.masks: dict[int | None, torch.Tensor | None] = {}
 
-    def __call__(self, layer_idx, q, k, v, cos, sin):
-        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.mask)
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
+        t = q.shape[1]
+        if window is not None and window >= t:
+            window = None  # every key is inside the window
+        if window not in self.masks:
+            valid = self.attention_mask
+            if valid is None and window is not None:
+                valid = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
+            self.masks[window] = None if valid is None else causal_key_mask(valid, t, window)
+        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale)
 
 
 class PackedAttention:
@@ -67,38 +79,55 @@ class PackedAttention:
 
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int):
         self.cu, self.max_len = cu_seqlens.to(torch.int32), max_len
-        self._mask = None
+        self.masks: dict[int | None, torch.Tensor] = {}
 
-    def __call__(self, layer_idx, q, k, v, cos, sin):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None:
-            return _varlen()(q[0], k[0], v[0], self.cu, self.max_len)[None]
-        if self._mask is None:
+        if window is not None and window >= self.max_len:
+            window = None
+        varlen = _varlen()
+        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen is not None
+                and (window is None or varlen.windows)):
+            return varlen(q[0], k[0], v[0], self.cu, self.max_len, scale, window)[None]
+        if window not in self.masks:
             t = q.shape[1]
             segment = torch.repeat_interleave(torch.arange(len(self.cu) - 1, device=q.device),
                                               (self.cu[1:] - self.cu[:-1]).long(), output_size=t)
             pos = torch.arange(t, device=q.device)
-            self._mask = ((segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
-        return sdpa(q, k, v, self._mask)
+            mask = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
+            if window is not None:
+                mask &= pos[:, None] - pos[None, :] < window
+            self.masks[window] = mask[None, None]
+        return sdpa(q, k, v, self.masks[window], scale)
 
 
 @functools.cache
 def _varlen():
-    """torch's variable-length flash attention as f(q, k, v, cu_seqlens, max_len) (causal, GQA), or None
-    where this torch has none. Its keyword for causality changed between releases."""
+    """torch's variable-length flash attention as f(q, k, v, cu_seqlens, max_len, scale, window) (causal, GQA),
+    or None where this torch has none; `.windows` says whether it takes a sliding window. Its keywords
+    changed between releases."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    windows = "window_size" in params
+    causal = {} if windows else {"is_causal": True}
     gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
 
-    def attend(q, k, v, cu, max_len):
+    def attend(q, k, v, cu, max_len, scale=None, window=None):
         if not gqa and k.shape[1] != q.shape[1]:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **gqa)
+        extra = {}
+        if scale is not None and "scale" in params:
+            extra["scale"] = scale
+        elif scale is not None:  # a release without the keyword: its default scale, q rescaled to ours
+            q = q * (scale * q.shape[-1] ** 0.5)
+        if windows:
+            extra["window_size"] = (-1 if window is None else window - 1, 0)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **gqa, **extra)
 
+    attend.windows = windows
     return attend
 
 
@@ -125,12 +154,14 @@ class DenseKVCache:
 
 class DenseCacheAttention:
     def __init__(self, cache: DenseKVCache, start: int, t: int):
-        self.cache, self.start, self.end = cache, start, start + t
-        self.mask = causal_key_mask(cache.key_valid[:, :self.end], t)
+        self.cache, self.start, self.end, self.t = cache, start, start + t, t
+        self.masks = {None: causal_key_mask(cache.key_valid[:, :self.end], t)}
 
-    def __call__(self, layer_idx, q, k, v, cos, sin):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
         c = self.cache
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         c.k[layer_idx][:, self.start:self.end] = k
         c.v[layer_idx][:, self.start:self.end] = v
-        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.mask)
+        if window not in self.masks:
+            self.masks[window] = causal_key_mask(c.key_valid[:, :self.end], self.t, window)
+        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.masks[window], scale)

@@ -55,10 +55,14 @@ def _fused_modules(model: nn.Module, prefix: str) -> list[tuple[str, str, FusedL
     return out
 
 
-def split_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """A state dict with fused names -> the same with HF's part names (views of the fused tensors)."""
+def split_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str = "",
+                   keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """A state dict with fused names -> the same with HF's part names (views of the fused tensors). `keep`: the
+    fused modules (by their own name) that the checkpoint format stores fused too (Phi-3's `qkv_proj`)."""
     state = dict(state)
     for fused, parent, m in _fused_modules(model, prefix):
+        if fused[len(parent):-1] in keep:
+            continue
         for kind in ("weight", "bias"):
             value = state.pop(fused + kind, None)
             if value is not None:

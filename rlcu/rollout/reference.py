@@ -6,7 +6,6 @@ import torch
 
 from rlcu.contracts import Continuation, StopStrings
 from rlcu.kernels.sampling import sample
-from rlcu.models.attention import DenseKVCache
 from rlcu.rollout.base import RolloutBatch, SamplingParams
 from rlcu.rollout.turns import generate_in_turns
 
@@ -50,24 +49,22 @@ class ReferenceRollout:
         return out
 
     def _generate(self, prompts, sp: SamplingParams, gen, device):
-        model, cfg = self.model, self.model.config
         b, p = len(prompts), max(len(x) for x in prompts)
         ids = torch.zeros(b, p, dtype=torch.long, device=device)
         valid = torch.zeros(b, p, dtype=torch.bool, device=device)
         for i, x in enumerate(prompts):
             ids[i, p - len(x):] = torch.tensor(x, device=device)
             valid[i, p - len(x):] = True
-        cache = DenseKVCache(cfg.num_hidden_layers, b, p + sp.max_tokens, cfg.num_key_value_heads, cfg.head_dim,
-                             model.dtype, device)
+        decoder = self.model.incremental(b, p + sp.max_tokens)  # the model's own KV cache (native or transformers')
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = model(ids, pos, cache.step(valid))[:, -1]
+        logits = decoder.prefill(ids, valid, pos)
         stop = torch.tensor(sorted(set(sp.stop_token_ids)) or [-1], device=device)
         stop_strings = StopStrings(self.tokenizer, sp.stop)
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         tokens, logprobs, lengths = [], [], torch.zeros(b, dtype=torch.long, device=device)
         pos = pos[:, -1:]
         for step in range(sp.max_tokens):
-            tok, lp = sample(model.lm_head(hidden), sp.temperature, sp.top_k, sp.top_p, sp.min_p, gen)
+            tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, gen)
             tokens.append(tok)
             logprobs.append(lp)
             lengths += (~finished).long()
@@ -79,7 +76,7 @@ class ReferenceRollout:
             if bool(finished.all()) or step == sp.max_tokens - 1:
                 break
             pos = pos + 1
-            hidden = model(tok[:, None], pos, cache.step(torch.ones(b, 1, dtype=torch.bool, device=device)))[:, -1]
+            logits = decoder.step(tok, pos)
         toks = torch.stack(tokens, 1).tolist()
         lps = torch.stack(logprobs, 1).tolist()
         lengths, finished = lengths.tolist(), finished.tolist()

@@ -55,3 +55,19 @@ def test_fp8_caches_take_long_tiles_only_when_many_programs_share_an_sm():
     assert default_block_n(128, 8, fp8=True, sms=132) == DECODE_BLOCK_N_FP8  # 7.8 programs an SM
     assert default_block_n(64, 8, fp8=True, sms=132) == DECODE_BLOCK_N  # 3.9: each program's chain of tiles is its time
     assert default_block_n(512, 8, fp8=False, sms=132) == DECODE_BLOCK_N
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 37, 64, 1000])  # one key, inside a tile, across tiles, a tile, wider
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window_decode(dtype, window, num_splits):
+    context_lens = [1, 17, 40, 130]
+    k, v, table = paged_cache(context_lens, 3, 64, 12, dtype, seed=7)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(context_lens), 9, 64, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    got = decode_attention_triton(q, k, v, table, ctx, 0.125, num_splits=num_splits, block_n=32, window=window)
+    ref = decode_attention_reference(q, k, v, table, ctx, 0.125, window=window)
+    exact = float64_attention(q, k, v, table, context_lens, [(s, n - 1) for s, n in enumerate(context_lens)], window)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)

@@ -47,3 +47,35 @@ def test_prefill_attention_triton(dtype, hq, hkv, d, context_lens, q_lens, block
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 33, 64])
+def test_sliding_window_prefill(dtype, window):
+    context_lens, q_lens = [70, 5, 133], [70, 5, 45]  # whole prompts, and a chunk after 88 cached tokens
+    k, v, table = paged_cache(context_lens, 3, 64, 12, dtype, seed=9)
+    q = torch.randn(sum(q_lens), 9, 64, generator=torch.Generator().manual_seed(10)).to(dtype).to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    got = paged_attention_triton(q, k, v, cu, ctx, table, 0.125, window=window)
+    ref = paged_attention_reference(q, k, v, cu, ctx, table, 0.125, window=window)
+    positions = [(s, n - ql + i) for s, (n, ql) in enumerate(zip(context_lens, q_lens)) for i in range(ql)]
+    exact = float64_attention(q, k, v, table, context_lens, positions, window)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+def test_a_window_keeps_the_sums_of_a_decode_query_and_a_prefill_tile_equal():
+    """exact_logprobs decodes through the prefill kernel one query at a time and trains on tiles of 32 queries;
+    with a window, a row's first tile must not depend on the other rows of its query tile."""
+    n, window = 100, 37
+    k, v, table = paged_cache([n], 3, 64, 16, torch.float32, seed=11)
+    q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    whole = paged_attention_triton(q, k, v, torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+                                   torch.tensor([n], dtype=torch.int32, device=DEVICE), table, 0.125, window=window)
+    for pos in (40, 77, 99):
+        one = paged_attention_triton(q[pos:pos + 1], k, v, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                                     torch.tensor([pos + 1], dtype=torch.int32, device=DEVICE), table, 0.125,
+                                     window=window)
+        assert torch.equal(one[0], whole[pos])

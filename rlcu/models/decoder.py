@@ -1,0 +1,324 @@
+"""One decoder for every native family (`spec.py`): Llama/SmolLM2, Qwen2/3, Mistral, Granite, OLMo 2/3,
+Phi-3, SmolLM3, Gemma 3, with Hugging Face parameter names, so that state dicts load from and save to HF
+folders unchanged. What differs between families (norm placement and `1 + w`, activation, q/k norms, RoPE
+per layer, partial RoPE and NoPE layers, sliding windows, multipliers) comes from the config's spec.
+
+Attention is delegated to an `AttentionContext`, which is how training, the reference rollout and the
+paged engine all run these same modules and parameters. The q/k/v and gate/up projections are each
+one GEMM (`FusedLinear`); HF folders name their parts, and loading.py converts at the boundary."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlcu.kernels._triton import next_pow2
+from rlcu.kernels.rmsnorm import rms_norm
+from rlcu.kernels.rope import rope as apply_rope
+from rlcu.kernels.silu_mul import silu_mul
+from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttention, PaddedAttention
+from rlcu.models.config import ModelConfig
+from rlcu.models.exact_attention import ExactPackedAttention
+from rlcu.models.fused_linear import FusedLinear, Linear
+
+
+class RMSNorm(nn.Module):
+    """With `residual`, adds it first and returns (normed, x + residual): the fused form the engine uses.
+    `offset` 1.0: the weight is stored as w and scales by 1 + w, in fp32 before rounding (Gemma)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not self.offset:
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight.float()))
+        return out.to(x.dtype) if residual is None else (out.to(x.dtype), x)
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool, device) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], cos/sin scale) of the full layers' RoPE, or the sliding layers'."""
+    theta, scaling = (cfg.local_rope_theta, cfg.local_rope_scaling) if local else (cfg.rope_theta, cfg.rope_scaling)
+    if scaling and scaling.get("rope_type") != "llama3":
+        return hf_rope_inv_freq(cfg, local, device)
+    d = cfg.rotary_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if scaling:
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq, 1.0
+
+
+def hf_rope_inv_freq(cfg: ModelConfig, local: bool, device) -> tuple[torch.Tensor, float]:
+    """Other RoPE types (linear, dynamic, yarn, longrope) by transformers' own definitions, at their initial
+    frequencies: an engine batch has no one sequence length to re-scale by."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if cfg.source is None:
+        raise ValueError("a RoPE scaling other than llama3 needs the checkpoint's config.json (ModelConfig.source)")
+    hf = AutoConfig.for_model(**cfg.source)
+    nested = isinstance((cfg.source.get("rope_parameters") or {}).get("full_attention"), dict)
+    scaling = cfg.local_rope_scaling if local else cfg.rope_scaling
+    layer_type = ("sliding_attention" if local else "full_attention") if nested else None
+    return ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, device, layer_type=layer_type)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        spec = cfg.spec
+        self.layer_idx, self.window, self.scale = layer_idx, cfg.window(layer_idx), cfg.scale
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        kv = self.num_kv_heads * d
+        self.qkv_proj = FusedLinear(h, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
+        self.o_proj = FusedLinear(self.num_heads * d, {"o_proj": h}, cfg.o_bias)
+        self.qk_norm = (spec.qk_norm or "head") if cfg.qk_norm else None
+        if self.qk_norm:
+            q_dim, k_dim = (d, d) if self.qk_norm == "head" else (self.num_heads * d, kv)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, spec.norm_offset)
+
+    def forward(self, x, cos, sin, attention: AttentionContext):
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.qk_norm == "full":  # OLMo 2: over the whole projection, before heads are split
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        norms = {}
+        if self.qk_norm == "head":  # Qwen3: handed to a context that fuses them, else applied here
+            if getattr(attention, "applies_qk_norm", False) and not self.q_norm.offset:
+                norms = {"qk_norm": (self.q_norm, self.k_norm)}
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary_dim < self.head_dim:  # partial RoPE here; the context's own RoPE then gets identity tables
+            q, k = partial_rope(q, k, cos, sin, self.rotary_dim)
+            cos, sin = identity_rope(cos, self.head_dim)
+        out = attention(self.layer_idx, q, k, v, cos, sin, scale=self.scale, window=self.window, **norms)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+def partial_rope(q, k, cos, sin, r: int):
+    """RoPE on the first r dims of each head (Phi-3's `partial_rotary_factor`), the rest passed through."""
+    cos, sin = cos[..., :r], sin[..., :r]
+    return (torch.cat([apply_rope(x[..., :r].contiguous(), cos, sin), x[..., r:]], dim=-1) for x in (q, k))
+
+
+def identity_rope(like: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = 1, sin = 0: tables under which every context's RoPE leaves q and k as they are (NoPE layers)."""
+    shape = (*like.shape[:-1], head_dim)
+    return like.new_ones(shape), like.new_zeros(shape)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": i, "up_proj": i}, False)
+        self.down_proj = FusedLinear(i, {"down_proj": cfg.hidden_size}, False)
+        self.activation = cfg.spec.activation
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "gelu_tanh":  # GeGLU (Gemma)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(silu_mul(gate_up))
+
+
+class DecoderLayer(nn.Module):
+    """`forward` returns (branch output, residual stream): the next layer's first norm adds the two (fused)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        spec = cfg.spec
+        self.norm, self.multiplier = spec.norm, cfg.residual_multiplier
+        self.rope_kind = None if layer_idx in cfg.nope_layers else (
+            "local" if cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None else "full")
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
+        if spec.norm != "post":
+            self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if spec.norm == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if spec.norm != "pre":
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, x, cos, sin, attention, residual=None):
+        if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
+            x = x if residual is None else x + residual
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention))
+            return self.post_feedforward_layernorm(self.mlp(x)), x
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, attention)
+        if self.norm == "sandwich":  # Gemma: norms after each branch too
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        if self.multiplier != 1.0:  # Granite: residual + branch * multiplier
+            h, residual = self.post_attention_layernorm(h * self.multiplier, residual)
+            return self.mlp(h) * self.multiplier, residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.spec.norm_offset)
+
+
+class CausalLM(nn.Module):
+    """`forward` returns final hidden states; `lm_head` maps them to logits. Keeping the two apart
+    lets training compute token log-probabilities in chunks instead of materialising [T, vocab].
+    Declared capabilities: `native` (the paged engine runs it), `logits_from_forward` False (logprobs
+    come from hidden states times `lm_head`, in chunks)."""
+
+    native = True
+    logits_from_forward = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._inv_freq: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}
+        self.gradient_checkpointing = False
+        self.exact_logprobs = False  # set_exact_logprobs
+
+    def set_exact_logprobs(self, on: bool = True) -> None:
+        """Make every computation whose rounding could depend on the batch run batch-invariant kernels
+        (GEMMs with fixed tiles; attention through the engine's paged kernel, `exact_attention.py`), so
+        that the engine's logprobs equal the training forward's to the bit (docs/engine.md)."""
+        d = self.config.head_dim
+        if on and not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
+            raise ValueError(f"exact_logprobs needs a power-of-two head_dim >= 16 (the paged attention kernel), got "
+                             f"{d}: set exact_logprobs: false")
+        if on and any(isinstance(m, FusedLinear) and m.lora is not None for m in self.modules()):
+            raise ValueError("exact_logprobs does not cover LoRA adapters (the engine adds them with other GEMMs "
+                             "than training does): merge the adapters or set exact_logprobs: false")
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.batch_invariant = on
+        self.exact_logprobs = on
+
+    def compute_dtype(self) -> torch.dtype:
+        """What attention's inputs and the KV cache are in: the autocast dtype under mixed precision, else the
+        parameters' dtype."""
+        kind = self.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (the compute dtype unless autocast is on)."""
+        return self.model.embed_tokens.weight.dtype
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype, kind: str = "full"):
+        """cos, sin [B, T, 1, rotary_dim] of the full layers' RoPE ("full") or the sliding layers' ("local")."""
+        dev = position_ids.device
+        if (kind, dev) not in self._inv_freq:
+            self._inv_freq[kind, dev] = rope_inv_freq(self.config, kind == "local", dev)
+        inv_freq, scale = self._inv_freq[kind, dev]
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]: broadcast over heads
+        if scale != 1.0:
+            return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.config.spec.embed_scale == "sqrt_hidden":  # rounded to the weights' dtype first, as Gemma does
+            return x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention: AttentionContext | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        attention = attention or PaddedAttention(None)
+        x = self.embed(input_ids)
+        tables = {kind: self.rope(position_ids, x.dtype, kind) for kind in {layer.rope_kind for layer in
+                                                                            self.model.layers} if kind}
+        if any(layer.rope_kind is None for layer in self.model.layers):
+            tables[None] = identity_rope(next(iter(tables.values()))[0] if tables else
+                                         x.new_empty(*position_ids.shape, 1, 1), self.config.head_dim)
+        residual = None
+        for layer in self.model.layers:
+            cos, sin = tables[layer.rope_kind]
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x, residual = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention, residual,
+                                                                use_reentrant=False)
+            else:
+                x, residual = layer(x, cos, sin, attention, residual)
+        out = self.model.norm(x, residual)[0]
+        s = self.config.logits_scaling  # Granite's logits / s, folded into the hidden states the LM head reads
+        return out if s == 1.0 else out / s
+
+    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states of a padded batch; positions count only the real tokens of each row (None: no
+        padding anywhere, so plain causal attention)."""
+        if attention_mask is None:
+            return self(input_ids)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self(input_ids, position_ids, PaddedAttention(attention_mask))  # __call__: FSDP's hooks run
+
+    def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       max_len: int) -> torch.Tensor:
+        """Hidden states [1, T, H] of several sequences packed into one row (no padding); positions restart
+        at 0 at each `cu_seqlens` boundary."""
+        if self.exact_logprobs:
+            return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, self.compute_dtype()))
+        return self(input_ids, position_ids, PackedAttention(cu_seqlens, max_len))
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is None:
+            return self.lm_head(self(input_ids))
+        return self.lm_head(self.forward_padded(input_ids, attention_mask))
+
+    def incremental(self, batch: int, max_len: int) -> "DenseIncremental":
+        """Lockstep decoding of a left-padded batch over a dense KV cache (the reference backend)."""
+        return DenseIncremental(self, batch, max_len)
+
+
+class DenseIncremental:
+    def __init__(self, model: CausalLM, batch: int, max_len: int):
+        cfg = model.config
+        self.model = model
+        self.cache = DenseKVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                                  model.dtype, model.device)
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model(ids, pos, self.cache.step(valid))[:, -1])
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        step = self.cache.step(torch.ones(len(tok), 1, dtype=torch.bool, device=tok.device))
+        return self.model.lm_head(self.model(tok[:, None], pos, step)[:, -1])
