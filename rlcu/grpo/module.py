@@ -221,6 +221,8 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
                 return HFCausalLM(model), tokenizer
             return model, tokenizer
         policy, loaded_tokenizer = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        if tokenizer is None and loaded_tokenizer is None:
+            raise ValueError(f"{model} has no tokenizer: save one into the folder, or pass tokenizer=...")
         return policy, tokenizer if tokenizer is not None else loaded_tokenizer
 
     # ---- Lightning hooks -------------------------------------------------------------------------

@@ -79,9 +79,16 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None (with a warning) for a folder of weights alone."""
     from transformers import AutoTokenizer
 
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer (%s): the model loads without one", folder, ", ".join(TOKENIZER_FILES))
+        return None
     tok = AutoTokenizer.from_pretrained(folder)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

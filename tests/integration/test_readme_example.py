@@ -51,3 +51,10 @@ def test_agents_guide_example_trains_with_a_tool(smollm2_folder):
     assert scope["trainer"].global_step == 1
     assert {"tools/call_frequency", "tools/failure_frequency", "episodes/mean_turns"} <= set(
         scope["trainer"].callback_metrics)
+
+
+def test_models_guide_example_adds_a_family_and_matches_transformers():
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "models.md")[0], scope)
+    assert scope["gap"] < 1e-5 and scope["tokenizer"] is None
+    assert scope["ours"].model.layers[0].self_attn.window == 5

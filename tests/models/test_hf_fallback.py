@@ -80,3 +80,13 @@ def test_exact_logprobs_and_lora_name_the_fallback(tmp_path):
         GRPOModule(folder, rewards=[match_target], exact_logprobs=True, rollout="native")
     with pytest.raises(ValueError, match="peft_config: LoRA runs in rlcu's native families"):
         GRPOModule(folder, rewards=[match_target], peft_config={"r": 4})
+
+
+def test_a_folder_without_a_tokenizer_needs_one_to_train(tmp_path):
+    folder = tiny_hf_folder(tmp_path, "llama")
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    (folder / "special_tokens_map.json").unlink(missing_ok=True)
+    assert load_model(folder)[1] is None
+    with pytest.raises(ValueError, match="has no tokenizer: save one into the folder, or pass tokenizer="):
+        GRPOModule(str(folder), rewards=[match_target])
