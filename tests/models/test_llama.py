@@ -7,7 +7,7 @@ import transformers
 
 from rlcu.models import load_model, save_pretrained
 from rlcu.models.attention import DenseKVCache
-from tests.helpers import FAMILIES, tiny_hf_folder
+from tests.helpers import DENSE_FAMILIES, FALLBACK_FAMILIES, FAMILIES, tiny_hf_folder
 
 ATOL = 1e-4  # fp32 logits; observed differences are ~1e-6, this leaves room for kernel order changes
 
@@ -23,7 +23,7 @@ def padded_batch(vocab, lengths, pad_id, left=True):
     return ids, mask
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(FALLBACK_FAMILIES)))  # fallback: test_hf_fallback
 def test_logits_match_transformers(tmp_path, family):
     folder = tiny_hf_folder(tmp_path, family)
     ours, _ = load_model(folder)
@@ -55,7 +55,7 @@ def test_tied_embeddings_share_one_parameter(tmp_path):
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", *sorted(DENSE_FAMILIES)])
 def test_saved_folder_loads_in_transformers(tmp_path, family):
     ours, tok = load_model(tiny_hf_folder(tmp_path / "src", family))
     with torch.no_grad():
@@ -66,6 +66,7 @@ def test_saved_folder_loads_in_transformers(tmp_path, family):
     ids = torch.randint(0, 62, (2, 9))
     with torch.no_grad():
         assert (ours.logits(ids) - ref(input_ids=ids).logits).abs().max() < ATOL
+        assert (ours.logits(ids) - load_model(out)[0].logits(ids)).abs().max() < ATOL
     assert transformers.AutoTokenizer.from_pretrained(out)("t1 t2").input_ids == tok("t1 t2").input_ids
 
 
