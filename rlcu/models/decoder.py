@@ -207,6 +207,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}
+        # fixed by the spec: decided once here, not on every forward (the engine's eager steps run it)
+        kinds = [layer.rope_kind for layer in self.model.layers]
+        self.rope_kinds = sorted({k for k in kinds if k})
+        self.has_nope = None in kinds
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.spec.embed_scale == "sqrt_hidden" else None
         self.gradient_checkpointing = False
         self.exact_logprobs = False  # set_exact_logprobs
 
@@ -255,8 +260,8 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        if self.config.spec.embed_scale == "sqrt_hidden":  # rounded to the weights' dtype first, as Gemma does
-            return x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        if self.embed_scale is not None:  # rounded to the weights' dtype first, as Gemma does
+            return x * torch.tensor(self.embed_scale, dtype=x.dtype)
         m = self.config.embedding_multiplier
         return x if m == 1.0 else x * m
 
@@ -266,9 +271,8 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         attention = attention or PaddedAttention(None)
         x = self.embed(input_ids)
-        tables = {kind: self.rope(position_ids, x.dtype, kind) for kind in {layer.rope_kind for layer in
-                                                                            self.model.layers} if kind}
-        if any(layer.rope_kind is None for layer in self.model.layers):
+        tables = {kind: self.rope(position_ids, x.dtype, kind) for kind in self.rope_kinds}
+        if self.has_nope:
             tables[None] = identity_rope(next(iter(tables.values()))[0] if tables else
                                          x.new_empty(*position_ids.shape, 1, 1), self.config.head_dim)
         residual = None
