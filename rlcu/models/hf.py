@@ -5,6 +5,7 @@ backend, which drives the same module with transformers' KV cache (`incremental`
 path (no paged engine, no fused kernels), and said so in a log line; docs list the native families."""
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def _cache_name() -> str:
     """The KV cache's keyword and output field: `cache` from transformers 5.24 (`past_key_values` before)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
