@@ -10,7 +10,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -55,10 +54,9 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> Path:
     from rlcu.contracts import eos_token_ids
     from rlcu.data.prompts import encode_prompts
-    from rlcu.grpo.module import resolve_rollout
     from rlcu.models import load_model
     from rlcu.paths import check_writable_file
-    from rlcu.rollout import SamplingParams
+    from rlcu.rollout import SamplingParams, resolve_rollout
 
     args = parser().parse_args(argv)
     if args.n < 1:
@@ -70,7 +68,7 @@ def run(argv: list[str]) -> Path:
     model, tok = load_model(args.model, dtype=dtype)
     model.to(device).eval()
     backend = resolve_rollout(args.rollout)
-    backend.setup(SimpleNamespace(policy=model, tokenizer=tok))
+    backend.setup(model, tok)
     prompt_ids = encode_prompts(tok, [r.get("prompt", r.get("messages")) for r in rows])
     stops = eos_token_ids(model.config, tok)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -75,12 +75,11 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
 
 def reference_generate(model, prompts, sampling, tokenizer=None):
     """The oracle: the reference rollout backend on `model`."""
-    from types import SimpleNamespace
 
     from rlcu.rollout.reference import ReferenceRollout
 
     backend = ReferenceRollout()
-    backend.setup(SimpleNamespace(policy=model, tokenizer=tokenizer))
+    backend.setup(model, tokenizer)
     return backend.generate(prompts, sampling)
 
 
@@ -241,8 +240,8 @@ G = 4
 class FixedRollout:
     """Sample j of a group: a function of the prompt and j alone, 1 to 4 tokens long."""
 
-    def setup(self, module):
-        self.vocab = module.policy.config.vocab_size
+    def setup(self, policy, tokenizer):
+        self.vocab = policy.config.vocab_size
 
     def generate(self, prompt_ids, sampling):
         from rlcu.contracts import RolloutBatch

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.profiler import record_function
 
-from rlcu import plugins, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
+from rlcu import strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, eos_token_ids
@@ -43,21 +43,10 @@ from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
-from rlcu.rollout.base import RolloutBackend
-from rlcu.rollout.native import NativeRollout
-from rlcu.rollout.turns import generate_in_turns, takes
+from rlcu.rollout import capabilities_of, require, resolve_rollout, turns
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
-
-
-def resolve_rollout(spec) -> RolloutBackend:
-    """A backend from an instance, a short name / import path, or {name | class_path, init_args}."""
-    backend, _ = plugins.build("rollouts", spec)
-    if not isinstance(backend, RolloutBackend):
-        raise TypeError(f"{type(backend).__name__} is not a rollout backend: it needs setup(module), "
-                        "generate(prompt_token_ids, sampling), release() and on_weights_updated()")
-    return backend
 
 
 class TrainingFault(RuntimeError):
@@ -181,18 +170,12 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         self.ref_model = None
         if beta != 0.0 and peft_config is None:
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        self.rollout = resolve_rollout(rollout)
+        self.rollout = self._rollout_backend(rollout, lora=peft_config is not None)
         if score_during_generation:
             self._check_scoring_during_generation()
         if exact_logprobs:  # after the reference copy: only the policy's logprobs meet the sampler's
-            if not isinstance(self.rollout, NativeRollout):
-                raise ValueError(f"exact_logprobs needs the native rollout backend (the engine that runs the "
-                                 f"trainer's kernels), got {type(self.rollout).__name__}: use rollout: native")
-            self.policy.set_exact_logprobs(True)
-        if not self.policy.native and isinstance(self.rollout, NativeRollout):
-            log.info("%s has no native path: rollouts from the reference backend over transformers' KV cache",
-                     self.policy.config.model_type)
-            self.rollout = resolve_rollout("reference")
+            self.policy.set_exact_logprobs(True)  # the model's own refusal (a fallback family) names it first
+            require(self.rollout, "exact_numerics", "exact_logprobs", "use rollout: native")
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
@@ -207,6 +190,17 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
+
+    def _rollout_backend(self, spec, lora: bool):
+        """The rollout backend, checked once against what the run asks of it (its declared capabilities)."""
+        backend = resolve_rollout(spec)
+        if not self.policy.native and capabilities_of(backend).native_models_only:
+            log.info("%s has no native path: rollouts from the reference backend over transformers' KV cache",
+                     self.policy.config.model_type)
+            backend = resolve_rollout("reference")
+        if lora:
+            require(backend, "lora", "peft_config (LoRA adapters)", "use rollout: native or rollout: reference")
+        return backend
 
     @staticmethod
     def _policy(model, tokenizer, dtype: str, trust_remote_code: bool = False):
@@ -238,7 +232,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
             # dapo's loss (a token sum over the global token count) is then the same as removing them
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
                              f"own pairing), got {hp.loss_type!r}; use dapo or turn the filter off")
-        self.rollout.setup(self)
+        self.rollout.setup(self.policy, self.tokenizer)
 
     def configure_model(self) -> None:
         """Under Lightning's ModelParallelStrategy: FSDP over the data-parallel ranks (`sharding.py`)."""
@@ -400,13 +394,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         try:
             # FSDP: the whole model for the rollout, sharded again after (timing/gather, timing/reshard)
             with full_parameters(self.policy, self._sharding_times, self._now):
-                if continuation is None and on_finished is not None and takes(self.rollout.generate, "on_finished"):
-                    return self.rollout.generate(prompt_ids, sampling, on_finished=on_finished)
-                if continuation is None:
-                    return self.rollout.generate(prompt_ids, sampling)
-                if takes(self.rollout.generate, "continuation"):
-                    return self.rollout.generate(prompt_ids, sampling, continuation=continuation)
-                return generate_in_turns(self.rollout.generate, prompt_ids, sampling, continuation)
+                return turns.generate(self.rollout, prompt_ids, sampling, continuation, on_finished)
         finally:
             self.rollout.release()
             self.policy.train(was_training)

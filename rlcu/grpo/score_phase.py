@@ -18,7 +18,7 @@ from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.metrics import completion_metrics, reward_metrics
 from rlcu.rewards.scoring import RewardInterrupted, score
-from rlcu.rollout.turns import takes
+from rlcu.rollout import require
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,5 @@ class GRPOScore:
         if self.agent is not None:
             raise ValueError("score_during_generation scores single-turn completions as they end; episodes (tools, "
                              "environment_factory) are scored after the rollout: set score_during_generation=false")
-        if not takes(self.rollout.generate, "on_finished"):
-            raise ValueError(f"score_during_generation needs a rollout backend that reports each completion as it "
-                             f"ends (generate(..., on_finished=)); {type(self.rollout).__name__} does not: use "
-                             "rollout: native, or set score_during_generation=false")
+        require(self.rollout, "on_finished", "score_during_generation",
+                "use rollout: native, or set score_during_generation=false")

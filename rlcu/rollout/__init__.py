@@ -1,3 +1,12 @@
-from rlcu.rollout.base import RolloutBackend, RolloutBatch, SamplingParams
+from rlcu.rollout.base import (
+    Capabilities,
+    RolloutBackend,
+    RolloutBatch,
+    SamplingParams,
+    capabilities_of,
+    require,
+    resolve_rollout,
+)
 
-__all__ = ["RolloutBackend", "RolloutBatch", "SamplingParams"]
+__all__ = ["Capabilities", "RolloutBackend", "RolloutBatch", "SamplingParams", "capabilities_of", "require",
+           "resolve_rollout"]

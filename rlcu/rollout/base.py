@@ -1,29 +1,78 @@
-"""The rollout contract: what the GRPO module asks of any generation backend."""
+"""The rollout contract: what the GRPO module asks of any generation backend, and what a backend declares
+it can do (`Capabilities`), checked once when the module is built, never guessed from signatures."""
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
+from rlcu import plugins
 from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, Turn
 
-__all__ = ["Continuation", "Reply", "RolloutBackend", "RolloutBatch", "SamplingParams", "Turn"]
+__all__ = ["Capabilities", "Continuation", "Reply", "RolloutBackend", "RolloutBatch", "SamplingParams", "Turn",
+           "capabilities_of", "require", "resolve_rollout"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond `generate(prompt_token_ids, sampling)`; every field defaults to no."""
+    continuation: bool = False  # runs multi-turn episodes itself: generate(..., continuation=Continuation)
+    on_finished: bool = False  # reports each completion as it ends: generate(..., on_finished=callable(Turn))
+    exact_numerics: bool = False  # computes with the trainer's kernels, so sampler logprobs can equal its bits
+    lora: bool = False  # runs the live model's LoRA adapters (base + adapter, never merged)
+    streaming: bool = False  # takes optimizer steps between its decode steps (streaming GRPO)
+    native_models_only: bool = False  # runs rlcu's native families only (not the transformers fallback)
+
+    def names(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+
+HELP = {"continuation": "runs multi-turn episodes itself (generate(..., continuation=))",
+        "on_finished": "reports each completion as it ends (generate(..., on_finished=))",
+        "exact_numerics": "computes with the trainer's own kernels",
+        "lora": "runs LoRA adapters", "streaming": "takes optimizer steps between decode steps"}
 
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """Generation for GRPO. Implementations register under the `rlcu.rollouts` entry-point group."""
+    """Generation for GRPO. Implementations register under the `rlcu.rollouts` entry-point group and declare
+    a class attribute `capabilities = Capabilities(...)` (none when absent)."""
 
-    def setup(self, module) -> None:
-        """Bind to a GRPOModule; `module.policy` is the live model whose parameters are used in place."""
+    def setup(self, policy, tokenizer) -> None:
+        """Bind to the live model (its parameters are used in place) and its tokenizer (may be None)."""
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
-        """One completion per prompt. A backend may also take `continuation=` (a `Continuation`) and run
-        multi-turn episodes itself; for one that does not, the module runs them turn by turn
-        (`rollout/turns.py`). It may also take `on_finished=`, a callable it calls with each request's
-        completion (a `Turn`) as soon as that one ends, so that the module scores finished completions while
-        the rest decode (`score_during_generation`); for one that does not, scoring waits for the rollout."""
+        """One completion per prompt. With the `continuation` capability it also takes `continuation=` and runs
+        multi-turn episodes itself (else the module runs them turn by turn, `rollout/turns.py`); with
+        `on_finished` it takes `on_finished=`, a callable it calls with each request's completion (a `Turn`)
+        as soon as that one ends (`score_during_generation`)."""
 
     def release(self) -> None:
         """Free generation memory (KV cache) before the training phase."""
 
     def on_weights_updated(self) -> None:
         """Called after each optimizer step; backends that share the module's parameters do nothing."""
+
+
+def capabilities_of(backend) -> Capabilities:
+    caps = getattr(backend, "capabilities", Capabilities())
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{type(backend).__name__}.capabilities must be rlcu.rollout.Capabilities(...), "
+                        f"got {type(caps).__name__}")
+    return caps
+
+
+def require(backend, capability: str, wanted_by: str, fix: str) -> None:
+    """One error naming the missing capability, the option that needs it and the way out."""
+    if not getattr(capabilities_of(backend), capability):
+        raise ValueError(f"{wanted_by} needs a rollout backend with the {capability!r} capability (one that "
+                         f"{HELP[capability]}); {type(backend).__name__} does not declare it: {fix}")
+
+
+def resolve_rollout(spec) -> RolloutBackend:
+    """A backend from an instance, a short name / import path, or {name | class_path, init_args}."""
+    backend, _ = plugins.build("rollouts", spec)
+    if not isinstance(backend, RolloutBackend):
+        raise TypeError(f"{type(backend).__name__} is not a rollout backend: it needs setup(policy, tokenizer), "
+                        "generate(prompt_token_ids, sampling), release() and on_weights_updated()")
+    capabilities_of(backend)
+    return backend

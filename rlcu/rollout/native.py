@@ -6,9 +6,13 @@ from dataclasses import asdict
 
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.rollout.base import Capabilities
 
 
 class NativeRollout:
+    capabilities = Capabilities(continuation=True, on_finished=True, exact_numerics=True, lora=True,
+                                native_models_only=True)
+
     def __init__(self, engine: EngineConfig | dict | None = None):
         """`engine`: the engine's settings (`EngineConfig`, or its fields as a mapping, as YAML gives them:
         `rollout: {name: native, init_args: {engine: {block_size: 16}}}`). `release_memory=False` keeps the
@@ -28,8 +32,8 @@ class NativeRollout:
     def model(self):
         return None if self.engine is None else self.engine.model
 
-    def setup(self, module) -> None:
-        self.engine = LLMEngine(module.policy, self.config, tokenizer=getattr(module, "tokenizer", None))
+    def setup(self, policy, tokenizer=None) -> None:
+        self.engine = LLMEngine(policy, self.config, tokenizer=tokenizer)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None,
@@ -37,7 +41,7 @@ class NativeRollout:
         """Completions; with a `continuation`, episodes whose KV stays in the pool between turns; `on_finished`
         hears of each completion as it ends (`LLMEngine.generate`)."""
         if self.engine is None:
-            raise RuntimeError("NativeRollout.generate() called before setup(module)")
+            raise RuntimeError("NativeRollout.generate() called before setup(policy, tokenizer)")
         return self.engine.generate(prompt_token_ids, sampling, continuation, on_finished)
 
     def release(self) -> None:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.contracts import Continuation, StopStrings
+from rlcu.contracts import StopStrings
 from rlcu.kernels.sampling import sample
-from rlcu.rollout.base import RolloutBatch, SamplingParams
-from rlcu.rollout.turns import generate_in_turns
+from rlcu.rollout.base import Capabilities, RolloutBatch, SamplingParams
 
 
 class ReferenceRollout:
+    # episodes run turn by turn (`rollout/turns.py`), each turn prefilling its whole history; LoRA adapters
+    # run as part of the live model's forward
+    capabilities = Capabilities(lora=True)
+
     def __init__(self, max_batch_size: int = 64):
         self.max_batch_size = max_batch_size
         self.model = self.tokenizer = None
 
-    def setup(self, module) -> None:
-        self.model = module.policy
-        self.tokenizer = getattr(module, "tokenizer", None)
+    def setup(self, policy, tokenizer=None) -> None:
+        self.model, self.tokenizer = policy, tokenizer
 
     def release(self) -> None:
         pass  # the cache lives only inside generate()
@@ -26,13 +28,9 @@ class ReferenceRollout:
         pass  # the model is the module's own: nothing to sync
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
-                 continuation: Continuation | None = None) -> RolloutBatch:
-        """Completions; with a `continuation`, episodes turn by turn, each turn prefilling its whole history."""
-        if continuation is not None:
-            return generate_in_turns(self.generate, prompt_token_ids, sampling, continuation)
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         if self.model is None:
-            raise RuntimeError("ReferenceRollout.generate() called before setup(module)")
+            raise RuntimeError("ReferenceRollout.generate() called before setup(policy, tokenizer)")
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         device = next(self.model.parameters()).device

@@ -4,19 +4,30 @@ history so far, prefilled again. The native engine keeps each episode's KV in it
 environments) runs unchanged on either, and greedy episodes agree token for token."""
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, check_reply
+from rlcu.rollout.base import capabilities_of
 
 TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
 
 
-def takes(generate, parameter: str) -> bool:
-    """Whether a backend's generate() takes an optional `parameter`: `continuation` (it runs episodes itself),
-    `on_finished` (it reports each completion as it ends)."""
-    return parameter in inspect.signature(generate).parameters
+def generate(backend, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+             continuation: Continuation | None = None,
+             on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
+    """The one way the module asks a backend for a rollout, by its declared capabilities: episodes run in the
+    backend when it can (`continuation`), else turn by turn here; `on_finished` reaches a backend that reports
+    completions as they end, and is left out for one that does not (the caller scores after the rollout)."""
+    caps = capabilities_of(backend)
+    if continuation is not None:
+        if caps.continuation:
+            return backend.generate(prompt_token_ids, sampling, continuation=continuation)
+        return generate_in_turns(backend.generate, prompt_token_ids, sampling, continuation)
+    if on_finished is not None and caps.on_finished:
+        return backend.generate(prompt_token_ids, sampling, on_finished=on_finished)
+    return backend.generate(prompt_token_ids, sampling)
 
 
 def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: SamplingParams,

@@ -3,17 +3,20 @@ chosen by the conversation so far (a function of the decoded history), run turn 
 from __future__ import annotations
 
 from rlcu.contracts import RolloutBatch
+from rlcu.rollout import Capabilities
 from rlcu.rollout.turns import generate_in_turns
 
 
 class ScriptedRollout:
     """`script(history_text, turn_index) -> the assistant's next turn (text, ending with its end token)`."""
 
+    capabilities = Capabilities(continuation=True)  # it runs episodes itself, turn by turn
+
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script = tokenizer, script
         self.requests: list[list[int]] = []  # every turn's request, for tests that look at what was sent
 
-    def setup(self, module):
+    def setup(self, policy, tokenizer):
         pass
 
     def generate(self, prompt_token_ids, sampling, continuation=None):

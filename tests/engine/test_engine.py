@@ -1,7 +1,6 @@
 """The native engine against the reference backend and transformers' generate (greedy, token for token),
 its logprobs against the training forward, and its block accounting under preemption."""
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,7 +99,7 @@ def test_a_request_larger_than_the_pool_is_a_clear_error(tmp_path):
 def test_native_backend_shares_parameters_and_sees_updates(tmp_path):
     model, _ = load_model(tiny_hf_folder(tmp_path, "qwen2"))  # untied: a tiny tied model just echoes its input
     backend = NativeRollout()
-    backend.setup(SimpleNamespace(policy=model))
+    backend.setup(model, None)
     assert backend.model is model
     greedy = SamplingParams(max_tokens=8, temperature=0)
     before = backend.generate(PROMPTS, greedy).completion_ids

@@ -2,7 +2,6 @@
 interpreter, on a tiny Qwen3 and on the real SmolLM2; its pool, its errors, and its logprob cost measured
 against the training forward."""
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,7 +89,7 @@ def test_the_shipped_fp8_fragment_gives_an_fp8_pool(tmp_path):
     assert rollout["name"] == "native"
     backend = NativeRollout(**rollout["init_args"])
     model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
-    backend.setup(SimpleNamespace(policy=model, tokenizer=None))
+    backend.setup(model, None)
     backend.config.release_memory = False
     out = backend.generate(PROMPTS[:2], SamplingParams(max_tokens=3, temperature=0))
     assert [len(c) for c in out.completion_ids] == [3, 3]

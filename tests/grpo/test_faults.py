@@ -113,8 +113,10 @@ def test_long_prompts_are_an_error_or_lose_their_start(tmp_path, caplog):
 class EdgeRollout:
     """Half the samples are only the end-of-sequence token (empty text), half never stop (cut at max_tokens)."""
 
-    def setup(self, module):
-        self.eos = module.stop_token_ids[0]
+    def setup(self, policy, tokenizer):
+        from rlcu.contracts import eos_token_ids
+
+        self.eos = eos_token_ids(policy.config, tokenizer)[0]
 
     def generate(self, prompt_ids, sampling):
         from rlcu.rollout.base import RolloutBatch

@@ -12,7 +12,7 @@ import torch
 
 from rlcu.data.module import PromptDataModule
 from rlcu.grpo.module import GRPOModule
-from rlcu.rollout.base import RolloutBatch
+from rlcu.rollout.base import Capabilities, RolloutBatch
 from rlcu.rollout.native import NativeRollout
 from tests.helpers import toy_rows
 
@@ -22,6 +22,8 @@ STEPS, G = 2, 4
 class PromptSeeded(NativeRollout):
     """The engine, one group at a time, seeded by the prompt: completions depend on the weights and the
     prompt alone, not on the rank or the batch, so one process and two ranks sample the same tokens."""
+
+    capabilities = Capabilities(lora=True, native_models_only=True)  # generate() takes neither hook
 
     def generate(self, prompt_token_ids, sampling):
         groups = [prompt_token_ids[i:i + G] for i in range(0, len(prompt_token_ids), G)]

@@ -1,5 +1,4 @@
 """The reference rollout against transformers' generate, and against the trainer's logprobs."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3, 3, 3], [1, 2, 3, 4, 5, 
 
 def backend(model, **kw):
     b = ReferenceRollout(**kw)
-    b.setup(SimpleNamespace(policy=model))
+    b.setup(model, None)
     return b
 
 
