@@ -60,8 +60,15 @@ def describe(config: Path) -> str:
 
 
 def print_plugins() -> None:
+    from rlcu.grpo import registry
+
+    losses, estimators = registry.builtin()
     for kind in plugins.GROUPS:
         print(f"{kind} ({plugins.GROUPS[kind]}):")
+        if kind == "losses":  # the built-ins are registered records, not entry points
+            for record in [*losses.values(), *estimators.values()]:
+                what = "loss_type" if isinstance(record, registry.LossType) else "advantage_estimator"
+                print(f"  {record.name:<22} {what:<45} built in: {record.help}")
         for name, ep in sorted(plugins.available(kind).items()):
             dist = ep.dist.name if ep.dist else "?"
             print(f"  {name:<22} {ep.value:<45} from {dist}")

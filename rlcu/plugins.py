@@ -1,5 +1,6 @@
 """Plugins are Python entry points. A package registers rewards under `rlcu.rewards`, rollout backends
-under `rlcu.rollouts` and multi-turn environments under `rlcu.environments`; YAML names them by short
+under `rlcu.rollouts`, multi-turn environments under `rlcu.environments` and loss types or advantage
+estimators under `rlcu.losses`; YAML names them by short
 name or by import path (`pkg.module:attr` or `pkg.module.attr`). Plain Python objects work everywhere
 too: no registry is required."""
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import EntryPoint, entry_points
 
-GROUPS = {"rewards": "rlcu.rewards", "rollouts": "rlcu.rollouts", "environments": "rlcu.environments"}
+GROUPS = {"rewards": "rlcu.rewards", "rollouts": "rlcu.rollouts", "environments": "rlcu.environments",
+          "losses": "rlcu.losses"}
 
 
 class UnknownPluginError(LookupError):

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+from rlcu.grpo import registry
+from rlcu.grpo.registry import LossType, PolicyTerms, register_advantage_estimator
+
 SCALES = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
 SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -54,21 +55,27 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
 
     Returns (advantages, std, is_std_zero). Unscorable rows (NaN reward) are left out of their
     group's baseline and get advantage 0."""
-    if scale not in SCALES:
-        raise ValueError(f"scale_rewards must be one of {SCALES}, got {scale!r}")
-    grouped = rewards.view(-1, num_generations)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-    if scale == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    elif num_generations > 1:
-        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
-    else:
-        std = torch.zeros_like(rewards)
+    std, is_std_zero = reward_spread(rewards, num_generations, scale)
+    mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + STD_EPS)
-    is_std_zero = torch.isclose(std, torch.zeros_like(std))
     return torch.nan_to_num(advantages, nan=0.0), std, is_std_zero
+
+
+def reward_spread(rewards: torch.Tensor, num_generations: int, scale: str = "group"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] the std each row's advantage is scaled by: its group's, or the batch's with scale "batch";
+    [N] bool: that std is zero, i.e. the group (or batch) carries no signal)."""
+    if scale not in SCALES:
+        raise ValueError(f"scale_rewards must be one of {SCALES}, got {scale!r}")
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif num_generations > 1:
+        std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    else:
+        std = torch.zeros_like(rewards)
+    return std, torch.isclose(std, torch.zeros_like(std))
 
 
 def log_importance_weights(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor,
@@ -102,37 +109,24 @@ class LossOptions:
 
 
 def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_high=0.2, level="token",
-                   ref_logps=None, beta=0.0, loss_type="grpo", options: LossOptions = LossOptions(), token_mask=None,
-                   sampling_ratio=None, keep_sequences=None):
-    """The policy loss per token (+ beta * k3 KL), as TRL's `_compute_loss` forms it:
-
-    grpo / bnpo / dr_grpo / dapo / luspo: -min(w A, clip(w, 1-eps_low, 1+eps_high) A), w capped at `delta` if set;
-    cispo: -sg(min(w, eps_high)) A log pi;  sapo: -(4 / tau) sigmoid(tau (w - 1)) A with tau by the sign of A;
-    vespo: -sg(phi(w_seq)) A log pi with phi the Gamma weight of the sequence ratio (`gamma_weights`).
-    The policy term is then multiplied, in TRL's order, by `keep_sequences` (the off-policy mask, [B, 1]),
-    `token_mask` (the top-entropy mask) and `sampling_ratio` (the sampler correction, [B, T] or [B, 1]; VESPO
-    takes it into its weight instead), before the KL is added.
+                   ref_logps=None, beta=0.0, loss_type: str | LossType = "grpo", options: LossOptions = LossOptions(),
+                   token_mask=None, sampling_ratio=None, keep_sequences=None):
+    """The policy loss per token (+ beta * k3 KL), as TRL's `_compute_loss` forms it: the loss type's surrogate
+    (a registered record, `registry.py`), then, in TRL's order, times `keep_sequences` (the off-policy mask,
+    [B, 1]), `token_mask` (the top-entropy mask) and `sampling_ratio` (the sampler correction, [B, T] or [B, 1];
+    a surrogate that takes it into its own weight, as VESPO's, gets it instead), before the KL is added.
 
     Returns (loss [B, T] or [B, 1], importance weight w, per-token KL or None)."""
-    log_ratio = logps - old_logps
+    kind = registry.loss_type(loss_type)
     coef_1 = torch.exp(log_importance_weights(logps, old_logps, mask, level))
-    adv = advantages.unsqueeze(1)
-    if loss_type == "cispo":
-        loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * logps
-    elif loss_type == "sapo":
-        tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
-        loss = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
-    elif loss_type == "vespo":
-        loss = -gamma_weights(adv, log_ratio, mask, options, sampling_ratio) * adv * logps
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        capped = torch.clamp(coef_1, max=options.delta) if options.delta is not None else coef_1
-        loss = -torch.min(capped * adv, coef_2 * adv)
+    terms = PolicyTerms(logps, logps - old_logps, coef_1, advantages.unsqueeze(1), mask, epsilon_low, epsilon_high,
+                        options, sampling_ratio)
+    loss = kind.surrogate(terms)
     if keep_sequences is not None:
         loss = loss * keep_sequences
     if token_mask is not None:
         loss = loss * token_mask
-    if sampling_ratio is not None and loss_type != "vespo":
+    if sampling_ratio is not None and not kind.takes_sampling_ratio:
         loss = loss * sampling_ratio
     kl = None
     if beta != 0.0:
@@ -141,6 +135,30 @@ def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_
             kl = kl * coef_1
         loss = loss + beta * kl
     return loss, coef_1, kl
+
+
+def clipped_surrogate(t: PolicyTerms) -> torch.Tensor:
+    """PPO's clipped surrogate (GRPO, DAPO, ...): -min(w A, clip(w, 1-eps_low, 1+eps_high) A), w capped at
+    `delta` if set (INTELLECT-2's two-sided clip)."""
+    coef_2 = torch.clamp(t.coef, 1 - t.epsilon_low, 1 + t.epsilon_high)
+    capped = torch.clamp(t.coef, max=t.options.delta) if t.options.delta is not None else t.coef
+    return -torch.min(capped * t.advantages, coef_2 * t.advantages)
+
+
+def cispo_surrogate(t: PolicyTerms) -> torch.Tensor:
+    """CISPO (MiniMax-M1): -sg(min(w, eps_high)) A log pi."""
+    return -torch.clamp(t.coef, max=t.epsilon_high).detach() * t.advantages * t.logps
+
+
+def sapo_surrogate(t: PolicyTerms) -> torch.Tensor:
+    """SAPO: -(4 / tau) sigmoid(tau (w - 1)) A, with tau by the sign of A."""
+    tau = torch.where(t.advantages > 0, t.options.sapo_temperature_pos, t.options.sapo_temperature_neg)
+    return -(torch.sigmoid(tau * (t.coef - 1)) * 4 / tau) * t.advantages
+
+
+def vespo_surrogate(t: PolicyTerms) -> torch.Tensor:
+    """VESPO: -sg(phi(w_seq)) A log pi, phi the Gamma weight of the sequence ratio (`gamma_weights`)."""
+    return -gamma_weights(t.advantages, t.log_ratio, t.mask, t.options, t.sampling_ratio) * t.advantages * t.logps
 
 
 @torch.no_grad()
@@ -225,7 +243,13 @@ def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: flo
     return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
 
 
-def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+@register_advantage_estimator("grpo", "group normalisation (DeepSeekMath), scaled by scale_rewards")
+def grpo_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
+    return group_advantages(rewards, num_generations, scale)[0]
+
+
+@register_advantage_estimator("rloo", "leave-one-out baseline (RLOO)")
+def rloo_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other G - 1 rewards of its group
     = G / (G - 1) (r_i - group mean). NaN (unscorable) rewards are left out of the baselines and get 0."""
     grouped = rewards.view(-1, num_generations)
@@ -236,7 +260,8 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     return torch.nan_to_num(grouped - baseline, nan=0.0).view(-1)
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor) -> torch.Tensor:
+@register_advantage_estimator("reinforce_pp", "batch-normalised advantages (REINFORCE++)")
+def reinforce_pp_advantages(rewards: torch.Tensor, num_generations: int = 1, scale: str = "batch") -> torch.Tensor:
     """REINFORCE++ (Hu 2025): the reward's deviation from the batch mean over the batch's standard deviation
     (a global baseline and normalisation, no per-prompt group). NaN rewards get 0."""
     centred = rewards - torch.nanmean(rewards)
@@ -244,31 +269,57 @@ def reinforce_pp_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(centred / (std + STD_EPS), nan=0.0)
 
 
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
-                   num_micro_batches: int = 1, num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
-    """The micro-batch's share of the step loss, so that gradients summed over micro-batches equal
-    TRL's for the same step (the `/ num_micro_batches` is TRL's gradient-accumulation normaliser).
+def sequence_mean(masked, mask, max_completion_length, num_micro_batches, num_items_in_batch):
+    """Mean over sequences of each sequence's token mean (DeepSeekMath)."""
+    return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / num_micro_batches
 
-    grpo, sapo: mean over sequences of each sequence's token mean (DeepSeekMath).
-    bnpo: token mean over the micro-batch.
-    dr_grpo: token sum / (sequences x max_completion_length) (Dr. GRPO: no length bias).
-    dapo, cispo, vespo: token sum / completion tokens in the whole step batch (`num_items_in_batch`).
-    luspo: mean over sequences of each sequence's token sum (LUSPO: GSPO scaled by length)."""
+
+def sequence_sum_mean(masked, mask, max_completion_length, num_micro_batches, num_items_in_batch):
+    """Mean over sequences of each sequence's token sum (LUSPO: GSPO scaled by length)."""
+    return masked.sum(-1).mean() / num_micro_batches
+
+
+def token_mean(masked, mask, max_completion_length, num_micro_batches, num_items_in_batch):
+    """Token mean over the micro-batch (BNPO)."""
+    return masked.sum() / mask.sum().clamp(min=1.0) / num_micro_batches
+
+
+def max_length_mean(masked, mask, max_completion_length, num_micro_batches, num_items_in_batch):
+    """Token sum / (sequences x max_completion_length) (Dr. GRPO: no length bias)."""
+    return masked.sum() / (mask.shape[0] * max_completion_length) / num_micro_batches
+
+
+def step_token_mean(masked, mask, max_completion_length, num_micro_batches, num_items_in_batch):
+    """Token sum / completion tokens in the whole step batch (DAPO)."""
+    return masked.sum() / torch.as_tensor(num_items_in_batch, dtype=masked.dtype).clamp(min=1.0)
+
+
+for _record in (
+        LossType("grpo", clipped_surrogate, sequence_mean, help="clipped surrogate, sequence mean (DeepSeekMath)"),
+        LossType("bnpo", clipped_surrogate, token_mean, help="clipped surrogate, token mean of the micro-batch"),
+        LossType("dr_grpo", clipped_surrogate, max_length_mean, help="clipped surrogate, sum / (B x max length)"),
+        LossType("dapo", clipped_surrogate, step_token_mean, needs_num_items=True,
+                 help="clipped surrogate, sum / tokens in the step"),
+        LossType("cispo", cispo_surrogate, step_token_mean, needs_num_items=True,
+                 help="clipped detached weight times log pi (MiniMax-M1)"),
+        LossType("sapo", sapo_surrogate, sequence_mean, help="sigmoid-gated surrogate (SAPO)"),
+        LossType("luspo", clipped_surrogate, sequence_sum_mean, preferred_level="sequence",
+                 help="GSPO's loss summed over each sequence's tokens"),
+        LossType("vespo", vespo_surrogate, step_token_mean, needs_num_items=True, preferred_level="token",
+                 takes_sampling_ratio=True, help="Gamma-weighted sequence ratio times log pi (VESPO)")):
+    registry.register(_record)
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str | LossType, max_completion_length: int,
+                   num_micro_batches: int = 1, num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+    """The micro-batch's share of the step loss by the loss type's aggregation, so that gradients summed over
+    micro-batches equal TRL's for the same step (the `/ num_micro_batches` is TRL's gradient-accumulation
+    normaliser; a step-level token mean divides by the step's tokens instead)."""
+    kind = registry.loss_type(loss_type)
+    if kind.needs_num_items and num_items_in_batch is None:
+        raise ValueError(f"loss_type {kind.name!r} needs num_items_in_batch (completion tokens in the step batch)")
     per_token = per_token.expand_as(mask) if per_token.shape != mask.shape else per_token
-    masked = per_token * mask
-    if loss_type in ("grpo", "sapo"):
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / num_micro_batches
-    if loss_type == "luspo":
-        return masked.sum(-1).mean() / num_micro_batches
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) / num_micro_batches
-    if loss_type == "dr_grpo":
-        return masked.sum() / (mask.shape[0] * max_completion_length) / num_micro_batches
-    if loss_type in ("dapo", "cispo", "vespo"):
-        if num_items_in_batch is None:
-            raise ValueError(f"loss_type {loss_type!r} needs num_items_in_batch (completion tokens in the step batch)")
-        return masked.sum() / torch.as_tensor(num_items_in_batch, dtype=masked.dtype).clamp(min=1.0)
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    return kind.aggregation(per_token * mask, mask, max_completion_length, num_micro_batches, num_items_in_batch)
 
 
 def clip_masks(coef_1: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float):

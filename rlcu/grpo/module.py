@@ -30,7 +30,7 @@ from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, eos_token_ids
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
-from rlcu.grpo import evaluation
+from rlcu.grpo import evaluation, registry
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
@@ -178,6 +178,8 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
             require(self.rollout, "exact_numerics", "exact_logprobs", "use rollout: native")
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.loss_kind = registry.loss_type(loss_type)  # registered records (built-in or plugin), checked above
+        self.advantage_estimator = registry.advantage_estimator(advantage_estimator)
         self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
                                                   vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
                                                   use_bias_correction_kl)
@@ -227,11 +229,12 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
             raise ValueError(f"{type(strategy).__name__} wraps modules in a way the rollout engine cannot "
                              "run; for FSDP use rlcu's fsdp2 (Lightning's ModelParallelStrategy with fully_shard): "
                              "--trainer.strategy=fsdp2 (see docs/scaling.md)")
-        if self.world_size > 1 and hp.filter_zero_std_groups and hp.loss_type != "dapo":
-            # every rank must run the same backward passes, so filtered rows are masked, not removed; only
-            # dapo's loss (a token sum over the global token count) is then the same as removing them
+        if self.world_size > 1 and hp.filter_zero_std_groups and not self.loss_kind.needs_num_items:
+            # every rank must run the same backward passes, so filtered rows are masked, not removed; only a loss
+            # over the global token count (dapo's) is then the same as removing them
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
-                             f"own pairing), got {hp.loss_type!r}; use dapo or turn the filter off")
+                             f"own pairing, or another loss over the step's tokens), got {hp.loss_type!r}; use dapo "
+                             "or turn the filter off")
         self.rollout.setup(self.policy, self.tokenizer)
 
     def configure_model(self) -> None:

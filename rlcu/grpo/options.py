@@ -5,14 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from rlcu.grpo.loss import (
-    ADVANTAGE_ESTIMATORS,
-    LEVELS,
-    LOSS_TYPES,
-    SAMPLING_CORRECTION_MODES,
-    SCALES,
-    SamplingCorrection,
-)
+from rlcu.grpo import registry
+from rlcu.grpo.loss import LEVELS, SAMPLING_CORRECTION_MODES, SCALES, SamplingCorrection
 from rlcu.grpo.optim import STATE_DTYPES
 from rlcu.rewards.scoring import ON_ERROR
 
@@ -23,10 +17,9 @@ LONG_PROMPTS = ("error", "truncate_left")  # a prompt over max_prompt_length: st
 # the engine returned with its samples ("engine": no extra pass; logprob_mismatch/* says how far they are)
 OLD_LOGPROBS = ("trainer", "engine")
 
-CHOICES = {"loss_type": LOSS_TYPES, "importance_sampling_level": LEVELS, "scale_rewards": SCALES,
+CHOICES = {"importance_sampling_level": LEVELS, "scale_rewards": SCALES,
            "lr_scheduler": SCHEDULES, "long_prompts": LONG_PROMPTS, "old_logprobs": OLD_LOGPROBS,
-           "on_reward_error": ON_ERROR, "advantage_estimator": ADVANTAGE_ESTIMATORS,
-           "adam_state_dtype": tuple(STATE_DTYPES)}
+           "on_reward_error": ON_ERROR, "adam_state_dtype": tuple(STATE_DTYPES)}
 MINIMUM = {"num_generations": (2, " (GRPO compares completions within a group)"), "micro_batch_size": (1, ""),
            "num_iterations": (1, ""), "max_prompt_length": (1, ""), "max_completion_length": (1, ""),
            "max_consecutive_faults": (1, ""), "eval_num_samples": (0, " (0 or 1: greedy only)"),
@@ -47,10 +40,12 @@ def check_options(options: Mapping) -> None:
                          f"got {options['top_entropy_quantile']}")
     if options["entropy_coef_min"] > options["entropy_coef_max"]:
         raise ValueError("entropy_coef_min must be <= entropy_coef_max")
-    if options["loss_type"] == "luspo" and options["importance_sampling_level"] != "sequence":
-        log.warning("loss_type='luspo' is meant with importance_sampling_level='sequence' (the paper's setup)")
-    if options["loss_type"] == "vespo" and options["importance_sampling_level"] != "token":
-        log.warning("VESPO computes sequence-level weights itself; importance_sampling_level should be 'token'")
+    kind = registry.loss_type(options["loss_type"])  # a registered record (built-in or plugin), or an error
+    registry.advantage_estimator(options["advantage_estimator"])
+    level = options["importance_sampling_level"]
+    if kind.preferred_level not in (None, level):
+        log.warning("loss_type=%r is meant with importance_sampling_level=%r (got %r)", kind.name, kind.preferred_level,
+                    level)
     timeout = options["reward_timeout"]
     if timeout is not None and timeout <= 0:
         raise ValueError(f"reward_timeout must be a positive number of seconds or null (no limit), got {timeout}")

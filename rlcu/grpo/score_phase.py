@@ -31,11 +31,8 @@ class GRPOScore:
         scored = (self.score(rows, sampled) if scorer is None
                   else scorer.result(rollout.completion_ids, lambda: self.score(rows, sampled)))
         rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
-        scored.advantages, _, is_std_zero = grpo_loss.group_advantages(rewards, hp.num_generations, hp.scale_rewards)
-        if hp.advantage_estimator == "rloo":
-            scored.advantages = grpo_loss.rloo_advantages(rewards, hp.num_generations)
-        elif hp.advantage_estimator == "reinforce_pp":
-            scored.advantages = grpo_loss.reinforce_pp_advantages(rewards)
+        _, is_std_zero = grpo_loss.reward_spread(rewards, hp.num_generations, hp.scale_rewards)
+        scored.advantages = self.advantage_estimator.advantages(rewards, hp.num_generations, hp.scale_rewards)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages, pad, hp.mask_truncated_completions)
         keep = ~is_std_zero if hp.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)

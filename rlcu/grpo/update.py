@@ -1,7 +1,7 @@
 """The update phase of a GRPO step: num_iterations x [micro-batched forward/backward, clip, optimizer step,
 LR schedule], with the entropy bonus's adaptive coefficient. A mixin of `GRPOModule` (module.py), whose
 attributes it reads: `hparams`, `policy`, `ref_model`, `counters`, `sampling_correction`, `loss_options`,
-`epsilon_high`, `rollout`, and Lightning's `optimizers()`, `lr_schedulers()`, `manual_backward()`."""
+`epsilon_high`, `loss_kind`, `rollout`, and Lightning's `optimizers()`, `lr_schedulers()`, `manual_backward()`."""
 from __future__ import annotations
 
 import math
@@ -121,8 +121,8 @@ class GRPOUpdate:
             keep = grpo_loss.off_policy_mask(adv, logps, sampler, mask, sc.off_policy_mask_threshold)
         ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
                                                  hp.importance_sampling_level, ref[rows] if ref is not None else None,
-                                                 hp.beta, hp.loss_type, self.loss_options, top, ratio, keep)
-        loss = grpo_loss.aggregate_loss(ptl, mask, hp.loss_type, hp.max_completion_length, num_micro_batches,
+                                                 hp.beta, self.loss_kind, self.loss_options, top, ratio, keep)
+        loss = grpo_loss.aggregate_loss(ptl, mask, self.loss_kind, hp.max_completion_length, num_micro_batches,
                                         loss_items)
         if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
             effective = mask if top is None else mask * top
