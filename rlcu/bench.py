@@ -140,19 +140,20 @@ def _peak_gb(device: str) -> float:
 
 
 def bench_rollout(args) -> dict:
+    from rlcu.contracts import Numerics
     from rlcu.engine.llm_engine import EngineConfig, LLMEngine
     from rlcu.rollout.base import SamplingParams
 
     model, _ = build_model(args.model, args.device, args.dtype)
     model.eval()
-    model.set_exact_logprobs(args.exact_logprobs)
     n_prompts = -(-args.sequences // args.generations)
     prompts = random_prompt_ids(n_prompts, args.prompt_len, model.config.vocab_size)
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
                                            lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
-                                           kv_cache_dtype=args.kv_cache_dtype))
+                                           kv_cache_dtype=args.kv_cache_dtype,
+                                           numerics=Numerics.EXACT if args.exact_logprobs else Numerics.FAST))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
     continuation = None
     if args.turns > 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 def eos_token_ids(config, tokenizer) -> list[int]:
@@ -58,6 +59,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or not 0 <= self.min_p <= 1:
             raise ValueError(f"top_k must be >= 0 and min_p in [0, 1], got top_k={self.top_k}, min_p={self.min_p}")
+
+
+class Numerics(str, Enum):
+    """How the sampler and the trainer compute, chosen once per run (`exact_logprobs`) and handed to the engine
+    (`EngineConfig.numerics`) and to the training log-probabilities as a value: FAST lets each side take its
+    fastest kernels (their logprobs differ in the last bits); EXACT runs both through batch-invariant GEMMs and
+    one attention kernel, so the sampler's logprob of a token equals the trainer's to the bit (docs/engine.md)."""
+    FAST = "fast"
+    EXACT = "exact"
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self is Numerics.EXACT
 
 
 @dataclass

@@ -110,7 +110,7 @@ class DecodeGraphs:
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):
             hidden = runner.model(self.ids[None, :bucket], self.positions[None, :bucket], attention)
-            return runner.model.lm_head(hidden[0])  # the model dtype: the samplers upcast as they read
+            return runner.model.lm_head(hidden[0], runner.exact)  # the model dtype: the samplers upcast as they read
 
     def _capture(self, bucket: int, autocast_dtype, plan):
         stream = capture_stream(self.runner.device)

@@ -17,7 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, StopStrings, Turn, check_reply
+from rlcu.contracts import (
+    Continuation,
+    Numerics,
+    Reply,
+    RolloutBatch,
+    SamplingParams,
+    StopStrings,
+    Turn,
+    check_reply,
+)
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner
 from rlcu.engine.paged_attention import KV_CACHE_DTYPES, cache_dtype
@@ -75,8 +84,15 @@ class EngineConfig:
     # "auto": keys and values in the forward's dtype; "fp8" (or "fp8_e4m3", vLLM's names): e4m3 with unit scale,
     # half the bytes a decode step reads and twice the sequences a pool holds, for a logprob cost (docs/engine.md)
     kv_cache_dtype: str = "auto"
+    # EXACT: decode and prefill through the training forward's kernels, so sampled logprobs equal the trainer's
+    # to the bit (GRPOModule's exact_logprobs sets it); FAST: the fastest kernels
+    numerics: Numerics = Numerics.FAST
 
     def __post_init__(self):
+        self.numerics = Numerics(self.numerics)
+        if self.numerics.batch_invariant and self.kv_cache_dtype != "auto":
+            raise ValueError(f"exact_logprobs reads the keys and values the training forward computes: set "
+                             f"kv_cache_dtype: auto (got {self.kv_cache_dtype!r}), or exact_logprobs: false")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1:
@@ -91,6 +107,7 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
+        model.check_numerics(self.config.numerics)
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None  # of the generate() in progress
         self.stats: dict[str, int] = {}
@@ -254,7 +271,8 @@ class LLMEngine:
         # FSDP's gathered parameters are plain tensors for the rollout (models/sharding.py): graphs capture them
         # as they capture a single process's; if the next gather puts them elsewhere, the check above renews them
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.cuda_graphs,
-                                  shared_prefix=cfg.shared_prefix, kv_cache_dtype=cfg.kv_cache_dtype)
+                                  shared_prefix=cfg.shared_prefix, kv_cache_dtype=cfg.kv_cache_dtype,
+                                  numerics=cfg.numerics)
         if cfg.shared_prefix is True and not self.runner.shared_prefix and not self._said_no_shared_prefix:
             self._said_no_shared_prefix = True  # once per engine, not at every rollout
             log.warning("shared_prefix needs the Triton kernels (a CUDA device, a power-of-two head_dim >= 16): "

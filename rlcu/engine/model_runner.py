@@ -8,6 +8,7 @@ from itertools import zip_longest
 import numpy as np
 import torch
 
+from rlcu.contracts import Numerics
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.paged_attention import PagedAttention, cache_dtype
@@ -27,7 +28,8 @@ SHARED_PREFIX_MIN_SEQS = 256
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int = 256,
-                 cuda_graphs: bool = True, shared_prefix: bool | None = False, kv_cache_dtype: str = "auto"):
+                 cuda_graphs: bool = True, shared_prefix: bool | None = False, kv_cache_dtype: str = "auto",
+                 numerics: Numerics = Numerics.FAST):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -40,12 +42,9 @@ class ModelRunner:
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence.
         # None: on for decode steps of SHARED_PREFIX_MIN_SEQS or more; True: whenever blocks are shared
         triton = use_triton(self.k_cache)
-        # exact_logprobs: every step through the one attention kernel the training forward uses, the q/k norms
-        # as the modules compute them there (docs/engine.md)
-        self.exact = model.exact_logprobs
-        if self.exact and kv_cache_dtype != "auto":
-            raise ValueError(f"exact_logprobs reads the keys and values the training forward computes: set "
-                             f"kv_cache_dtype: auto (got {kv_cache_dtype!r}), or exact_logprobs: false")
+        # EXACT: every step through the one attention kernel and the GEMMs the training forward uses, the q/k
+        # norms as the modules compute them there (docs/engine.md)
+        self.exact = numerics.batch_invariant
         if self.exact and not (triton and triton_supports(cfg.head_dim, block_size)):
             raise ValueError(f"exact_logprobs needs the Triton kernels with a power-of-two head_dim >= 16 (got "
                              f"{cfg.head_dim}) on a CUDA device (or RLCU_TRITON=1): set exact_logprobs: false")
@@ -95,7 +94,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
         if not sampling:
             return hidden.new_empty(0, self.model.config.vocab_size), []
-        return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)]), sampling  # samplers upcast as they read
+        # the samplers upcast as they read
+        return self.model.lm_head(hidden[0, torch.tensor(last, device=dev)], self.exact), sampling
 
     def decode(self, seqs: list[Sequence], bs: int,
                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Sequence]]:
@@ -132,7 +132,7 @@ class ModelRunner:
             attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True,
                                        groups=groups, prefix_splits=prefix_splits)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
-        return self.model.lm_head(hidden[0]), seqs
+        return self.model.lm_head(hidden[0], self.exact), seqs
 
 
 def decode_tiles(n: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

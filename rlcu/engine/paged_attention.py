@@ -34,6 +34,7 @@ class PagedAttention:
         self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
         self.prefix_splits = prefix_splits
         self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
+        self.batch_invariant = runner.exact
 
     def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlcu.contracts import Numerics
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.token_logprob import LinearTokenLogprob
 
@@ -31,20 +32,20 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, num_completion_tokens: int,
-                        temperature: float = 1.0, chunk_tokens: int | None = None,
-                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, chunk_tokens: int | None = None, packed: bool = False,
+                        numerics: Numerics = Numerics.FAST) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, entropy), each [B, C]: log softmax(logits / temperature) of the last C tokens of each row,
     given everything before them. Dividing by the sampling temperature makes these comparable with the
     sampler's logprobs (TRL does the same). `packed`: the rows' real tokens run as one padding-free
-    sequence, and only real completion tokens go through the LM head (the padded slots are 0). A model in
-    exact mode (`exact_logprobs`) always runs packed, through the engine's own attention kernel."""
+    sequence, and only real completion tokens go through the LM head (the padded slots are 0). EXACT numerics
+    (`exact_logprobs`) always run packed, through the engine's own attention kernel and GEMMs."""
     c = num_completion_tokens
     if model.logits_from_forward:  # the transformers fallback: its own forward's logits, whatever follows its head
         return _forward_completion_logprobs(model, input_ids, attention_mask, c, temperature)
-    if packed or model.exact_logprobs:
+    if packed or numerics.batch_invariant:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens)
+        return _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens, numerics)
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
     logps, ents = linear_logprobs(hidden.reshape(b * c, h), model.lm_head.weight, input_ids[:, -c:].reshape(b * c),
@@ -52,17 +53,17 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return logps.view(b, c), ents.view(b, c)
 
 
-def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens):
+def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens, numerics):
     mask = attention_mask.bool()
     lengths = mask.sum(1)
     cu = F.pad(lengths.cumsum(0), (1, 0))
     flat = input_ids[mask]  # row by row, so each row's tokens stay together and in order
     offset = mask.long().cumsum(1) - 1  # a real token's position within its row
-    hidden = model.forward_packed(flat[None], offset[mask][None], cu, int(lengths.max()))[0]
+    hidden = model.forward_packed(flat[None], offset[mask][None], cu, int(lengths.max()), numerics)[0]
     real = mask[:, -c:]  # the completion slots that hold a token
     target = (cu[:-1, None] + offset[:, -c:])[real]  # where each completion token sits in the packed row
     logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens,
-                                  model.exact_logprobs)
+                                  numerics.batch_invariant)
     zeros = logps.new_zeros(real.shape)
     return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)
 

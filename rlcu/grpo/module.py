@@ -28,7 +28,7 @@ from torch.profiler import record_function
 from rlcu import strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
-from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, eos_token_ids
+from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, Turn, eos_token_ids
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.grpo import evaluation, registry
 from rlcu.grpo import loss as grpo_loss
@@ -43,7 +43,7 @@ from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
-from rlcu.rollout import capabilities_of, require, resolve_rollout, turns
+from rlcu.rollout import bind, capabilities_of, require, resolve_rollout, turns
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
@@ -173,8 +173,11 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         self.rollout = self._rollout_backend(rollout, lora=peft_config is not None)
         if score_during_generation:
             self._check_scoring_during_generation()
-        if exact_logprobs:  # after the reference copy: only the policy's logprobs meet the sampler's
-            self.policy.set_exact_logprobs(True)  # the model's own refusal (a fallback family) names it first
+        # chosen once, checked once (the model's own refusal, say of a fallback family, names it first), then
+        # handed as a value to the engine (`bind`) and to the training forward (`update.py`)
+        self.numerics = Numerics.EXACT if exact_logprobs else Numerics.FAST
+        self.policy.check_numerics(self.numerics)
+        if exact_logprobs:
             require(self.rollout, "exact_numerics", "exact_logprobs", "use rollout: native")
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -235,7 +238,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
                              f"own pairing, or another loss over the step's tokens), got {hp.loss_type!r}; use dapo "
                              "or turn the filter off")
-        self.rollout.setup(self.policy, self.tokenizer)
+        bind(self.rollout, self.policy, self.tokenizer, self.numerics)
 
     def configure_model(self) -> None:
         """Under Lightning's ModelParallelStrategy: FSDP over the data-parallel ranks (`sharding.py`)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlcu.contracts import Numerics
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, StagedBatch
 from rlcu.grpo.logprobs import completion_logprobs
@@ -170,9 +171,11 @@ class GRPOUpdate:
         return value
 
     def _logps(self, model, staged: StagedBatch, rows: slice, grad: bool):
+        # only the policy's logprobs meet the sampler's: a frozen reference keeps the fast kernels
+        numerics = self.numerics if model is self.policy else Numerics.FAST
         padded = self.hparams.packing or staged.padded(rows)
         b = staged.rows
         ids, mask = b.input_ids[rows], b.attention_mask[rows] if padded else None
         with torch.set_grad_enabled(grad):
             return completion_logprobs(model, ids, mask, b.loss_mask.shape[1], self.hparams.temperature,
-                                       packed=self.hparams.packing)
+                                       packed=self.hparams.packing, numerics=numerics)

@@ -20,7 +20,8 @@ class AttentionContext(Protocol):
         `scale` multiplies q.k; `window`: a query sees only the last `window` keys up to itself (None: all).
         The context applies RoPE, so that the engine can fuse it with its KV-cache write. A context whose
         `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword
-        `qk_norm=(q_norm, k_norm)`, with q and k unnormalised."""
+        `qk_norm=(q_norm, k_norm)`, with q and k unnormalised. `batch_invariant` (an attribute): the forward's
+        linear layers run batch-invariant GEMMs too (`Numerics.EXACT`)."""
 
 
 def causal_key_mask(key_valid: torch.Tensor, num_queries: int, window: int | None = None) -> torch.Tensor:
@@ -53,6 +54,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 class PaddedAttention:
     """Self-attention over a padded batch (prompt left-padded, completion right-padded)."""
 
+    batch_invariant = False
+
     def __init__(self, attention_mask: torch.Tensor | None):
         # no padding at all (equal lengths): plain causal attention, which takes the flash kernel
         unpadded = attention_mask is None or bool(attention_mask.all())
@@ -76,6 +79,8 @@ class PackedAttention:
     attending causally within itself. `cu_seqlens` [n + 1] (int32) marks where each starts. On CUDA in
     bf16/fp16 this is variable-length flash attention (`torch.nn.attention.varlen`, forward and
     backward); elsewhere SDPA with a block-diagonal causal mask (the CPU and fp32 path)."""
+
+    batch_invariant = False
 
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int):
         self.cu, self.max_len = cu_seqlens.to(torch.int32), max_len
@@ -153,6 +158,8 @@ class DenseKVCache:
 
 
 class DenseCacheAttention:
+    batch_invariant = False
+
     def __init__(self, cache: DenseKVCache, start: int, t: int):
         self.cache, self.start, self.end, self.t = cache, start, start + t, t
         self.masks = {None: causal_key_mask(cache.key_valid[:, :self.end], t)}

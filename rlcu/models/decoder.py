@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlcu.contracts import Numerics
 from rlcu.kernels._triton import next_pow2
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope import rope as apply_rope
@@ -96,7 +97,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attention: AttentionContext):
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        exact = attention.batch_invariant
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, exact))
         if self.qk_norm == "full":  # OLMo 2: over the whole projection, before heads are split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
@@ -111,7 +113,7 @@ class Attention(nn.Module):
             q, k = partial_rope(q, k, cos, sin, self.rotary_dim)
             cos, sin = identity_rope(cos, self.head_dim)
         out = attention(self.layer_idx, q, k, v, cos, sin, scale=self.scale, window=self.window, **norms)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), exact)
 
 
 def partial_rope(q, k, cos, sin, r: int):
@@ -134,12 +136,12 @@ class MLP(nn.Module):
         self.down_proj = FusedLinear(i, {"down_proj": cfg.hidden_size}, False)
         self.activation = cfg.spec.activation
 
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x, batch_invariant: bool = False):
+        gate_up = self.gate_up_proj(x, batch_invariant)
         if self.activation == "gelu_tanh":  # GeGLU (Gemma)
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(silu_mul(gate_up))
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up, batch_invariant)
+        return self.down_proj(silu_mul(gate_up), batch_invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -163,10 +165,11 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
 
     def forward(self, x, cos, sin, attention, residual=None):
+        exact = attention.batch_invariant
         if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
             x = x if residual is None else x + residual
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention))
-            return self.post_feedforward_layernorm(self.mlp(x)), x
+            return self.post_feedforward_layernorm(self.mlp(x, exact)), x
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -174,12 +177,12 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, attention)
         if self.norm == "sandwich":  # Gemma: norms after each branch too
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
+            return self.post_feedforward_layernorm(self.mlp(h, exact)), residual
         if self.multiplier != 1.0:  # Granite: residual + branch * multiplier
             h, residual = self.post_attention_layernorm(h * self.multiplier, residual)
-            return self.mlp(h) * self.multiplier, residual
+            return self.mlp(h, exact) * self.multiplier, residual
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, exact), residual
 
 
 class Backbone(nn.Module):
@@ -213,23 +216,20 @@ class CausalLM(nn.Module):
         self.has_nope = None in kinds
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.spec.embed_scale == "sqrt_hidden" else None
         self.gradient_checkpointing = False
-        self.exact_logprobs = False  # set_exact_logprobs
 
-    def set_exact_logprobs(self, on: bool = True) -> None:
-        """Make every computation whose rounding could depend on the batch run batch-invariant kernels
-        (GEMMs with fixed tiles; attention through the engine's paged kernel, `exact_attention.py`), so
-        that the engine's logprobs equal the training forward's to the bit (docs/engine.md)."""
+    def check_numerics(self, numerics: Numerics) -> None:
+        """Whether this model can compute in `numerics`. EXACT runs every computation whose rounding could depend
+        on the batch through batch-invariant kernels (GEMMs with fixed tiles; attention through the engine's
+        paged kernel, `exact_attention.py`), when the forward's context asks for it (docs/engine.md)."""
+        if not numerics.batch_invariant:
+            return
         d = self.config.head_dim
-        if on and not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
+        if not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
             raise ValueError(f"exact_logprobs needs a power-of-two head_dim >= 16 (the paged attention kernel), got "
                              f"{d}: set exact_logprobs: false")
-        if on and any(isinstance(m, FusedLinear) and m.lora is not None for m in self.modules()):
+        if any(isinstance(m, FusedLinear) and m.lora is not None for m in self.modules()):
             raise ValueError("exact_logprobs does not cover LoRA adapters (the engine adds them with other GEMMs "
                              "than training does): merge the adapters or set exact_logprobs: false")
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.batch_invariant = on
-        self.exact_logprobs = on
 
     def compute_dtype(self) -> torch.dtype:
         """What attention's inputs and the KV cache are in: the autocast dtype under mixed precision, else the
@@ -296,10 +296,10 @@ class CausalLM(nn.Module):
         return self(input_ids, position_ids, PaddedAttention(attention_mask))  # __call__: FSDP's hooks run
 
     def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                       max_len: int) -> torch.Tensor:
+                       max_len: int, numerics: Numerics = Numerics.FAST) -> torch.Tensor:
         """Hidden states [1, T, H] of several sequences packed into one row (no padding); positions restart
-        at 0 at each `cu_seqlens` boundary."""
-        if self.exact_logprobs:
+        at 0 at each `cu_seqlens` boundary. EXACT: through the engine's own attention kernel and GEMMs."""
+        if numerics.batch_invariant:
             return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, self.compute_dtype()))
         return self(input_ids, position_ids, PackedAttention(cu_seqlens, max_len))
 

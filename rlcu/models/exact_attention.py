@@ -22,6 +22,7 @@ class ExactPackedAttention:
     """The packed batch (`cu_seqlens` [n + 1]) laid out as paged sequences, each starting on a block."""
 
     applies_qk_norm = False  # q/k norms run as modules, as the engine runs them in exact mode
+    batch_invariant = True
 
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int, cache_dtype: torch.dtype):
         cu = cu_seqlens.tolist()  # the host needs it for the query tiles anyway

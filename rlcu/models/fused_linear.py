@@ -13,13 +13,12 @@ from rlcu.kernels.matmul import invariant_linear
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that can switch to batch-invariant GEMMs (`exact_logprobs`: `CausalLM.set_exact_logprobs`),
-    so that a row computes to the same bits in the engine's decode batches and in training micro-batches."""
+    """`nn.Linear` whose caller may ask for batch-invariant GEMMs (`Numerics.EXACT`, passed down with the forward's
+    attention context), so that a row computes to the same bits in the engine's decode batches and in training
+    micro-batches."""
 
-    batch_invariant = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        if batch_invariant:
             return invariant_linear(x, self.weight, self.bias)
         return super().forward(x)
 
@@ -34,8 +33,8 @@ class FusedLinear(Linear):
         self.parts = dict(parts)
         self.lora: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        y = super().forward(x, batch_invariant)
         if self.lora is not None and self.lora.enabled:
             y = self.lora.add_to(y, x)
         return y

@@ -50,7 +50,6 @@ class HFCausalLM(nn.Module):
 
     native = False
     logits_from_forward = True
-    exact_logprobs = False
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -85,8 +84,8 @@ class HFCausalLM(nn.Module):
         elif self.gradient_checkpointing:
             self.hf.gradient_checkpointing_disable()
 
-    def set_exact_logprobs(self, on: bool = True) -> None:
-        if on:
+    def check_numerics(self, numerics) -> None:
+        if numerics.batch_invariant:
             raise ValueError(f"exact_logprobs needs a native family (the engine's kernels); {self.config.model_type} "
                              "runs on the transformers fallback: set exact_logprobs: false")
 

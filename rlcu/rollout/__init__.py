@@ -3,10 +3,11 @@ from rlcu.rollout.base import (
     RolloutBackend,
     RolloutBatch,
     SamplingParams,
+    bind,
     capabilities_of,
     require,
     resolve_rollout,
 )
 
-__all__ = ["Capabilities", "RolloutBackend", "RolloutBatch", "SamplingParams", "capabilities_of", "require",
+__all__ = ["bind", "Capabilities", "RolloutBackend", "RolloutBatch", "SamplingParams", "capabilities_of", "require",
            "resolve_rollout"]

@@ -6,10 +6,10 @@ from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 from rlcu import plugins
-from rlcu.contracts import Continuation, Reply, RolloutBatch, SamplingParams, Turn
+from rlcu.contracts import Continuation, Numerics, Reply, RolloutBatch, SamplingParams, Turn
 
 __all__ = ["Capabilities", "Continuation", "Reply", "RolloutBackend", "RolloutBatch", "SamplingParams", "Turn",
-           "capabilities_of", "require", "resolve_rollout"]
+           "bind", "capabilities_of", "require", "resolve_rollout"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class Capabilities:
     """What a backend can do beyond `generate(prompt_token_ids, sampling)`; every field defaults to no."""
     continuation: bool = False  # runs multi-turn episodes itself: generate(..., continuation=Continuation)
     on_finished: bool = False  # reports each completion as it ends: generate(..., on_finished=callable(Turn))
-    exact_numerics: bool = False  # computes with the trainer's kernels, so sampler logprobs can equal its bits
+    # computes with the trainer's kernels, so sampler logprobs can equal its bits: setup(..., numerics=) takes them
+    exact_numerics: bool = False
     lora: bool = False  # runs the live model's LoRA adapters (base + adapter, never merged)
     streaming: bool = False  # takes optimizer steps between its decode steps (streaming GRPO)
     native_models_only: bool = False  # runs rlcu's native families only (not the transformers fallback)
@@ -66,6 +67,14 @@ def require(backend, capability: str, wanted_by: str, fix: str) -> None:
     if not getattr(capabilities_of(backend), capability):
         raise ValueError(f"{wanted_by} needs a rollout backend with the {capability!r} capability (one that "
                          f"{HELP[capability]}); {type(backend).__name__} does not declare it: {fix}")
+
+
+def bind(backend, policy, tokenizer, numerics: Numerics = Numerics.FAST) -> None:
+    """`setup` as the backend declared it: one with `exact_numerics` is told the run's numerics."""
+    if capabilities_of(backend).exact_numerics:
+        backend.setup(policy, tokenizer, numerics=numerics)
+    else:
+        backend.setup(policy, tokenizer)
 
 
 def resolve_rollout(spec) -> RolloutBackend:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
-from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn
+from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, Turn
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.rollout.base import Capabilities
 
@@ -32,8 +32,9 @@ class NativeRollout:
     def model(self):
         return None if self.engine is None else self.engine.model
 
-    def setup(self, policy, tokenizer=None) -> None:
-        self.engine = LLMEngine(policy, self.config, tokenizer=tokenizer)
+    def setup(self, policy, tokenizer=None, numerics: Numerics = Numerics.FAST) -> None:
+        """`numerics` (the exact_numerics capability): EXACT decodes with the trainer's kernels."""
+        self.engine = LLMEngine(policy, replace(self.config, numerics=numerics), tokenizer=tokenizer)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None,

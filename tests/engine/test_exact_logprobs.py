@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rlcu.kernels.matmul as matmul
+from rlcu.contracts import Numerics
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.kernels._triton import HAS_TRITON
@@ -20,9 +21,12 @@ pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed
 SAMPLING = SamplingParams(max_tokens=6, temperature=0.8, stop_token_ids=[EOS], seed=7)
 # prompts of 1 to 33 tokens; the repeated ones fork, their samples sharing the prompt's blocks
 PROMPTS_ = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5], PROMPTS[7], PROMPTS[2]]
-CONFIGS = {"whole-prompts": EngineConfig(block_size=16),
-           "chunks-of-7-decode-by-3": EngineConfig(block_size=4, max_num_batched_tokens=7, max_num_seqs=3),
-           "chunks-of-11-decode-by-5": EngineConfig(block_size=8, max_num_batched_tokens=11, max_num_seqs=5)}
+EXACT = Numerics.EXACT
+CONFIGS = {"whole-prompts": EngineConfig(block_size=16, numerics=EXACT),
+           "chunks-of-7-decode-by-3": EngineConfig(block_size=4, max_num_batched_tokens=7, max_num_seqs=3,
+                                                   numerics=EXACT),
+           "chunks-of-11-decode-by-5": EngineConfig(block_size=8, max_num_batched_tokens=11, max_num_seqs=5,
+                                                    numerics=EXACT)}
 
 
 def padded_batch(out):
@@ -42,13 +46,13 @@ def padded_batch(out):
 
 def trainer_logprobs(model, ids, mask, c_len, micro_batch: int, temperature=SAMPLING.temperature) -> torch.Tensor:
     return torch.cat([completion_logprobs(model, ids[i:i + micro_batch], mask[i:i + micro_batch], c_len,
-                                          temperature)[0] for i in range(0, len(ids), micro_batch)])
+                                          temperature, numerics=EXACT)[0] for i in range(0, len(ids), micro_batch)])
 
 
 def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
     monkeypatch.setenv("RLCU_TRITON", "1")
     model, _ = load_model(tiny_hf_folder(tmp_path, family, hidden=64, heads=4, kv_heads=2, head_dim=16))
-    model.set_exact_logprobs(True)
+    model.check_numerics(EXACT)
     return model
 
 
@@ -80,10 +84,9 @@ def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch,
     ids = torch.tensor([[3, 9, 4, 17, 5, 22, 8, 1, 2, 30]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
     grads = []
-    for exact in (True, False):
-        model.set_exact_logprobs(exact)
+    for numerics in (EXACT, Numerics.FAST):
         model.zero_grad()
-        logps, _ = completion_logprobs(model, ids, mask, 5, packed=True)
+        logps, _ = completion_logprobs(model, ids, mask, 5, packed=True, numerics=numerics)
         logps.sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for exact, plain in zip(*grads):

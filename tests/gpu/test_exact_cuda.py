@@ -4,6 +4,7 @@ fp32 weights as the recipes train and with bf16 weights (run on the H200)."""
 import pytest
 import torch
 
+from rlcu.contracts import Numerics
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.models import load_model
 from rlcu.rollout import SamplingParams
@@ -25,12 +26,12 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(tmp_path, family,
     model, _ = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2,
                                          head_dim=64),
                           dtype="bfloat16" if precision == "bf16-weights" else "float32")
-    model.cuda().set_exact_logprobs(True)
+    model.cuda()
     rows = [p for p in prompts(24, 512) for _ in range(4)]  # 4 samples per prompt share its blocks
     sp = SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, stop_token_ids=list(range(10)), seed=1)
     autocast = precision == "bf16-autocast"
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=300, max_num_seqs=64))
+        engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=300, max_num_seqs=64, numerics=Numerics.EXACT))
         out = engine.generate(rows, sp)
         ids, mask, sampler, real = padded_batch(out)
         ids, mask = ids.cuda(), mask.cuda()
@@ -46,13 +47,13 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(tmp_path, family,
 @pytest.mark.slow
 def test_smollm2_exact_under_autocast(smollm2_folder):
     model, tok = load_model(smollm2_folder)
-    model.cuda().set_exact_logprobs(True)
+    model.cuda()
     texts = ["What is 17 + 25? Give only the final number.", "Hi", "Name three colours.", "What is 3 * 14?"]
     rows = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False),
                 add_special_tokens=False).input_ids for t in texts for _ in range(8)]
     sp = SamplingParams(max_tokens=64, temperature=1.0, stop_token_ids=[tok.eos_token_id], seed=0)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = LLMEngine(model).generate(rows, sp)
+        out = LLMEngine(model, EngineConfig(numerics=Numerics.EXACT)).generate(rows, sp)
         ids, mask, sampler, real = padded_batch(out)
         trainer = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], 5, 1.0).float().cpu()
     assert torch.equal(trainer[real], sampler[real]), (trainer - sampler)[real].abs().max()

@@ -270,4 +270,4 @@ def test_exact_logprobs_refuses_what_it_cannot_make_exact(tmp_path):
     small_heads, _ = load_model(tiny_hf_folder(tmp_path / "b", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
                                                head_dim=8))
     with pytest.raises(ValueError, match="power-of-two head_dim >= 16 .*got 8"):
-        small_heads.set_exact_logprobs(True)
+        GRPOModule(small_heads, tokenizer=tok, exact_logprobs=True)
