@@ -37,10 +37,6 @@ class AgentOptions:
         callables or, from YAML, as import paths ('my_pkg.tools:multiply')."""
         if not tools and environment_factory is None:
             return None
-        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 1:
-            raise ValueError(f"max_tool_calling_iterations must be >= 1 or null, got {max_tool_calling_iterations}")
-        if tool_timeout is not None and tool_timeout <= 0:
-            raise ValueError(f"tool_timeout must be a positive number of seconds or null, got {tool_timeout}")
         functions = [_tool(t) for t in tools or []]
         ToolBox(functions)  # checks names and docstrings now, not at the first rollout
         environments = Environments(environment_factory) if environment_factory is not None else None

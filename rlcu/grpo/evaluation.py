@@ -15,13 +15,13 @@ def evaluate(module, rows: list[dict]) -> dict[str, float]:
     """Greedy accuracy, reward and length, and pass@k / mean@k over `eval_num_samples` (TRL's
     `num_generations_eval`) samples at the training temperature. A completion is correct when the accuracy
     reward (`accuracy_reward`, else the first reward) gives it at least 1."""
-    hp, correct_at = module.hparams, module.accuracy_index
+    correct_at = module.accuracy_index
     greedy = module.sample(rows, 1, module.sampling_params(greedy=True))
     per_func = module.score(rows, greedy, 1).rewards
     sampled = None
-    k = module.eval_num_samples
+    k = module.options.evaluation.eval_num_samples
     if k > 1:
-        samples = module.sample(rows, k, module.sampling_params(seed=hp.seed))
+        samples = module.sample(rows, k, module.sampling_params(seed=module.options.sampling.seed))
         sampled = (module.score(rows, samples, k).rewards[:, correct_at] >= 1.0).view(len(rows), k)
     weights = torch.tensor([r.weight for r in module.rewards])
     lengths = torch.tensor([len(c) for c in greedy.batch.completion_ids])

@@ -20,16 +20,13 @@ Tensors are [B, T] per token with a 0/1 `mask` over completion tokens, [B] per s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from rlcu.grpo import registry
+from rlcu.grpo.options import LEVELS, SAMPLING_CORRECTION_MODES, SCALES, LossOptions
 from rlcu.grpo.registry import LossType, PolicyTerms, register_advantage_estimator
 
-SCALES = ("group", "batch", "none")
-LEVELS = ("token", "sequence")
-SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STD_EPS = 1e-4  # TRL's: keeps a near-constant group from exploding its advantages
 
 
@@ -95,21 +92,8 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(r) - r - 1
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    """The settings of the newer loss types and of the KL term, with TRL 1.16's names and defaults."""
-    delta: float | None = None  # INTELLECT-2's two-sided clip: the unclipped ratio is capped at delta
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    use_bias_correction_kl: bool = True  # the k3 KL times the importance weight (TRL's default since 1.x)
-
-
 def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_high=0.2, level="token",
-                   ref_logps=None, beta=0.0, loss_type: str | LossType = "grpo", options: LossOptions = LossOptions(),
+                   ref_logps=None, beta=0.0, loss_type: str | LossType = "grpo", options: LossOptions | None = None,
                    token_mask=None, sampling_ratio=None, keep_sequences=None):
     """The policy loss per token (+ beta * k3 KL), as TRL's `_compute_loss` forms it: the loss type's surrogate
     (a registered record, `registry.py`), then, in TRL's order, times `keep_sequences` (the off-policy mask,
@@ -117,7 +101,7 @@ def per_token_loss(logps, old_logps, advantages, mask, epsilon_low=0.2, epsilon_
     a surrogate that takes it into its own weight, as VESPO's, gets it instead), before the KL is added.
 
     Returns (loss [B, T] or [B, 1], importance weight w, per-token KL or None)."""
-    kind = registry.loss_type(loss_type)
+    kind, options = registry.loss_type(loss_type), options or LossOptions()
     coef_1 = torch.exp(log_importance_weights(logps, old_logps, mask, level))
     terms = PolicyTerms(logps, logps - old_logps, coef_1, advantages.unsqueeze(1), mask, epsilon_low, epsilon_high,
                         options, sampling_ratio)
@@ -163,12 +147,12 @@ def vespo_surrogate(t: PolicyTerms) -> torch.Tensor:
 
 @torch.no_grad()
 def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-                  options: LossOptions = LossOptions(), sampling_ratio: torch.Tensor | None = None) -> torch.Tensor:
+                  options: LossOptions | None = None, sampling_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's phi(w) = e^lambda w^k e^(-lambda w) (so phi(1) = 1) of the sequence ratio w = exp(sum of the
     token log-ratios, each clamped to [-20, 20]), with (k, lambda) by the sign of A; [B, 1], no gradient.
     A `sampling_ratio` (the sampler correction, per token [B, T] or per sequence [B, 1]) multiplies w: log w
     += the sum of its clamped logs."""
-    low = math.log(1e-8)
+    low, options = math.log(1e-8), options or LossOptions()
     seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
     if sampling_ratio is not None:
         seq = seq + torch.clamp(torch.log(sampling_ratio), low, 20.0).sum(-1, keepdim=True)
@@ -178,18 +162,6 @@ def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
     lam = torch.where(positive, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-@dataclass(frozen=True)
-class SamplingCorrection:
-    """TRL's correction for a sampler that is not the trainer, with TRL's defaults (`vllm_importance_sampling_*`
-    there; rlcu's sampler is its own engine, whose logprobs can still differ from the training forward's by
-    the arithmetic of a different kernel or batch)."""
-    enabled: bool = True
-    mode: str = "sequence_mask"
-    clip_min: float | None = None
-    clip_max: float | None = 3.0
-    off_policy_mask_threshold: float | None = None
 
 
 @torch.no_grad()

@@ -31,14 +31,13 @@ from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, Turn, eos_token_ids
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.grpo import evaluation, registry
-from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
-from rlcu.grpo.options import EVAL_NUM_SAMPLES, check_against_model, check_options, eval_samples, sampling_correction
+from rlcu.grpo.options import Options, check_against_model, signature
 from rlcu.grpo.score_phase import GRPOScore
 from rlcu.grpo.update import GRPOUpdate
-from rlcu.hparams import not_plain
+from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
@@ -64,147 +63,87 @@ class Counters:
 
 
 class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
-    def __init__(
-        self,
-        model: str | CausalLM = "smollm2-135m-instruct",
-        tokenizer: Any = None,
-        rewards: Any = ("math_answer",),
-        reward_weights: list[float] | None = None,
-        rollout: Any = "native",
-        num_generations: int = 8,
-        max_prompt_length: int = 512,
-        max_completion_length: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        stop: list[str] | None = None,
-        loss_type: str = "dapo",
-        importance_sampling_level: str = "token",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        beta: float = 0.0,
-        num_iterations: int = 1,
-        scale_rewards: str = "group",
-        mask_truncated_completions: bool = False,
-        filter_zero_std_groups: bool = False,
-        micro_batch_size: int = 8,
-        learning_rate: float = 1e-6,
-        weight_decay: float = 0.0,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        adam_state_dtype: str = "float32",
-        optimizer_offload: bool = False,
-        lr_scheduler: str = "constant",
-        warmup_steps: int = 0,
-        max_grad_norm: float | None = 1.0,
-        dtype: str = "float32",
-        trust_remote_code: bool = False,
-        gradient_checkpointing: bool = False,
-        packing: bool = False,
-        exact_logprobs: bool = False,
-        seed: int = 0,
-        eval_num_samples: int = EVAL_NUM_SAMPLES,
-        num_generations_eval: int | None = None,
-        accuracy_reward: str | None = None,
-        eval_at_start: bool = True,
-        max_consecutive_faults: int = 3,
-        reward_timeout: float | None = 300.0,
-        on_reward_error: str = "raise",
-        score_during_generation: bool = False,
-        long_prompts: str = "error",
-        old_logprobs: str = "trainer",
-        peft_config: Any = None,
-        advantage_estimator: str = "grpo",
-        delta: float | None = None,
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        use_bias_correction_kl: bool = True,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        use_adaptive_entropy: bool = False,
-        entropy_coef_min: float = 0.0,
-        entropy_coef_max: float = 1.0,
-        entropy_coef_delta: float = 0.005,
-        entropy_target: float = 0.2,
-        tools: list | None = None,
-        environment_factory: Any = None,
-        max_tool_calling_iterations: int | None = None,
-        tool_format: str = "template",
-        tool_timeout: float | None = 60.0,
-        vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: str = "sequence_mask",
-        vllm_importance_sampling_clip_max: float | None = 3.0,
-        vllm_importance_sampling_clip_min: float | None = None,
-        off_policy_mask_threshold: float | None = None,
-        importance_sampling_correction: bool | None = None,
-        importance_sampling_mode: str | None = None,
-        importance_sampling_clip_max: float | None = None,
-        importance_sampling_clip_min: float | None = None,
-    ):
-        super().__init__()
-        self.save_hyperparameters(ignore=not_plain(model=model, tokenizer=tokenizer, rewards=rewards, rollout=rollout,
-                                                   peft_config=peft_config, tools=tools,
-                                                   environment_factory=environment_factory))
-        check_options(self.hparams)
+    def __init__(self, model: str | CausalLM = "smollm2-135m-instruct", tokenizer: Any = None,
+                 rewards: Any = ("math_answer",), reward_weights: list[float] | None = None, rollout: Any = "native",
+                 peft_config: Any = None, tools: list | None = None, environment_factory: Any = None, **options):
+        """A GRPO run's module. Every option keeps TRL's name, default and meaning (`rlcu/grpo/options.py`).
+
+        Args:
+            model: a local HF folder, a hub id, a .gguf file, an embedded name, or a model object
+            tokenizer: the model's tokenizer (None: the one saved with the model)
+            rewards: reward functions, plugin names, import paths or {name, weight, init_args} mappings
+            reward_weights: one weight per reward (None: each reward's own, 1.0 by default)
+            rollout: the rollout backend: native, reference, a plugin's name, or an instance
+            peft_config: LoRA: a PEFT LoraConfig or its fields
+            tools: functions (or import paths) the model may call
+            environment_factory: one environment per episode: a class, {name: class}, or a plugin spec
+        """
+        # not super(): its `__class__` cell would make Lightning look for a local of every option of the signature
+        L.LightningModule.__init__(self)
+        self.options = opts = Options.from_flat(options)  # TRL's flat names -> the checked option groups
+        explicit = dict(model=model, tokenizer=tokenizer, rewards=rewards, reward_weights=reward_weights,
+                        rollout=rollout, peft_config=peft_config, tools=tools, environment_factory=environment_factory)
+        self.save_hyperparameters({**{k: v for k, v in explicit.items() if plain(v)}, **opts.flat()})
         self.automatic_optimization = False
-        self.policy, self.tokenizer = self._policy(model, tokenizer, dtype, trust_remote_code)
-        self.policy.gradient_checkpointing = gradient_checkpointing
-        if peft_config is not None and not self.policy.native:
-            raise ValueError(f"peft_config: LoRA runs in rlcu's native families; {self.policy.config.model_type} runs "
-                             "on the transformers fallback: train it in full, or merge adapters elsewhere")
-        if peft_config is not None:  # TRL's name: LoRA adapters trained on the frozen base, inside the engine too
-            add_lora(self.policy, peft_config)
-        # tools / environments (TRL's names): multi-turn episodes, run as a continuation of the rollout
-        self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, tool_format,
-                                        max_tool_calling_iterations, max_completion_length, tool_timeout)
-        environment_rewards = [BoundReward(fn, name, 1.0) for name, fn in
-                               (self.agent.environments.rewards() if self.agent and self.agent.environments else [])]
-        self.rewards = resolve_rewards(rewards, reward_weights, environment_rewards)
+        self.policy, self.tokenizer = self._policy(model, tokenizer, opts.model.dtype, opts.model.trust_remote_code)
+        self.policy.gradient_checkpointing = opts.optimizer.gradient_checkpointing
+        self._add_lora(peft_config)
+        self.rewards = self._agents_and_rewards(tools, environment_factory, rewards, reward_weights)
         names = [r.name for r in self.rewards]
-        check_against_model(self.hparams, self.policy.config.max_position_embeddings, names)
+        check_against_model(opts, self.policy.config.max_position_embeddings, names)
         # beta > 0: a frozen copy of the starting policy for the KL term (with LoRA, the base: adapters off)
         self.ref_model = None
-        if beta != 0.0 and peft_config is None:
+        if opts.loss.beta != 0.0 and peft_config is None:
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rollout = self._rollout_backend(rollout, lora=peft_config is not None)
-        if score_during_generation:
-            self._check_scoring_during_generation()
-        # chosen once, checked once (the model's own refusal, say of a fallback family, names it first), then
-        # handed as a value to the engine (`bind`) and to the training forward (`update.py`)
-        self.numerics = Numerics.EXACT if exact_logprobs else Numerics.FAST
-        self.policy.check_numerics(self.numerics)
-        if exact_logprobs:
-            require(self.rollout, "exact_numerics", "exact_logprobs", "use rollout: native")
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
-        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
-        self.loss_kind = registry.loss_type(loss_type)  # registered records (built-in or plugin), checked above
-        self.advantage_estimator = registry.advantage_estimator(advantage_estimator)
-        self.loss_options = grpo_loss.LossOptions(delta, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
-                                                  vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-                                                  use_bias_correction_kl)
-        # the sampler's logprobs against the trainer's: TRL's correction, with TRL's names (or the neutral aliases)
-        self.sampling_correction = sampling_correction(self.hparams)
-        self.accuracy_index = names.index(accuracy_reward) if accuracy_reward else 0
-        self.eval_num_samples = eval_samples(self.hparams)  # or TRL's num_generations_eval
+        self.loss_kind = registry.loss_type(opts.loss.loss_type)  # registered records (built-in or plugin)
+        self.advantage_estimator = registry.advantage_estimator(opts.loss.advantage_estimator)
+        self.accuracy_index = names.index(opts.evaluation.accuracy_reward) if opts.evaluation.accuracy_reward else 0
         self.counters = Counters()
         self.last_rollout: ScoredRollout | None = None  # for callbacks
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
 
+    def _add_lora(self, peft_config) -> None:
+        """TRL's `peft_config`: LoRA adapters trained on the frozen base, inside the engine too."""
+        if peft_config is None:
+            return
+        if not self.policy.native:
+            raise ValueError(f"peft_config: LoRA runs in rlcu's native families; {self.policy.config.model_type} runs "
+                             "on the transformers fallback: train it in full, or merge adapters elsewhere")
+        add_lora(self.policy, peft_config)
+
+    def _agents_and_rewards(self, tools, environment_factory, rewards, reward_weights) -> list[BoundReward]:
+        """tools / environments (TRL's names): multi-turn episodes, run as a continuation of the rollout; an
+        environment's `get_reward` joins the rewards."""
+        limits = self.options.agents
+        self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, limits.tool_format,
+                                        limits.max_tool_calling_iterations,
+                                        self.options.sampling.max_completion_length, limits.tool_timeout)
+        environments = self.agent.environments if self.agent else None
+        environment_rewards = [BoundReward(fn, name, 1.0) for name, fn in (environments.rewards() if environments
+                                                                             else [])]
+        return resolve_rewards(rewards, reward_weights, environment_rewards)
+
     def _rollout_backend(self, spec, lora: bool):
-        """The rollout backend, checked once against what the run asks of it (its declared capabilities)."""
-        backend = resolve_rollout(spec)
+        """The rollout backend, checked once against what the run asks of it (its declared capabilities), and the
+        run's numerics, chosen once, checked once (the model's own refusal, say of a fallback family, names it
+        first), then handed as a value to the engine (`bind`) and to the training forward (`update.py`)."""
+        backend, opts = resolve_rollout(spec), self.options.model
         if not self.policy.native and capabilities_of(backend).native_models_only:
             log.info("%s has no native path: rollouts from the reference backend over transformers' KV cache",
                      self.policy.config.model_type)
             backend = resolve_rollout("reference")
         if lora:
             require(backend, "lora", "peft_config (LoRA adapters)", "use rollout: native or rollout: reference")
+        if opts.score_during_generation:
+            self._check_scoring_during_generation(backend)
+        self.numerics = Numerics.EXACT if opts.exact_logprobs else Numerics.FAST
+        self.policy.check_numerics(self.numerics)
+        if opts.exact_logprobs:
+            require(backend, "exact_numerics", "exact_logprobs", "use rollout: native")
         return backend
 
     @staticmethod
@@ -226,17 +165,17 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        hp, trainer = self.hparams, self._attached_trainer()
+        loss, trainer = self.options.loss, self._attached_trainer()
         strategy = trainer.strategy if trainer else None
         if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
             raise ValueError(f"{type(strategy).__name__} wraps modules in a way the rollout engine cannot "
                              "run; for FSDP use rlcu's fsdp2 (Lightning's ModelParallelStrategy with fully_shard): "
                              "--trainer.strategy=fsdp2 (see docs/scaling.md)")
-        if self.world_size > 1 and hp.filter_zero_std_groups and not self.loss_kind.needs_num_items:
+        if self.world_size > 1 and loss.filter_zero_std_groups and not self.loss_kind.needs_num_items:
             # every rank must run the same backward passes, so filtered rows are masked, not removed; only a loss
             # over the global token count (dapo's) is then the same as removing them
             raise ValueError(f"filter_zero_std_groups with several processes (DDP) needs loss_type='dapo' (DAPO's "
-                             f"own pairing, or another loss over the step's tokens), got {hp.loss_type!r}; use dapo "
+                             f"own pairing, or another loss over the step's tokens), got {loss.loss_type!r}; use dapo "
                              "or turn the filter off")
         bind(self.rollout, self.policy, self.tokenizer, self.numerics)
 
@@ -264,9 +203,9 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
                 long += self.check_prompt_length(len(self.nonempty(ids, i)), i)
             if long:
                 log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
-                            "(long_prompts=truncate_left)", long, len(rows), self.hparams.max_prompt_length)
+                            "(long_prompts=truncate_left)", long, len(rows), self.options.sampling.max_prompt_length)
         held_out = getattr(dm, "val_set", None)
-        if held_out and self.hparams.eval_at_start and self._evaluates_later():
+        if held_out and self.options.evaluation.eval_at_start and self._evaluates_later():
             # the curve's first point, in the numerics of the later ones: Lightning enters the precision's
             # autocast around validation_step only, not around this hook
             with self.trainer.precision_plugin.forward_context():
@@ -292,18 +231,18 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
     def _apply_optimizer_options(self) -> None:
         """A resumed run restores the optimizer's and the schedule's state, learning rate and betas included:
         the options of this run (which may differ from the checkpoint's, set on the command line) win."""
-        hp, opt, sched = self.hparams, self.optimizers(), self.lr_schedulers()
+        hp, opt, sched = self.options.optimizer, self.optimizers(), self.lr_schedulers()
         sched.base_lrs = [hp.learning_rate] * len(opt.param_groups)
         factor = sched.lr_lambdas[0](sched.last_epoch)
         for group in opt.param_groups:
             group.update(lr=hp.learning_rate * factor, initial_lr=hp.learning_rate, weight_decay=hp.weight_decay,
-                         betas=tuple(hp.adam_betas))
+                         betas=hp.adam_betas)
 
     def configure_optimizers(self):
-        hp = self.hparams
+        hp = self.options.optimizer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fp32 masters for bf16 weights; moments in fp32 or (adam_state_dtype) bf16; in host memory when offloaded
-        opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=tuple(hp.adam_betas),
+        opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.adam_betas,
                                 state_dtype=STATE_DTYPES[hp.adam_state_dtype], offload=hp.optimizer_offload)
         max_steps = self.trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None
@@ -358,17 +297,14 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         return None
 
     def _rollout(self, rows: list[dict], scorer: EarlyScorer | None = None) -> Sampled:
-        hp = self.hparams
-        sampling = self.sampling_params(seed=hp.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
-        return self.sample(rows, hp.num_generations, sampling, None if scorer is None else scorer.on_finished)
+        s = self.options.sampling
+        sampling = self.sampling_params(seed=s.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
+        return self.sample(rows, s.num_generations, sampling, None if scorer is None else scorer.on_finished)
 
     # ---- the phases' public parts (held-out evaluation uses them too) ------------------------------
     def sampling_params(self, seed: int | None = None, greedy: bool = False) -> SamplingParams:
         """The run's sampling settings (greedy: temperature 0, for evaluation)."""
-        hp = self.hparams
-        return SamplingParams(max_tokens=hp.max_completion_length, temperature=0.0 if greedy else hp.temperature,
-                              top_p=hp.top_p, top_k=hp.top_k, min_p=hp.min_p, stop_token_ids=self.stop_token_ids,
-                              stop=list(hp.stop or []), seed=seed)
+        return self.options.sampling.params(self.stop_token_ids, seed, greedy)
 
     def sample(self, rows: list[dict], g: int, sampling: SamplingParams,
                on_finished: Callable[[Turn], None] | None = None) -> Sampled:
@@ -412,7 +348,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
     def fit_prompt(self, ids: list[int], index: int) -> list[int]:
         ids = self.nonempty(ids, index)
         if self.check_prompt_length(len(ids), index):
-            ids = ids[-self.hparams.max_prompt_length:]  # the end holds the question and the generation prompt
+            ids = ids[-self.options.sampling.max_prompt_length:]  # the end holds the question and the generation prompt
         return ids
 
     @staticmethod
@@ -423,8 +359,8 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
 
     def check_prompt_length(self, length: int, index: int) -> bool:
         """Whether the prompt is over max_prompt_length (an error unless long_prompts=truncate_left)."""
-        limit = self.hparams.max_prompt_length
-        if length > limit and (self.hparams.long_prompts == "error" or self.agent is not None):
+        limit = self.options.sampling.max_prompt_length
+        if length > limit and (self.options.sampling.long_prompts == "error" or self.agent is not None):
             raise ValueError(f"prompt {index} has {length} tokens, more than max_prompt_length={limit}; raise "
                              "max_prompt_length, shorten the prompt"
                              + ("" if self.agent else ", or set long_prompts=truncate_left"))
@@ -442,7 +378,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
 
     def _fault(self, what: str) -> dict[str, float]:
         """Skip this update, say why, count it; too many in a row stop the run."""
-        c, limit = self.counters, self.hparams.max_consecutive_faults
+        c, limit = self.counters, self.options.faults.max_consecutive_faults
         c.faults += 1
         c.consecutive_faults += 1
         if c.consecutive_faults >= limit:
@@ -487,3 +423,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+# the flat options as keywords with their types, defaults and help, generated from their one definition
+GRPOModule.__init__.__signature__, GRPOModule.__init__.__doc__ = signature(GRPOModule.__init__)

@@ -1,113 +1,339 @@
-"""GRPOModule's options, each checked here, once, at construction: an error names the option, what it
-got and what it takes."""
+"""GRPOModule's options, each defined once: its name (TRL's where TRL has the option), default, help and
+validation, in a frozen dataclass group that checks itself when it is built. `Options.from_flat` is the one
+adapter from the flat names users write (Python keywords, YAML under `model:`, `--model.key=value`) to the
+groups; GRPOModule's signature, `--help` and `--print_config` are generated from the same definitions."""
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Mapping
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
 
+from rlcu.agents.formats import FORMATS as TOOL_FORMATS
+from rlcu.contracts import SamplingParams
 from rlcu.grpo import registry
-from rlcu.grpo.loss import LEVELS, SAMPLING_CORRECTION_MODES, SCALES, SamplingCorrection
-from rlcu.grpo.optim import STATE_DTYPES
-from rlcu.rewards.scoring import ON_ERROR
 
 log = logging.getLogger(__name__)
+
+SCALES = ("group", "batch", "none")
+LEVELS = ("token", "sequence")
+SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCHEDULES = ("constant", "linear", "cosine")
-LONG_PROMPTS = ("error", "truncate_left")  # a prompt over max_prompt_length: stop at set-up, or keep its end
-# num_iterations > 1 needs the sampling-time logprobs: recomputed by a forward pass ("trainer"), or the ones
-# the engine returned with its samples ("engine": no extra pass; logprob_mismatch/* says how far they are)
-OLD_LOGPROBS = ("trainer", "engine")
-
-CHOICES = {"importance_sampling_level": LEVELS, "scale_rewards": SCALES,
-           "lr_scheduler": SCHEDULES, "long_prompts": LONG_PROMPTS, "old_logprobs": OLD_LOGPROBS,
-           "on_reward_error": ON_ERROR, "adam_state_dtype": tuple(STATE_DTYPES)}
-MINIMUM = {"num_generations": (2, " (GRPO compares completions within a group)"), "micro_batch_size": (1, ""),
-           "num_iterations": (1, ""), "max_prompt_length": (1, ""), "max_completion_length": (1, ""),
-           "max_consecutive_faults": (1, ""), "eval_num_samples": (0, " (0 or 1: greedy only)"),
-           "epsilon": (0, ""), "warmup_steps": (0, ""), "learning_rate": (0, ""), "top_entropy_quantile": (0, ""),
-           "entropy_coef_delta": (0, ""), "sapo_temperature_pos": (1e-6, ""), "sapo_temperature_neg": (1e-6, "")}
+ADAM_STATE_DTYPES = ("float32", "bfloat16")
+ON_REWARD_ERROR = ("raise", "none")
 
 
-def check_options(options: Mapping) -> None:
-    """`options`: the module's hyper-parameters (before any model is loaded)."""
-    for name, allowed in CHOICES.items():
-        if options[name] not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {options[name]!r}")
-    for name, (low, why) in MINIMUM.items():
-        if options[name] < low:
-            raise ValueError(f"{name} must be >= {low}{why}, got {options[name]}")
-    if options["top_entropy_quantile"] > 1:
-        raise ValueError("top_entropy_quantile must be in [0, 1] (1 keeps every token), "
-                         f"got {options['top_entropy_quantile']}")
-    if options["entropy_coef_min"] > options["entropy_coef_max"]:
-        raise ValueError("entropy_coef_min must be <= entropy_coef_max")
-    kind = registry.loss_type(options["loss_type"])  # a registered record (built-in or plugin), or an error
-    registry.advantage_estimator(options["advantage_estimator"])
-    level = options["importance_sampling_level"]
-    if kind.preferred_level not in (None, level):
-        log.warning("loss_type=%r is meant with importance_sampling_level=%r (got %r)", kind.name, kind.preferred_level,
-                    level)
-    timeout = options["reward_timeout"]
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"reward_timeout must be a positive number of seconds or null (no limit), got {timeout}")
+def option(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
+           maximum: float | None = None, why: str = "", alias_of: str | None = None):
+    """One option: its default and help, the values it takes, and (`alias_of`) the option it is another name
+    for (rlcu's neutral name of a TRL option, or TRL's name of an rlcu one)."""
+    meta = dict(help=help, choices=choices, minimum=minimum, maximum=maximum, why=why, alias_of=alias_of)
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-# rlcu's neutral names for TRL's options of the sampler correction (TRL names them after vLLM, its sampler)
-ALIASES = {"importance_sampling_correction": "vllm_importance_sampling_correction",
-           "importance_sampling_mode": "vllm_importance_sampling_mode",
-           "importance_sampling_clip_max": "vllm_importance_sampling_clip_max",
-           "importance_sampling_clip_min": "vllm_importance_sampling_clip_min"}
-TRL_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
-                "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": None}
+class OptionGroup:
+    """A group validates each field against its declared choices and bounds, then its own rules (`check`)."""
+    title: ClassVar[str] = ""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise ValueError(f"{f.name} must be one of {meta['choices']}, got {value!r}")
+            low, high = meta["minimum"], meta["maximum"]
+            if value is not None and low is not None and value < low:
+                raise ValueError(f"{f.name} must be >= {low}{meta['why']}, got {value}")
+            if value is not None and high is not None and value > high:
+                raise ValueError(f"{f.name} must be <= {high}{meta['why']}, got {value}")
+        self.check()
+
+    def check(self) -> None:
+        """Rules across fields."""
 
 
-def sampling_correction(options: Mapping) -> SamplingCorrection:
-    """The sampler correction from TRL's names or their aliases (an alias given wins over TRL's default; both
-    given and different is an error), checked."""
-    values = {}
+@dataclass(frozen=True)
+class SamplingOptions(OptionGroup):
+    title: ClassVar[str] = "sampling"
+    num_generations: int = option(8, "completions per prompt (the group)", minimum=2,
+                                  why=" (GRPO compares completions within a group)")
+    max_prompt_length: int = option(512, "prompt tokens at most; a longer prompt is an error naming the sample "
+                                         "(or keeps its end: long_prompts)", minimum=1)
+    max_completion_length: int = option(256, "completion tokens at most", minimum=1)
+    temperature: float = option(1.0, "sampling temperature (0: greedy)", minimum=0)
+    top_p: float = option(1.0, "nucleus sampling's probability mass", minimum=1e-9, maximum=1)
+    top_k: int = option(0, "sample among the k likeliest tokens (0: off)", minimum=0)
+    min_p: float = option(0.0, "drop tokens below min_p times the likeliest's probability (0: off)", minimum=0,
+                          maximum=1)
+    stop: list[str] | None = option(None, "stop strings; completions also stop at every EOS id of the model and "
+                                          "tokenizer")
+    long_prompts: str = option("error", "a prompt over max_prompt_length: stop at set-up (error), or keep its end "
+                                        "(truncate_left)", choices=("error", "truncate_left"))
+    seed: int = option(0, "seeds the sampler (with the step and the rank)")
+
+    def params(self, stop_token_ids: list[int], seed: int | None = None, greedy: bool = False) -> SamplingParams:
+        """The sampler's settings (greedy: temperature 0, for evaluation)."""
+        return SamplingParams(max_tokens=self.max_completion_length, temperature=0.0 if greedy else self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, stop_token_ids=stop_token_ids,
+                              stop=list(self.stop or []), seed=seed)
+
+
+@dataclass(frozen=True)
+class LossOptions(OptionGroup):
+    """The policy loss, its advantages, and the settings of TRL 1.16's newer losses (TRL's names, defaults)."""
+    title: ClassVar[str] = "loss"
+    loss_type: str = option("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo, or a plugin's "
+                                    "(rlcu.losses)")
+    advantage_estimator: str = option("grpo", "grpo (group normalisation) | rloo | reinforce_pp, or a plugin's "
+                                              "(rlcu.losses)")
+    scale_rewards: str = option("group", "advantages divided by the group's std, the batch's, or none (Dr. GRPO)",
+                                choices=SCALES)
+    importance_sampling_level: str = option("token", "token, or sequence (GSPO)", choices=LEVELS)
+    epsilon: float = option(0.2, "clip range", minimum=0)
+    epsilon_high: float | None = option(None, "upper clip range (DAPO's clip-higher; None: epsilon)")
+    delta: float | None = option(None, "two-sided clipping: the unclipped ratio capped at delta (INTELLECT-2)")
+    beta: float = option(0.0, "k3 KL to a frozen copy of the starting model")
+    use_bias_correction_kl: bool = option(True, "the KL term times the importance weight")
+    num_iterations: int = option(1, "optimizer steps per rollout, with the sampling-time logprobs as the old "
+                                    "policy", minimum=1)
+    old_logprobs: str = option("trainer", "with num_iterations > 1, the old policy's logprobs: recomputed "
+                                          "(trainer) or the sampler's (engine)", choices=("trainer", "engine"))
+    mask_truncated_completions: bool = option(False, "completions that hit the length limit get no loss")
+    filter_zero_std_groups: bool = option(False, "drop groups whose rewards are all equal (no signal)")
+    sapo_temperature_pos: float = option(1.0, "SAPO's gate temperature for positive advantages", minimum=1e-6)
+    sapo_temperature_neg: float = option(1.05, "SAPO's gate temperature for negative advantages", minimum=1e-6)
+    vespo_k_pos: float = option(2.0, "VESPO's Gamma shape k for positive advantages")
+    vespo_lambda_pos: float = option(3.0, "VESPO's Gamma rate lambda for positive advantages")
+    vespo_k_neg: float = option(3.0, "VESPO's Gamma shape k for negative advantages")
+    vespo_lambda_neg: float = option(2.0, "VESPO's Gamma rate lambda for negative advantages")
+
+    def check(self) -> None:
+        kind = registry.loss_type(self.loss_type)  # a registered record (built-in or plugin), or an error
+        registry.advantage_estimator(self.advantage_estimator)
+        if kind.preferred_level not in (None, self.importance_sampling_level):
+            log.warning("loss_type=%r is meant with importance_sampling_level=%r (got %r)", kind.name,
+                        kind.preferred_level, self.importance_sampling_level)
+
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True)
+class CorrectionOptions(OptionGroup):
+    """TRL's correction for a sampler whose logprobs differ from the trainer's (TRL names it after vLLM, its
+    sampler; rlcu's sampler is its own engine, which can still differ by a kernel's arithmetic)."""
+    title: ClassVar[str] = "correction"
+    vllm_importance_sampling_correction: bool = option(True, "each token's loss times pi_old / pi_sampler")
+    vllm_importance_sampling_mode: str = option("sequence_mask", "per token or per sequence, truncated or zeroed "
+                                                                 "outside [clip_min, clip_max]",
+                                                choices=SAMPLING_CORRECTION_MODES)
+    vllm_importance_sampling_clip_max: float | None = option(3.0, "upper bound of the weight")
+    vllm_importance_sampling_clip_min: float | None = option(None, "lower bound of the weight")
+    off_policy_mask_threshold: float | None = option(None, "drop a negative-advantage sequence whose mean "
+                                                           "sampler-to-policy KL exceeds it (DeepSeek-V3.2)")
+    importance_sampling_correction: bool | None = option(None, "rlcu's neutral name of "
+                                                               "vllm_importance_sampling_correction",
+                                                         alias_of="vllm_importance_sampling_correction")
+    importance_sampling_mode: str | None = option(None, "rlcu's neutral name of vllm_importance_sampling_mode",
+                                                  alias_of="vllm_importance_sampling_mode")
+    importance_sampling_clip_max: float | None = option(None, "rlcu's neutral name of "
+                                                              "vllm_importance_sampling_clip_max",
+                                                        alias_of="vllm_importance_sampling_clip_max")
+    importance_sampling_clip_min: float | None = option(None, "rlcu's neutral name of "
+                                                              "vllm_importance_sampling_clip_min",
+                                                        alias_of="vllm_importance_sampling_clip_min")
+
+    def check(self) -> None:
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be <= vllm_importance_sampling_clip_max "
+                             f"({high})")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.vllm_importance_sampling_correction)
+
+    @property
+    def mode(self) -> str:
+        return self.vllm_importance_sampling_mode
+
+
+@dataclass(frozen=True)
+class EntropyOptions(OptionGroup):
+    title: ClassVar[str] = "entropy"
+    top_entropy_quantile: float = option(1.0, "train only on the top fraction of tokens by entropy (1 keeps every "
+                                              "token)", minimum=0, maximum=1)
+    entropy_coef: float = option(0.0, "entropy bonus coefficient")
+    use_adaptive_entropy: bool = option(False, "Skywork-OR1's adaptive coefficient")
+    entropy_coef_min: float = option(0.0, "the adaptive coefficient's lower bound")
+    entropy_coef_max: float = option(1.0, "the adaptive coefficient's upper bound")
+    entropy_coef_delta: float = option(0.005, "the adaptive coefficient's step", minimum=0)
+    entropy_target: float = option(0.2, "the entropy the adaptive coefficient steers to")
+
+    def check(self) -> None:
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError("entropy_coef_min must be <= entropy_coef_max")
+
+    @property
+    def active(self) -> bool:
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+
+@dataclass(frozen=True)
+class OptimizerOptions(OptionGroup):
+    title: ClassVar[str] = "optimizer"
+    learning_rate: float = option(1e-6, "AdamW's learning rate", minimum=0)
+    weight_decay: float = option(0.0, "AdamW's weight decay")
+    adam_betas: tuple[float, float] = option((0.9, 0.999), "AdamW's betas")
+    adam_state_dtype: str = option("float32", "AdamW's moments in float32 or bfloat16 (stochastic rounding)",
+                                   choices=ADAM_STATE_DTYPES)
+    optimizer_offload: bool = option(False, "AdamW's fp32 masters and moments in host memory")
+    lr_scheduler: str = option("constant", "constant, linear or cosine after a linear warm-up", choices=SCHEDULES)
+    warmup_steps: int = option(0, "steps of linear warm-up", minimum=0)
+    max_grad_norm: float | None = option(1.0, "gradient clipping (None: off)")
+    micro_batch_size: int = option(8, "sequences per forward/backward (gradient accumulation over the step)",
+                                   minimum=1)
+    gradient_checkpointing: bool = option(False, "recompute activations in backward")
+    packing: bool = option(False, "training forward without padding: each micro-batch's tokens as one sequence")
+
+    def check(self) -> None:
+        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))  # YAML gives a list
+
+
+@dataclass(frozen=True)
+class ModelOptions(OptionGroup):
+    title: ClassVar[str] = "model"
+    dtype: str = option("float32", "weights' dtype when loading by name")
+    trust_remote_code: bool = option(False, "run code that a model's repository ships (transformers')")
+    exact_logprobs: bool = option(False, "the sampler's logprobs equal the trainer's to the bit (batch-invariant "
+                                         "kernels on both sides)")
+    score_during_generation: bool = option(False, "score completions as they end, while the rest decode")
+
+
+@dataclass(frozen=True)
+class EvaluationOptions(OptionGroup):
+    title: ClassVar[str] = "evaluation"
+    eval_num_samples: int = option(4, "samples per held-out prompt for eval/pass@k and eval/mean@k (0 or 1: greedy "
+                                      "only)", minimum=0)
+    num_generations_eval: int | None = option(None, "TRL's name of eval_num_samples", minimum=0,
+                                              alias_of="eval_num_samples")
+    accuracy_reward: str | None = option(None, "the reward whose value is eval/accuracy (None: the first)")
+    eval_at_start: bool = option(True, "a held-out evaluation before the first step")
+
+
+@dataclass(frozen=True)
+class FaultOptions(OptionGroup):
+    title: ClassVar[str] = "faults"
+    max_consecutive_faults: int = option(3, "updates in a row skipped for numerical faults before the run stops",
+                                         minimum=1)
+    reward_timeout: float | None = option(300.0, "seconds each reward call may take (None: no limit)",
+                                          minimum=1e-9, why=" seconds (or null: no limit)")
+    on_reward_error: str = option("raise", "a reward that raises or runs over: stop the run (raise) or score those "
+                                           "samples None (none)", choices=ON_REWARD_ERROR)
+
+
+@dataclass(frozen=True)
+class AgentLimits(OptionGroup):
+    title: ClassVar[str] = "agents"
+    max_tool_calling_iterations: int | None = option(None, "rounds of tool calls per episode (None: bounded by "
+                                                           "max_completion_length)", minimum=1)
+    tool_format: str = option("template", "the tokenizer's chat template, or rlcu's hermes format for templates "
+                                          "without tools", choices=TOOL_FORMATS)
+    tool_timeout: float | None = option(60.0, "seconds a tool call (or an environment's step) may take",
+                                        minimum=1e-9, why=" seconds (or null: no limit)")
+
+
+GROUPS: tuple[type[OptionGroup], ...] = (SamplingOptions, LossOptions, CorrectionOptions, EntropyOptions,
+                                         OptimizerOptions, ModelOptions, EvaluationOptions, FaultOptions, AgentLimits)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option of a GRPO run, by group."""
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    loss: LossOptions = field(default_factory=LossOptions)
+    correction: CorrectionOptions = field(default_factory=CorrectionOptions)
+    entropy: EntropyOptions = field(default_factory=EntropyOptions)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+    faults: FaultOptions = field(default_factory=FaultOptions)
+    agents: AgentLimits = field(default_factory=AgentLimits)
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> "Options":
+        """The one adapter from flat names (TRL's, rlcu's, and their aliases) to the groups: an unknown name is an
+        error naming the closest option; an alias given beside its option must agree with it."""
+        unknown = sorted(set(values) - set(FIELDS))
+        if unknown:
+            import difflib
+
+            close = difflib.get_close_matches(unknown[0], list(FIELDS), n=1)
+            raise TypeError(f"unknown GRPO option {unknown[0]!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+        per_group: dict[str, dict] = {}
+        for name, value in resolve_aliases(values).items():
+            per_group.setdefault(FIELDS[name][0], {})[name] = value
+        return cls(**{g: GROUP_OF[g](**kw) for g, kw in per_group.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every option by its flat name, aliases left out (what checkpoints and config.yaml record)."""
+        out = {}
+        for group in fields(self):
+            part = getattr(self, group.name)
+            out.update({f.name: getattr(part, f.name) for f in fields(part) if not f.metadata["alias_of"]})
+        return out
+
+
+def resolve_aliases(values: Mapping[str, Any]) -> dict[str, Any]:
+    """An alias that is set (not None) gives its value to the option it names; both set and different (the option
+    off its default) is an error naming both."""
+    out = dict(values)
     for alias, name in ALIASES.items():
-        value = options[name]
-        if options[alias] is not None:
-            if value != TRL_DEFAULTS[name] and value != options[alias]:
-                raise ValueError(f"{alias} and {name} are one option (rlcu's name and TRL's); give only one")
-            value = options[alias]
-        values[name] = value
-    mode = values["vllm_importance_sampling_mode"]
-    if mode not in SAMPLING_CORRECTION_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {SAMPLING_CORRECTION_MODES}, got {mode!r}")
-    low, high = values["vllm_importance_sampling_clip_min"], values["vllm_importance_sampling_clip_max"]
-    if low is not None and high is not None and low > high:
-        raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be <= vllm_importance_sampling_clip_max "
-                         f"({high})")
-    # VESPO folds the correction into its sequence weight, where a sequence-level ratio is as good as the product
-    # of token ratios (TRL accepts only token modes there, and only with vLLM; without vLLM, its default, TRL
-    # applies no correction, so a TRL config with loss_type vespo must run here with the default mode too)
-    return SamplingCorrection(bool(values["vllm_importance_sampling_correction"]), mode, low, high,
-                              options["off_policy_mask_threshold"])
+        value = out.pop(alias, None)
+        if value is None:
+            continue
+        default = DEFAULTS[name]
+        if name in out and out[name] not in (default, value):
+            raise ValueError(f"{alias} and {name} are one option (two names for it); give only one")
+        out[name] = value
+    return out
 
 
-EVAL_NUM_SAMPLES = 4  # rlcu's default samples per held-out prompt (pass@4, mean@4)
+FIELDS = {f.name: (g.title, f) for g in GROUPS for f in fields(g)}  # flat name -> (group, its field)
+# another name of an option -> the option it names (given both, they must agree)
+ALIASES = {name: f.metadata["alias_of"] for name, (_, f) in FIELDS.items() if f.metadata["alias_of"]}
+GROUP_OF = {g.title: g for g in GROUPS}
+DEFAULTS = {name: (f.default if f.default is not MISSING else f.default_factory()) for name, (_, f) in FIELDS.items()}
 
 
-def eval_samples(options: Mapping) -> int:
-    """Samples per held-out prompt for pass@k / mean@k: `eval_num_samples`, or TRL's `num_generations_eval`
-    (the same option under TRL's name, so a TRL config carries over; both given and different is an error)."""
-    trl, ours = options["num_generations_eval"], options["eval_num_samples"]
-    if trl is None:
-        return ours
-    if trl < 0:
-        raise ValueError(f"num_generations_eval must be >= 0 (0 or 1: greedy only), got {trl}")
-    if ours not in (EVAL_NUM_SAMPLES, trl):
-        raise ValueError(f"num_generations_eval ({trl}) and eval_num_samples ({ours}) are one option (TRL's name "
-                         "and rlcu's); give only one")
-    return trl
-
-
-def check_against_model(options: Mapping, context_length: int, reward_names: list[str]) -> None:
+def check_against_model(options: Options, context_length: int, reward_names: list[str]) -> None:
     """The options that depend on the model's context length and the run's reward names."""
-    total = options["max_prompt_length"] + options["max_completion_length"]
+    s = options.sampling
+    total = s.max_prompt_length + s.max_completion_length
     if total > context_length:
         raise ValueError(f"max_prompt_length + max_completion_length = {total} exceeds the model's context of "
                          f"{context_length} tokens; lower one of them")
-    accuracy = options["accuracy_reward"]
+    accuracy = options.evaluation.accuracy_reward
     if accuracy is not None and accuracy not in reward_names:
         raise ValueError(f"accuracy_reward {accuracy!r} is not one of this run's rewards {reward_names}")
+
+
+def signature(init: Callable) -> tuple[inspect.Signature, str]:
+    """`init`'s own parameters then every option as a keyword with its type and default, and a docstring whose
+    `Args:` give each option's group and help: what LightningCLI (jsonargparse) reads for `--help`, YAML and
+    `--model.key=value`, and what Python's help() shows."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params, docs = list(own), []
+    for group in GROUPS:
+        hints = typing.get_type_hints(group)
+        for f in fields(group):
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[f.name],
+                                            annotation=hints[f.name]))
+            docs.append(f"    {f.name}: [{group.title}] {f.metadata['help']}")
+    doc = inspect.cleandoc(init.__doc__ or "")
+    doc += ("\n" if "\nArgs:" in doc else "\n\nArgs:\n") + "\n".join(docs) + "\n"
+    return inspect.Signature(params), doc

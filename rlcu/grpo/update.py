@@ -1,7 +1,7 @@
 """The update phase of a GRPO step: num_iterations x [micro-batched forward/backward, clip, optimizer step,
 LR schedule], with the entropy bonus's adaptive coefficient. A mixin of `GRPOModule` (module.py), whose
-attributes it reads: `hparams`, `policy`, `ref_model`, `counters`, `sampling_correction`, `loss_options`,
-`epsilon_high`, `loss_kind`, `rollout`, and Lightning's `optimizers()`, `lr_schedulers()`, `manual_backward()`."""
+attributes it reads: `options`, `policy`, `ref_model`, `counters`, `loss_kind`, `numerics`, `rollout`, and
+Lightning's `optimizers()`, `lr_schedulers()`, `manual_backward()`."""
 from __future__ import annotations
 
 import math
@@ -32,7 +32,7 @@ class MicroBatchLoss:
 class GRPOUpdate:
     def _update(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
         """num_iterations optimizer steps on the kept rows."""
-        hp = self.hparams
+        loss_opts, entropy = self.options.loss, self.options.entropy
         self.counters.consecutive_skips = 0
         staged = StagedBatch.of(batch, keep, self.device)
         old, ref = self._old_logprobs(staged), self._reference_logprobs(staged)
@@ -42,14 +42,14 @@ class GRPOUpdate:
             loss_items = total.cpu() / self.world_size
         stats, losses, grad_norms = LossStats(), [], []
         gap = [torch.zeros((), device=self.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
-        for it in range(hp.num_iterations):
+        for it in range(loss_opts.num_iterations):
             loss = self._accumulate(staged, old, ref, loss_items, stats, gap if it == 0 else None)
             norm = self._optimizer_step()
             if not math.isfinite(norm):  # no step was taken: the weights stay as they were
                 return self._fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
             losses.append(float(loss))
             grad_norms.append(norm)
-            if hp.use_adaptive_entropy:
+            if entropy.use_adaptive_entropy:
                 self._update_entropy_coef()
         out = stats.result()
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
@@ -58,22 +58,22 @@ class GRPOUpdate:
         out["logprob_mismatch/max"] = float(gap[1])
         self.counters.consecutive_faults = 0
         out["faults/skipped_updates"] = float(self.counters.faults)
-        if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
-            out["entropy_coef"] = (self.counters.entropy_coef if hp.use_adaptive_entropy
+        if entropy.active:
+            out["entropy_coef"] = (self.counters.entropy_coef if entropy.use_adaptive_entropy
                                    else self._entropy_coef_now())
         return out
 
     def _old_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
         """The sampling-time logprobs when the policy moves between iterations (num_iterations > 1)."""
-        hp = self.hparams
-        if hp.num_iterations == 1:
+        loss_opts = self.options.loss
+        if loss_opts.num_iterations == 1:
             return None
-        if hp.old_logprobs == "engine":
+        if loss_opts.old_logprobs == "engine":
             return staged.rows.sampler_logps
         return self._logprobs_without_grad(self.policy, staged)
 
     def _reference_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
-        if self.hparams.beta == 0.0:
+        if self.options.loss.beta == 0.0:
             return None
         if self.ref_model is not None:
             return self._logprobs_without_grad(self.ref_model, staged)
@@ -81,12 +81,12 @@ class GRPOUpdate:
             return self._logprobs_without_grad(self.policy, staged)
 
     def _logprobs_without_grad(self, model, staged: StagedBatch) -> torch.Tensor:
-        mbs = staged.micro_batches(self.hparams.micro_batch_size)
+        mbs = staged.micro_batches(self.options.optimizer.micro_batch_size)
         return torch.cat([self._logps(model, staged, rows, grad=False)[0] for rows in mbs])
 
     def _accumulate(self, staged: StagedBatch, old, ref, loss_items, stats: LossStats, gap: list | None):
         """Forward and backward over the micro-batches, gradients summed; returns the loss (device)."""
-        b, mbs = staged.rows, staged.micro_batches(self.hparams.micro_batch_size)
+        b, mbs = staged.rows, staged.micro_batches(self.options.optimizer.micro_batch_size)
         self.optimizers().zero_grad()
         total = torch.zeros((), device=self.device)
         self._entropy_window = torch.zeros(2, device=self.device)  # sum and tokens of the bonus's entropies
@@ -98,8 +98,8 @@ class GRPOUpdate:
                 diff = (out.logps - b.sampler_logps[rows]).abs() * out.mask
                 gap[0], gap[1] = gap[0] + diff.sum(), torch.maximum(gap[1], diff.max())
             adv = b.advantages[rows]
-            stats.add(out.mask, out.entropy, out.kl, *grpo_loss.clip_masks(out.coef, adv, self.hparams.epsilon,
-                                                                           self.epsilon_high))
+            stats.add(out.mask, out.entropy, out.kl, *grpo_loss.clip_masks(out.coef, adv, self.options.loss.epsilon,
+                                                                           self.options.loss.epsilon_upper))
             if out.sampling_ratio is not None and gap is not None:
                 stats.add_sampling_ratio(out.sampling_ratio, out.mask)
         return total
@@ -109,23 +109,25 @@ class GRPOUpdate:
         """One micro-batch's loss as TRL's `_compute_loss` forms it: policy term (top-entropy tokens only when
         top_entropy_quantile < 1; corrected for the sampler and masked off-policy as configured), KL, the
         aggregation, the entropy bonus."""
-        hp, b, sc = self.hparams, staged.rows, self.sampling_correction
+        lo, en, b, sc = self.options.loss, self.options.entropy, staged.rows, self.options.correction
         logps, entropy = self._logps(self.policy, staged, rows, grad=True)
         mask, adv, sampler = b.loss_mask[rows].float(), b.advantages[rows], b.sampler_logps[rows]
         old_lp = old[rows] if old is not None else logps.detach()
         top = ratio = keep = None
-        if hp.top_entropy_quantile < 1.0:
-            top = grpo_loss.high_entropy_mask(entropy.detach(), mask, hp.top_entropy_quantile).to(mask.dtype)
+        if en.top_entropy_quantile < 1.0:
+            top = grpo_loss.high_entropy_mask(entropy.detach(), mask, en.top_entropy_quantile).to(mask.dtype)
         if sc.enabled:  # pi_old / pi_sampler: TRL's TIS / MIS weight
-            ratio = grpo_loss.sampling_ratio(old_lp, sampler, mask, sc.mode, sc.clip_min, sc.clip_max)
+            ratio = grpo_loss.sampling_ratio(old_lp, sampler, mask, sc.mode, sc.vllm_importance_sampling_clip_min,
+                                             sc.vllm_importance_sampling_clip_max)
         if sc.off_policy_mask_threshold is not None:
             keep = grpo_loss.off_policy_mask(adv, logps, sampler, mask, sc.off_policy_mask_threshold)
-        ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, hp.epsilon, self.epsilon_high,
-                                                 hp.importance_sampling_level, ref[rows] if ref is not None else None,
-                                                 hp.beta, self.loss_kind, self.loss_options, top, ratio, keep)
-        loss = grpo_loss.aggregate_loss(ptl, mask, self.loss_kind, hp.max_completion_length, num_micro_batches,
+        ptl, coef, kl = grpo_loss.per_token_loss(logps, old_lp, adv, mask, lo.epsilon, lo.epsilon_upper,
+                                                 lo.importance_sampling_level, ref[rows] if ref is not None else None,
+                                                 lo.beta, self.loss_kind, lo, top, ratio, keep)
+        max_length = self.options.sampling.max_completion_length
+        loss = grpo_loss.aggregate_loss(ptl, mask, self.loss_kind, max_length, num_micro_batches,
                                         loss_items)
-        if hp.entropy_coef != 0.0 or hp.use_adaptive_entropy:
+        if en.active:
             effective = mask if top is None else mask * top
             loss = loss - self._entropy_coef_now() * grpo_loss.entropy_bonus(entropy, effective, num_micro_batches)
             self._entropy_window += torch.stack([(entropy.detach() * effective).sum(), effective.sum()])
@@ -135,7 +137,7 @@ class GRPOUpdate:
     def _entropy_coef_now(self) -> float:
         """The entropy bonus's coefficient: entropy_coef, or with use_adaptive_entropy the controller's, applied
         only while the last step's entropy was at or below entropy_target (TRL's rule)."""
-        hp, c = self.hparams, self.counters
+        hp, c = self.options.entropy, self.counters
         if not hp.use_adaptive_entropy:
             return hp.entropy_coef
         coef = hp.entropy_coef if c.entropy_coef is None else c.entropy_coef
@@ -143,7 +145,7 @@ class GRPOUpdate:
 
     def _update_entropy_coef(self) -> None:
         """After an optimizer step: the adaptive controller moves the coefficient by the step's mean entropy."""
-        hp, c = self.hparams, self.counters
+        hp, c = self.options.entropy, self.counters
         window = self._entropy_window
         if self.world_size > 1:
             window = self.trainer.strategy.reduce(window, reduce_op="sum")
@@ -163,7 +165,8 @@ class GRPOUpdate:
         if not math.isfinite(value):  # under DDP every rank sees the same averaged gradients: all skip together
             opt.zero_grad()
             return value
-        max_norm = self.hparams.max_grad_norm  # torch's clipping coefficient, applied as the step reads the gradients
+        # torch's clipping coefficient, applied as the step reads the gradients
+        max_norm = self.options.optimizer.max_grad_norm
         opt.step(grad_scale=min(1.0, max_norm / (value + 1e-6)) if max_norm else 1.0)
         opt.zero_grad()  # the gradients would otherwise sit through the next rollout
         sched.step()
@@ -173,9 +176,10 @@ class GRPOUpdate:
     def _logps(self, model, staged: StagedBatch, rows: slice, grad: bool):
         # only the policy's logprobs meet the sampler's: a frozen reference keeps the fast kernels
         numerics = self.numerics if model is self.policy else Numerics.FAST
-        padded = self.hparams.packing or staged.padded(rows)
+        packing = self.options.optimizer.packing
+        padded = packing or staged.padded(rows)
         b = staged.rows
         ids, mask = b.input_ids[rows], b.attention_mask[rows] if padded else None
         with torch.set_grad_enabled(grad):
-            return completion_logprobs(model, ids, mask, b.loss_mask.shape[1], self.hparams.temperature,
-                                       packed=self.hparams.packing, numerics=numerics)
+            return completion_logprobs(model, ids, mask, b.loss_mask.shape[1], self.options.sampling.temperature,
+                                       packed=packing, numerics=numerics)

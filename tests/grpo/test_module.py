@@ -108,9 +108,9 @@ def test_clear_errors(tiny, tmp_path):
         make(tiny, vllm_importance_sampling_mode="token")
     with pytest.raises(ValueError, match="importance_sampling_mode and vllm_importance_sampling_mode are one option"):
         make(tiny, vllm_importance_sampling_mode="token_mask", importance_sampling_mode="sequence_truncate")
-    assert make(tiny, loss_type="vespo").sampling_correction.mode == "sequence_mask"  # a TRL config carries over
-    assert make(tiny, importance_sampling_mode="token_truncate").sampling_correction.mode == "token_truncate"
-    assert not make(tiny, importance_sampling_correction=False).sampling_correction.enabled
+    assert make(tiny, loss_type="vespo").options.correction.mode == "sequence_mask"  # a TRL config carries over
+    assert make(tiny, importance_sampling_mode="token_truncate").options.correction.mode == "token_truncate"
+    assert not make(tiny, importance_sampling_correction=False).options.correction.enabled
     with pytest.raises(ValueError, match=r"prompt 0 has 5 tokens, more than max_prompt_length=3"):
         fit(make(tiny, max_prompt_length=3), [{"prompt": "t1 t2 t3 t4 t5", "target": 8}] * 4, 1, tmp_path)
 
