@@ -11,6 +11,11 @@ class OutOfBlocks(RuntimeError):
     pass
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -30,7 +35,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks to hold `num_tokens` more tokens of `seq` (counting a copy-on-write)."""
-        total = -(-(seq.num_computed_tokens + num_tokens) // self.block_size)
+        total = blocks_for(seq.num_computed_tokens + num_tokens, self.block_size)
         need = max(0, total - len(seq.block_table))
         if self.shared_partial_tail(seq):
             need += 1
@@ -55,7 +60,7 @@ class BlockManager:
             self.ref_counts[old] -= 1
             self.pending_copies.append((old, new))
             seq.block_table[-1] = new
-        total = -(-(seq.num_computed_tokens + num_tokens) // self.block_size)
+        total = blocks_for(seq.num_computed_tokens + num_tokens, self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(self._take())
 

@@ -98,14 +98,9 @@ class DecodeGraphs:
         if plan is not None:  # (group slots, prefix splits) of prefix_plan
             slots, prefix_splits = plan
             groups = (self.order[:bucket], self.starts[:slots + 1], self.shared[:slots], self.skip[:bucket])
-        if runner.exact:  # the prefill kernel, one query per row (model_runner.decode)
-            attention = PagedAttention(runner, self.slots[:bucket], self.cu[:bucket + 1], self.context_lens[:bucket],
-                                       self.block_tables[:bucket], decode_only=False,
-                                       tiles=(self.cu[:bucket], self.tile_starts[:bucket]))
-        else:
-            attention = PagedAttention(runner, self.slots[:bucket], None, self.context_lens[:bucket],
-                                       self.block_tables[:bucket], decode_only=True, num_splits=splits, groups=groups,
-                                       prefix_splits=prefix_splits)
+        exact_rows = (self.cu[:bucket + 1], (self.cu[:bucket], self.tile_starts[:bucket]))  # the graph's own buffers
+        attention = PagedAttention.decode(runner, self.slots[:bucket], self.context_lens[:bucket],
+                                          self.block_tables[:bucket], exact_rows, splits, groups, prefix_splits)
         # the autocast cache would keep casts made during capture alive outside the graph's memory
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):

@@ -28,23 +28,14 @@ from rlcu.contracts import (
     check_reply,
 )
 from rlcu.engine.block_manager import BlockManager
-from rlcu.engine.model_runner import ModelRunner
+from rlcu.engine.model_runner import ModelRunner, to_device
 from rlcu.engine.paged_attention import KV_CACHE_DTYPES, cache_dtype
 from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
-from rlcu.kernels.sampling import sample
-from rlcu.kernels.token_logprob import token_logprob
 from rlcu.models.decoder import CausalLM
 
 log = logging.getLogger(__name__)
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list as an int64 device tensor without waiting for the GPU: `torch.tensor(..., device=cuda)`
-    is a blocking copy, which first drains the stream, and with it a decode step launched ahead."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
@@ -149,7 +140,7 @@ class LLMEngine:
         if not seqs:
             return
         owners, rows = (seqs, None) if decode_only else self.scheduler.fork_prefilled(seqs)
-        tokens, logprobs = self._sample(owners, logits, rows)
+        tokens, logprobs = self.runner.sample(logits, owners, rows, self._sampling, self._seed)
         host_tokens, host_logprobs, ready = to_host(tokens, logprobs)  # on CUDA: written once `ready`
         if decode_only and not self.scheduler.waiting and self.config.lookahead:
             self._ahead = self._launch_ahead(owners, tokens)  # the GPU computes it while the host goes on
@@ -167,24 +158,10 @@ class LLMEngine:
         if self._ahead is not None:
             (seqs, logits), self._ahead = self._ahead, None
             return seqs, logits, True
-        batch = self.scheduler.schedule()
-        decode_only = not self.scheduler.prefilled  # no prefill chunk, so no fork either
+        batch, decode_only = self.scheduler.schedule()
         self._copy_pending_blocks()
         logits, seqs = self.runner.run(batch, self.scheduler.bm, decode_only)
         return seqs, logits, decode_only
-
-    def _sample(self, owners: list[Sequence], logits: torch.Tensor, rows: list[int] | None):
-        """Each draw is seeded by (run seed, request, token index): reproducible whatever the batching.
-        `rows`: which logits row each owner samples from, when forks share their parent's."""
-        device, sp = self.runner.device, self._sampling
-        seeds = to_device([hash((self._seed, s.request_index, s.num_completion_tokens)) & (2**62 - 1)
-                           for s in owners], device)
-        if rows is not None and rows != list(range(len(logits))):
-            logits = logits[to_device(rows, device)]
-        tokens, logprobs = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, seeds=seeds)
-        if self.runner.exact and sp.temperature > 0:  # the trainer's log-softmax kernel, on the same logits
-            logprobs = token_logprob(logits, tokens, sp.temperature)[0]
-        return tokens, logprobs
 
     def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor):
         """Launch the next decode step of `seqs` on the GPU's sampled `tokens` before the host has them,

@@ -8,8 +8,8 @@ from itertools import zip_longest
 import numpy as np
 import torch
 
-from rlcu.contracts import Numerics
-from rlcu.engine.block_manager import BlockManager
+from rlcu.contracts import Numerics, SamplingParams
+from rlcu.engine.block_manager import BlockManager, blocks_for
 from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.paged_attention import PagedAttention, cache_dtype
 from rlcu.engine.sequence import Sequence
@@ -18,7 +18,9 @@ from rlcu.kernels.decode_attention import triton_supports
 from rlcu.kernels.kv_cache import as_bytes
 from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
 from rlcu.kernels.rope_store_kv import supported as rope_supported
+from rlcu.kernels.sampling import sample
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
+from rlcu.kernels.token_logprob import token_logprob
 from rlcu.models.decoder import CausalLM
 
 # Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
@@ -55,8 +57,22 @@ class ModelRunner:
         self.fuse_qk_norm = (cfg.qk_norm and cfg.spec.qk_norm != "full" and triton and rope_supported(cfg.head_dim)
                              and not self.exact)
         if cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size):
-            max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
+            max_blocks = min(num_blocks, blocks_for(cfg.max_position_embeddings, block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
+
+    def sample(self, logits: torch.Tensor, owners: list[Sequence], rows: list[int] | None, sp: SamplingParams,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each owner's next token and its logprob. Each draw is seeded by (run seed, request, token index):
+        reproducible whatever the batching. `rows`: which logits row each owner samples from, when forks share
+        their parent's."""
+        seeds = to_device([hash((seed, s.request_index, s.num_completion_tokens)) & (2**62 - 1) for s in owners],
+                          self.device)
+        if rows is not None and rows != list(range(len(logits))):
+            logits = logits[to_device(rows, self.device)]
+        tokens, logprobs = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, seeds=seeds)
+        if self.exact and sp.temperature > 0:  # the trainer's log-softmax kernel, on the same logits
+            logprobs = token_logprob(logits, tokens, sp.temperature)[0]
+        return tokens, logprobs
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
@@ -124,23 +140,19 @@ class ModelRunner:
         if groups is not None:
             prefix_splits = prefix_plan(len(groups[2]), int(groups[2].max()), self.model.config.num_key_value_heads)[1]
             groups = tuple(torch.from_numpy(a).to(dev) for a in groups)
-        if self.exact:  # one query per sequence through the prefill kernel: the training forward's sums
-            cu, tiles = decode_tiles(len(seqs), dev)
-            attention = PagedAttention(self, slots_t.to(dev), cu, ctx_t.to(dev), table.to(dev), decode_only=False,
-                                       tiles=tiles)
-        else:
-            attention = PagedAttention(self, slots_t.to(dev), None, ctx_t.to(dev), table.to(dev), decode_only=True,
-                                       groups=groups, prefix_splits=prefix_splits)
+        attention = PagedAttention.decode(self, slots_t.to(dev), ctx_t.to(dev), table.to(dev), groups=groups,
+                                          prefix_splits=prefix_splits)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
         return self.model.lm_head(hidden[0], self.exact), seqs
-
-
-def decode_tiles(n: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """cu_seqlens and the prefill kernel's query tiles for n sequences of one query each."""
-    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
-    return cu, (cu[:-1], torch.zeros(n, dtype=torch.int32, device=device))
 
 
 def padded_table(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one int32 [n, longest] tensor, padded with block 0 (never read past a context)."""
     return torch.from_numpy(np.array(list(zip_longest(*tables, fillvalue=0)), dtype=np.int32).T.copy())
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 device tensor without waiting for the GPU: `torch.tensor(..., device=cuda)`
+    is a blocking copy, which first drains the stream, and with it a decode step launched ahead."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -36,6 +36,19 @@ class PagedAttention:
         self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
         self.batch_invariant = runner.exact
 
+    @classmethod
+    def decode(cls, runner, slots, context_lens, block_tables, exact_rows=None, num_splits: int | None = None,
+               groups=None, prefix_splits: int | None = None) -> "PagedAttention":
+        """A decode step's context (one new token a sequence), for the eager and the CUDA-graph paths alike. In
+        exact numerics every row is a sequence of one query through the prefill kernel, the training forward's
+        sums: `exact_rows` = (cu_seqlens [n + 1], its query tiles), made here when not given. Otherwise the
+        decode kernel, with its KV splits and shared-prefix `groups`."""
+        if runner.exact:
+            cu, tiles = exact_rows if exact_rows is not None else decode_rows(len(context_lens), context_lens.device)
+            return cls(runner, slots, cu, context_lens, block_tables, decode_only=False, tiles=tiles)
+        return cls(runner, slots, None, context_lens, block_tables, decode_only=True, num_splits=num_splits,
+                   groups=groups, prefix_splits=prefix_splits)
+
     def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None):
         kc, vc = self.runner.k_cache[layer_idx], self.runner.v_cache[layer_idx]
         norm = ()
@@ -54,3 +67,9 @@ class PagedAttention:
         else:
             out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, scale, self.tiles, window=window)
         return out[None]
+
+
+def decode_rows(n: int, device) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """cu_seqlens and the prefill kernel's query tiles for n sequences of one query each."""
+    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+    return cu, (cu[:-1], torch.zeros(n, dtype=torch.int32, device=device))

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from rlcu.engine.block_manager import blocks_for
 from rlcu.engine.paged_attention import cache_dtype
 from rlcu.engine.sequence import Sequence
 from rlcu.models.decoder import CausalLM
@@ -39,14 +40,14 @@ def available_memory(device: torch.device) -> int:
 def blocks_all_at_once(parents: list[Sequence], block_size: int) -> int:
     total = 0
     for s in parents:
-        longest = -(-(s.num_prompt_tokens + s.max_tokens) // block_size)
+        longest = blocks_for(s.num_prompt_tokens + s.max_tokens, block_size)
         shared = s.num_prompt_tokens // block_size  # full prompt blocks; a partial one is copied on write
         total += shared + (1 + s.pending_forks) * (longest - shared)
     return total
 
 
 def blocks_running_at_once(parents: list[Sequence], block_size: int, max_num_seqs: int) -> int:
-    longest = max(-(-(s.num_prompt_tokens + s.max_tokens) // block_size) for s in parents)
+    longest = max(blocks_for(s.num_prompt_tokens + s.max_tokens, block_size) for s in parents)
     return (max_num_seqs + 1) * longest
 
 

@@ -15,10 +15,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from rlcu.contracts import StopStrings
-from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.block_manager import BlockManager, blocks_for
 from rlcu.engine.sequence import Sequence, Status
+
+
+class Scheduled(NamedTuple):
+    batch: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
+    decode_only: bool  # no prefill chunk: one token a sequence, and no fork after the step
 
 
 class Scheduler:
@@ -36,10 +42,9 @@ class Scheduler:
         self.parked: list[Sequence] = []  # turn ended, waiting for the continuation's reply
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens computed by prefill chunks (prompts, appended tokens, recomputes)
-        self.prefilled = False  # whether the last schedule() included a prefill chunk (else: decodes only)
 
     def add(self, seq: Sequence) -> None:
-        worst = -(-(seq.num_prompt_tokens + seq.max_tokens) // self.bm.block_size)
+        worst = blocks_for(seq.num_prompt_tokens + seq.max_tokens, self.bm.block_size)
         if worst > self.bm.num_blocks:
             raise ValueError(f"a request of {seq.num_prompt_tokens} prompt + {seq.max_tokens} new tokens needs "
                              f"{worst} KV blocks but the pool has {self.bm.num_blocks}; give the engine more "
@@ -61,11 +66,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to compute this step), decodes first."""
+    def schedule(self) -> Scheduled:
+        """This step's batch, decodes first, and whether it is decodes only."""
         batch: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
-        self.prefilled = False
+        prefilled = False
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
@@ -95,14 +100,14 @@ class Scheduler:
             batch.append((seq, chunk))
             budget -= chunk
             self.num_prefill_tokens += chunk
-            self.prefilled = True
+            prefilled = True
             if chunk == seq.num_uncomputed_tokens:  # prefill completes: it samples this step and then decodes
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
                 self.running.append(seq)
             else:
                 break  # a partial chunk used the rest of the budget or of the pool
-        return batch
+        return Scheduled(batch, decode_only=not prefilled)
 
     def _reclaim(self) -> bool:
         """Free the blocks of one idle sequence: a parked one, else one waiting behind the queue's head."""
