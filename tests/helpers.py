@@ -27,6 +27,7 @@ DENSE_FAMILIES = {
     "phi3": dict(cls="Phi3Config", extra=dict(pad_token_id=62, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     "smollm3": dict(cls="SmolLM3Config", extra=dict(no_rope_layers=[1, 0])),
+    "seed_oss": dict(cls="SeedOssConfig", extra=dict(attention_bias=True, attention_out_bias=False)),
     "gemma3_text": dict(cls="Gemma3TextConfig", extra=dict(
         sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),

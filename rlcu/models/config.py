@@ -161,7 +161,9 @@ def _common_fields(hf: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias if spec.qkv_bias is None else spec.qkv_bias,
-        o_bias=attention_bias if spec.o_bias is None else spec.o_bias, qk_norm=spec.qk_norm is not None,
+        # Seed-OSS names the output projection's bias apart from q/k/v's
+        o_bias=bool(hf.get("attention_out_bias", attention_bias)) if spec.o_bias is None else spec.o_bias,
+        qk_norm=spec.qk_norm is not None,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"))
 
 
