@@ -68,6 +68,14 @@ class Episode:
     tool_failures: int = 0
 
 
+@dataclass
+class Episodes:
+    """A rollout's episodes after they ran: plain data for scoring and metrics."""
+    completions: list[list[dict]]  # [N] each episode's messages after its prompt (TRL's `completions[i]`)
+    environments: list | None  # [N] each episode's environment (TRL's `environments` column), None without
+    metrics: dict[str, float]  # tools/call_frequency, tools/failure_frequency, episodes/mean_turns
+
+
 class EpisodeRunner:
     def __init__(self, rows: list[dict], options: AgentOptions, stop_requested: Callable[[], bool] | None = None):
         """One episode per row (the rows already repeated per generation)."""
@@ -137,6 +145,10 @@ class EpisodeRunner:
         return [{"role": "user", "content": str(answer)}]
 
     # ---- after the rollout ---------------------------------------------------------------------------
+    def record(self) -> "Episodes":
+        """What the rest of the step needs of the episodes, as plain data."""
+        return Episodes(self.completions, self.environments, self.metrics())
+
     @property
     def completions(self) -> list[list[dict]]:
         """Each episode's messages after the prompt: what TRL's rewards get as `completions[i]`."""

@@ -6,11 +6,12 @@ N = prompts x G completions (each prompt's G adjacent), P = prompt slots (left-p
 C = completion slots (right-padded), R = rewards."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 
-from rlcu.agents import EpisodeRunner
+from rlcu.agents import Episodes
 from rlcu.contracts import RolloutBatch
 
 
@@ -18,7 +19,7 @@ from rlcu.contracts import RolloutBatch
 class Sampled:
     """A rollout, and with tools or environments the episodes behind it (messages, environments, counts)."""
     batch: RolloutBatch
-    episodes: EpisodeRunner | None = None
+    episodes: Episodes | None = None
 
 
 @dataclass
@@ -100,3 +101,13 @@ class ScoredRollout:
     completions: list  # [N] text, or [{"role": "assistant", "content": ...}] for chat prompts
     rewards: torch.Tensor  # [N, R] each reward's value (NaN: not applicable)
     advantages: torch.Tensor | None = None  # [N], once computed
+
+
+@dataclass
+class Counters:
+    """What the run counts across steps; saved in checkpoints so a resumed run goes on counting."""
+    consecutive_skips: int = 0  # batches in a row that filter_zero_std_groups left empty
+    faults: int = 0  # updates skipped for numerical faults, in all
+    consecutive_faults: int = 0
+    entropy_coef: float | None = None  # use_adaptive_entropy: the coefficient now (None: entropy_coef's start)
+    last_entropy: float = math.inf  # use_adaptive_entropy: the mean entropy of the last optimizer step

@@ -17,12 +17,12 @@ def evaluate(module, rows: list[dict]) -> dict[str, float]:
     reward (`accuracy_reward`, else the first reward) gives it at least 1."""
     correct_at = module.accuracy_index
     greedy = module.sample(rows, 1, module.sampling_params(greedy=True))
-    per_func = module.score(rows, greedy, 1).rewards
+    per_func = module.scoring.score(rows, greedy, 1).rewards
     sampled = None
     k = module.options.evaluation.eval_num_samples
     if k > 1:
         samples = module.sample(rows, k, module.sampling_params(seed=module.options.sampling.seed))
-        sampled = (module.score(rows, samples, k).rewards[:, correct_at] >= 1.0).view(len(rows), k)
+        sampled = (module.scoring.score(rows, samples, k).rewards[:, correct_at] >= 1.0).view(len(rows), k)
     weights = torch.tensor([r.weight for r in module.rewards])
     lengths = torch.tensor([len(c) for c in greedy.batch.completion_ids])
     return eval_metrics(per_func[:, correct_at] >= 1.0, grpo_loss.combine_rewards(per_func, weights), lengths, sampled)

@@ -5,9 +5,11 @@ optimization. One `training_step` is one GRPO step, in named phases:
     score:    rewards (plugins) -> group advantages -> a typed `GRPOBatch`
     update:   num_iterations x [micro-batched forward/backward, clip, optimizer step, LR schedule]
 
-Options keep TRL's names and meanings (checked in `options.py`). The maths are the pure functions of
-`loss.py`; the data passed between phases the dataclasses of `batch.py`; the score phase is `score_phase.py`
-(with `score()`, which held-out evaluation uses too), the update phase `update.py`."""
+Options keep TRL's names and meanings, each defined once in a group of `options.py`. The maths are the pure
+functions of `loss.py`, the loss types and advantage estimators registered records (`registry.py`); the data
+passed between phases the dataclasses of `batch.py`. The score phase (`score_phase.Scoring`, whose `score()`
+held-out evaluation uses too) and the update phase (`update.Update`) are objects built from their options and
+dependencies; this module wires Lightning's hooks to them and answers what they ask of it (their `Host`)."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as L
@@ -31,12 +33,12 @@ from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, Turn, eos_token_ids
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.grpo import evaluation, registry
-from rlcu.grpo.batch import Sampled, ScoredRollout
+from rlcu.grpo.batch import Counters, Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
 from rlcu.grpo.options import Options, check_against_model, signature
-from rlcu.grpo.score_phase import GRPOScore
-from rlcu.grpo.update import GRPOUpdate
+from rlcu.grpo.score_phase import Scoring
+from rlcu.grpo.update import Update
 from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
@@ -52,17 +54,7 @@ class TrainingFault(RuntimeError):
     """The run cannot go on: too many updates in a row were skipped, or had nothing to learn from."""
 
 
-@dataclass
-class Counters:
-    """What the run counts across steps; saved in checkpoints so a resumed run goes on counting."""
-    consecutive_skips: int = 0  # batches in a row that filter_zero_std_groups left empty
-    faults: int = 0  # updates skipped for numerical faults, in all
-    consecutive_faults: int = 0
-    entropy_coef: float | None = None  # use_adaptive_entropy: the coefficient now (None: entropy_coef's start)
-    last_entropy: float = math.inf  # use_adaptive_entropy: the mean entropy of the last optimizer step
-
-
-class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
+class GRPOModule(L.LightningModule):
     def __init__(self, model: str | CausalLM = "smollm2-135m-instruct", tokenizer: Any = None,
                  rewards: Any = ("math_answer",), reward_weights: list[float] | None = None, rollout: Any = "native",
                  peft_config: Any = None, tools: list | None = None, environment_factory: Any = None, **options):
@@ -101,8 +93,10 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         self.advantage_estimator = registry.advantage_estimator(opts.loss.advantage_estimator)
         self.accuracy_index = names.index(opts.evaluation.accuracy_reward) if opts.evaluation.accuracy_reward else 0
         self.counters = Counters()
+        self.scoring = Scoring(opts, self.rewards, self.tokenizer, self.advantage_estimator, host=self)
+        self.update_phase = Update(opts, self.policy, self.ref_model, self.loss_kind, self.numerics, self.counters,
+                                   self, self.rollout.on_weights_updated, self._fault)
         self.last_rollout: ScoredRollout | None = None  # for callbacks
-        self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
         self._train_start: float | None = None
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
 
@@ -138,8 +132,12 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
             backend = resolve_rollout("reference")
         if lora:
             require(backend, "lora", "peft_config (LoRA adapters)", "use rollout: native or rollout: reference")
+        if opts.score_during_generation and self.agent is not None:
+            raise ValueError("score_during_generation scores single-turn completions as they end; episodes (tools, "
+                             "environment_factory) are scored after the rollout: set score_during_generation=false")
         if opts.score_during_generation:
-            self._check_scoring_during_generation(backend)
+            require(backend, "on_finished", "score_during_generation",
+                    "use rollout: native, or set score_during_generation=false")
         self.numerics = Numerics.EXACT if opts.exact_logprobs else Numerics.FAST
         self.policy.check_numerics(self.numerics)
         if opts.exact_logprobs:
@@ -255,7 +253,8 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         checkpoint["rlcu_counters"] = asdict(self.counters)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.counters = Counters(**checkpoint.get("rlcu_counters", {}))
+        for name, value in checkpoint.get("rlcu_counters", {}).items():  # in place: the update phase holds them
+            setattr(self.counters, name, value)
 
     def validation_step(self, batch, batch_idx):
         rows = as_rows(batch)
@@ -268,7 +267,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         rows = as_rows(batch)
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
-        with self._early_scorer(rows) as scorer:
+        with self.scoring.early_scorer(rows) as scorer:
             with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
                 rollout = self._rollout(rows, scorer)
             t1 = self._now()
@@ -276,14 +275,14 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
             early = {} if scorer is None else {"scored_during_generation": scorer.rows_scored / len(rollout.batch)}
             try:
                 with record_function("rlcu/score"):
-                    scored, grpo_batch, keep, metrics = self._score_step(rows, rollout, scorer)
+                    scored, grpo_batch, keep, metrics = self.scoring(rows, rollout, scorer)
             except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
                 self._log_metrics(self._fault(str(e)))
                 return None
         metrics.update(early)
         t2 = self._now()
         with record_function("rlcu/train"):
-            metrics.update(self._update(grpo_batch, keep) if keep.any() else self._skip())
+            metrics.update(self.update_phase(grpo_batch, keep) if keep.any() else self._skip())
         t3 = self._now()
         memory["memory/train_GB"] = self._peak_memory_gb()  # scoring and training
         metrics.update({k: v for k, v in memory.items() if v is not None})
@@ -321,7 +320,7 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
         for i, ids in enumerate(runner.prompt_ids[::g]):
             self.check_prompt_length(len(ids), i)
         try:
-            return Sampled(self.generate(runner.prompt_ids, sampling, runner), runner)
+            return Sampled(self.generate(runner.prompt_ids, sampling, runner), runner.record())
         except CallInterrupted as e:  # SIGTERM while a tool hangs: stop as Lightning stops on SIGTERM
             log.warning("%s; stopping", e)
             raise SIGTERMException from e
@@ -387,6 +386,21 @@ class GRPOModule(GRPOScore, GRPOUpdate, L.LightningModule):
                                f"(max_consecutive_faults={limit})")
         log.warning("step %d: update skipped: %s", self.global_step, what)
         return {"faults/skipped_updates": float(c.faults)}
+
+    # ---- what the phases ask of the module (score_phase.Host, update.Host) --------------------------
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return self.trainer.strategy.reduce(value, reduce_op="sum")
+
+    def stop_requested(self) -> bool:
+        """SIGTERM reached the run (Lightning's flag): rewards and tools that wait give up."""
+        trainer = self._attached_trainer()
+        return bool(trainer and trainer.received_sigterm)
+
+    def trainer_state(self) -> dict:
+        """TRL passes `trainer_state` to rewards for schedules that depend on progress."""
+        trainer = self._attached_trainer()
+        return {"global_step": self.global_step, "max_steps": trainer.max_steps if trainer else -1,
+                "epoch": self.current_epoch}
 
     @property
     def world_size(self) -> int:

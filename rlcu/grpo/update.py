@@ -1,20 +1,39 @@
 """The update phase of a GRPO step: num_iterations x [micro-batched forward/backward, clip, optimizer step,
-LR schedule], with the entropy bonus's adaptive coefficient. A mixin of `GRPOModule` (module.py), whose
-attributes it reads: `options`, `policy`, `ref_model`, `counters`, `loss_kind`, `numerics`, `rollout`, and
-Lightning's `optimizers()`, `lr_schedulers()`, `manual_backward()`."""
+LR schedule], with the entropy bonus's adaptive coefficient. `Update` is built from the run's options and what
+it trains (the policy, a frozen reference, the loss type, the numerics, the run's counters); it asks the Lightning
+module it runs in only for what `Host` lists. Input: the step's `GRPOBatch` and the rows to train on; output: the
+update's metrics."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from rlcu.contracts import Numerics
 from rlcu.grpo import loss as grpo_loss
-from rlcu.grpo.batch import GRPOBatch, StagedBatch
+from rlcu.grpo.batch import Counters, GRPOBatch, StagedBatch
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.grpo.metrics import LossStats
+from rlcu.grpo.options import Options
+from rlcu.grpo.registry import LossType
 from rlcu.models.lora import lora_disabled
+
+
+class Host(Protocol):
+    """What the update asks of the Lightning module it runs in (GRPOModule)."""
+    device: torch.device
+    world_size: int
+
+    def optimizers(self) -> Any: ...
+
+    def lr_schedulers(self) -> Any: ...
+
+    def manual_backward(self, loss: torch.Tensor) -> None: ...
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -29,31 +48,42 @@ class MicroBatchLoss:
     sampling_ratio: torch.Tensor | None  # pi_old / pi_sampler after truncation or masking ([b, C] or [b, 1])
 
 
-class GRPOUpdate:
-    def _update(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
+class Update:
+    def __init__(self, options: Options, policy, ref_model, loss_kind: LossType, numerics: Numerics,
+                 counters: Counters, host: Host, on_weights_updated: Callable[[], None],
+                 fault: Callable[[str], dict[str, float]]):
+        """`ref_model`: the frozen reference of the KL term (None: the policy with its LoRA adapters off);
+        `on_weights_updated`: the rollout backend's hook, after each optimizer step; `fault`: records a skipped
+        update (numerical faults) and returns its metrics."""
+        self.options, self.policy, self.ref_model = options, policy, ref_model
+        self.loss_kind, self.numerics, self.counters = loss_kind, numerics, counters
+        self.host, self.on_weights_updated, self.fault = host, on_weights_updated, fault
+        self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
+
+    def __call__(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
         """num_iterations optimizer steps on the kept rows."""
         loss_opts, entropy = self.options.loss, self.options.entropy
         self.counters.consecutive_skips = 0
-        staged = StagedBatch.of(batch, keep, self.device)
+        staged = StagedBatch.of(batch, keep, self.host.device)
         old, ref = self._old_logprobs(staged), self._reference_logprobs(staged)
         loss_items = staged.num_items  # dapo's normaliser: the step's completion tokens over every rank
-        if self.world_size > 1:  # DDP averages gradients, so each rank divides by the global count / world size
-            total = self.trainer.strategy.reduce(loss_items.to(self.device), reduce_op="sum")
-            loss_items = total.cpu() / self.world_size
+        if self.host.world_size > 1:  # DDP averages gradients, so each rank divides by the global count / world size
+            total = self.host.reduce_sum(loss_items.to(self.host.device))
+            loss_items = total.cpu() / self.host.world_size
         stats, losses, grad_norms = LossStats(), [], []
-        gap = [torch.zeros((), device=self.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
+        gap = [torch.zeros((), device=self.host.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
         for it in range(loss_opts.num_iterations):
             loss = self._accumulate(staged, old, ref, loss_items, stats, gap if it == 0 else None)
             norm = self._optimizer_step()
             if not math.isfinite(norm):  # no step was taken: the weights stay as they were
-                return self._fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
+                return self.fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
             losses.append(float(loss))
             grad_norms.append(norm)
             if entropy.use_adaptive_entropy:
                 self._update_entropy_coef()
         out = stats.result()
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
-                   learning_rate=self.lr_schedulers().get_last_lr()[0])
+                   learning_rate=self.host.lr_schedulers().get_last_lr()[0])
         out["logprob_mismatch/mean"] = float(gap[0]) / max(float(staged.num_items), 1.0)
         out["logprob_mismatch/max"] = float(gap[1])
         self.counters.consecutive_faults = 0
@@ -87,12 +117,12 @@ class GRPOUpdate:
     def _accumulate(self, staged: StagedBatch, old, ref, loss_items, stats: LossStats, gap: list | None):
         """Forward and backward over the micro-batches, gradients summed; returns the loss (device)."""
         b, mbs = staged.rows, staged.micro_batches(self.options.optimizer.micro_batch_size)
-        self.optimizers().zero_grad()
-        total = torch.zeros((), device=self.device)
-        self._entropy_window = torch.zeros(2, device=self.device)  # sum and tokens of the bonus's entropies
+        self.host.optimizers().zero_grad()
+        total = torch.zeros((), device=self.host.device)
+        self._entropy_window = torch.zeros(2, device=self.host.device)  # sum and tokens of the bonus's entropies
         for rows in mbs:
             out = self._micro_batch_loss(staged, rows, old, ref, loss_items, len(mbs))
-            self.manual_backward(out.loss)
+            self.host.manual_backward(out.loss)
             total += out.loss.detach()
             if gap is not None:  # sampler vs trainer logprobs of the same tokens under the same weights
                 diff = (out.logps - b.sampler_logps[rows]).abs() * out.mask
@@ -147,8 +177,8 @@ class GRPOUpdate:
         """After an optimizer step: the adaptive controller moves the coefficient by the step's mean entropy."""
         hp, c = self.options.entropy, self.counters
         window = self._entropy_window
-        if self.world_size > 1:
-            window = self.trainer.strategy.reduce(window, reduce_op="sum")
+        if self.host.world_size > 1:
+            window = self.host.reduce_sum(window)
         c.last_entropy = float(window[0] / window[1].clamp(min=1.0))
         start = hp.entropy_coef if c.entropy_coef is None else c.entropy_coef
         c.entropy_coef = grpo_loss.adaptive_entropy_coef(start, c.last_entropy, hp.entropy_target,
@@ -157,7 +187,7 @@ class GRPOUpdate:
 
     def _optimizer_step(self) -> float:
         """Clip, step, schedule; returns the gradient norm, and takes no step when it is not finite."""
-        opt, sched = self.optimizers(), self.lr_schedulers()
+        opt, sched = self.host.optimizers(), self.host.lr_schedulers()
         norm = opt.optimizer.grad_norm()
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
             norm = norm.full_tensor()
@@ -170,7 +200,7 @@ class GRPOUpdate:
         opt.step(grad_scale=min(1.0, max_norm / (value + 1e-6)) if max_norm else 1.0)
         opt.zero_grad()  # the gradients would otherwise sit through the next rollout
         sched.step()
-        self.rollout.on_weights_updated()
+        self.on_weights_updated()
         return value
 
     def _logps(self, model, staged: StagedBatch, rows: slice, grad: bool):

@@ -12,8 +12,8 @@ def run(tmp_path, mode):
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
                         learning_rate=1e-2, num_iterations=2, old_logprobs=mode, rollout="native", micro_batch_size=8)
     passes = []
-    real = module._logps
-    module._logps = lambda m, b, rows, grad: passes.append(grad) or real(m, b, rows, grad)
+    real = module.update_phase._logps
+    module.update_phase._logps = lambda m, b, rows, grad: passes.append(grad) or real(m, b, rows, grad)
     fit(module, toy_rows(8), 4, tmp_path / "logs")  # 4 optimizer steps: 2 batches x 2 iterations
     return [p.detach() for p in module.policy.parameters()], passes
 
