@@ -58,3 +58,24 @@ def test_models_guide_example_adds_a_family_and_matches_transformers():
     exec(python_blocks(README.parent / "docs" / "models.md")[0], scope)
     assert scope["gap"] < 1e-5 and scope["tokenizer"] is None
     assert scope["ours"].model.layers[0].self_attn.window == 5
+
+
+def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():
+    from rlcu.grpo import registry
+
+    scope: dict = {}
+    blocks = python_blocks(README.parent / "docs" / "architecture.md")
+    assert len(blocks) == 3
+    try:
+        exec(blocks[0], scope)
+        assert scope["family_gap"] < 1e-5
+        exec(blocks[1], scope)
+        assert registry.loss_type("reinforce").surrogate is scope["reinforce"]
+        assert scope["module"].loss_kind.name == "reinforce" and float(scope["trainer"].callback_metrics["loss"]) != 0
+        exec(blocks[2], scope)
+        assert scope["backend"].requests == 8 and scope["trainer"].global_step == 1
+        with pytest.raises(ValueError, match="'on_finished' capability .* CountingRollout does not declare it"):
+            scope["GRPOModule"](scope["folder"], rewards=[scope["length"]], rollout=scope["CountingRollout"](),
+                                score_during_generation=True)
+    finally:
+        registry.LOSSES.pop("reinforce", None)
