@@ -74,7 +74,7 @@ def test_the_module_keeps_its_options_and_saves_them_flat(tmp_path):
         GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generation=4)
 
 
-def test_run_help_shows_each_option_with_its_group(capsys):
+def test_run_help_and_the_printed_config_show_each_option_with_its_group(capsys):
     from rlcu import cli
 
     with pytest.raises(SystemExit):
@@ -82,3 +82,8 @@ def test_run_help_shows_each_option_with_its_group(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--model.temperature TEMPERATURE [sampling] sampling temperature (0: greedy)" in out
     assert "--model.loss_type LOSS_TYPE [loss] grpo | bnpo" in out
+    with pytest.raises(SystemExit):
+        cli.main(["run", "quickstart", "--print_config=comments"])
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("  epsilon: 0.2")
+    assert lines[at - 1].startswith("  # [loss] clip range (type: float, default: 0.2)")
