@@ -112,6 +112,7 @@ def main(argv=None):
                      gradient_accumulation_steps=max(1, batch // m["micro_batch_size"]),
                      num_generations=m["num_generations"], max_completion_length=m["max_completion_length"],
                      learning_rate=m["learning_rate"], warmup_steps=m.get("warmup_steps", 0), loss_type=m["loss_type"],
+                     lr_scheduler_type=m.get("lr_scheduler", "constant"),
                      temperature=m["temperature"], max_steps=args.max_steps or recipe["trainer"]["max_steps"],
                      seed=recipe["seed_everything"], bf16=torch.cuda.is_available(), logging_steps=1, report_to="none",
                      save_strategy="no", use_cpu=not torch.cuda.is_available(),

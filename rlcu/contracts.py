@@ -4,7 +4,7 @@ stop handling (EOS ids, stop strings), and the turn protocol of multi-turn episo
 share these types without importing each other."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -131,3 +131,26 @@ def check_reply(reply, completion_length: int, max_tokens: int) -> None:
 # Called from worker threads, one call per ended turn, so that a slow tool does not hold up the decoding
 # of other episodes; calls for different requests may run at the same time.
 Continuation = Callable[[Turn], Reply]
+
+
+@dataclass
+class TrainerState(Mapping):
+    """What TRL hands rewards as `trainer_state` (transformers' `TrainerState`): read as attributes
+    (`trainer_state.global_step`, as TRL documents) or as a mapping (`trainer_state["global_step"]`)."""
+    global_step: int = 0
+    max_steps: int = -1  # -1: no step limit (the run ends by epochs or time)
+    epoch: float = 0.0
+    num_train_epochs: int = -1
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+
+    def __getitem__(self, key: str):
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)

@@ -69,10 +69,10 @@ def build(kind: str, spec, extra_keys: tuple[str, ...] = ()):
     spec, init_args, extras = _unpack(kind, spec, extra_keys)
     if isinstance(spec, str):
         spec = load(kind, spec)
-    if isinstance(spec, type):
+    if isinstance(spec, type) or (init_args and callable(spec)):  # a class, or a factory given its arguments
         spec = spec(**init_args)
     elif init_args:
-        raise ValueError(f"init_args were given for {getattr(spec, '__name__', spec)!r}, which is not a class")
+        raise ValueError(f"init_args were given for {getattr(spec, '__name__', spec)!r}, which is not callable")
     return spec, extras
 
 

@@ -43,6 +43,8 @@ class CompletionsTable(L.Callback):
             for j, name in enumerate(names):
                 v = float(rollout.rewards[i, j])
                 row[name] = None if v != v else v
+            for column, values in (rollout.extra or {}).items():  # a reward's log_extra: one value a completion
+                row[column] = values[i] if i < len(values) else None
             rows.append(row)
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "completions.jsonl", "a") as f:

@@ -101,6 +101,7 @@ class ScoredRollout:
     completions: list  # [N] text, or [{"role": "assistant", "content": ...}] for chat prompts
     rewards: torch.Tensor  # [N, R] each reward's value (NaN: not applicable)
     advantages: torch.Tensor | None = None  # [N], once computed
+    extra: dict[str, list] | None = None  # columns rewards added with TRL's `log_extra(column, values)`
 
 
 @dataclass

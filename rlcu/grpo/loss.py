@@ -60,6 +60,21 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     return torch.nan_to_num(advantages, nan=0.0), std, is_std_zero
 
 
+def normalize_then_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's `multi_objective_aggregation="normalize_then_sum"`: each reward normalised within its group, the
+    weighted sum of those, then normalised over the batch. [N, R] rewards (NaN: not applicable) -> (advantages
+    [N], is_std_zero [N]); a row no reward applied to gets advantage 0."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(mean)
+    per_func = ((grouped - mean) / (std + STD_EPS)).view_as(rewards_per_func)
+    rewards = combine_rewards(per_func, weights)
+    spread = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (spread + STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(spread, torch.zeros_like(spread))
+
+
 def reward_spread(rewards: torch.Tensor, num_generations: int, scale: str = "group"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] the std each row's advantage is scaled by: its group's, or the batch's with scale "batch";

@@ -26,17 +26,18 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.profiler import record_function
+from transformers import get_scheduler
 
 from rlcu import strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
-from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, Turn, eos_token_ids
+from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, TrainerState, Turn, eos_token_ids
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.grpo import evaluation, registry
 from rlcu.grpo.batch import Counters, Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
-from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW, lr_lambda
-from rlcu.grpo.options import Options, check_against_model, signature
+from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW
+from rlcu.grpo.options import Options, check_against_model, signature, trl_alias
 from rlcu.grpo.score_phase import Scoring
 from rlcu.grpo.update import Update
 from rlcu.hparams import plain
@@ -57,7 +58,8 @@ class TrainingFault(RuntimeError):
 class GRPOModule(L.LightningModule):
     def __init__(self, model: str | CausalLM = "smollm2-135m-instruct", tokenizer: Any = None,
                  rewards: Any = ("math_answer",), reward_weights: list[float] | None = None, rollout: Any = "native",
-                 peft_config: Any = None, tools: list | None = None, environment_factory: Any = None, **options):
+                 peft_config: Any = None, tools: list | None = None, environment_factory: Any = None,
+                 reward_funcs: Any = None, **options):
         """A GRPO run's module. Every option keeps TRL's name, default and meaning (`rlcu/grpo/options.py`).
 
         Args:
@@ -69,10 +71,12 @@ class GRPOModule(L.LightningModule):
             peft_config: LoRA: a PEFT LoraConfig or its fields
             tools: functions (or import paths) the model may call
             environment_factory: one environment per episode: a class, {name: class}, or a plugin spec
+            reward_funcs: TRL's name of rewards (give one of the two)
         """
         # not super(): its `__class__` cell would make Lightning look for a local of every option of the signature
         L.LightningModule.__init__(self)
         self.options = opts = Options.from_flat(options)  # TRL's flat names -> the checked option groups
+        rewards = trl_alias("rewards", rewards, ("math_answer",), "reward_funcs", reward_funcs)
         explicit = dict(model=model, tokenizer=tokenizer, rewards=rewards, reward_weights=reward_weights,
                         rollout=rollout, peft_config=peft_config, tools=tools, environment_factory=environment_factory)
         self.save_hyperparameters({**{k: v for k, v in explicit.items() if plain(v)}, **opts.flat()})
@@ -234,20 +238,23 @@ class GRPOModule(L.LightningModule):
         factor = sched.lr_lambdas[0](sched.last_epoch)
         for group in opt.param_groups:
             group.update(lr=hp.learning_rate * factor, initial_lr=hp.learning_rate, weight_decay=hp.weight_decay,
-                         betas=hp.adam_betas)
+                         betas=hp.adam_betas, eps=hp.adam_epsilon)
 
     def configure_optimizers(self):
         hp = self.options.optimizer
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # fp32 masters for bf16 weights; moments in fp32 or (adam_state_dtype) bf16; in host memory when offloaded
         opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.adam_betas,
-                                state_dtype=STATE_DTYPES[hp.adam_state_dtype], offload=hp.optimizer_offload)
+                                eps=hp.adam_epsilon, state_dtype=STATE_DTYPES[hp.adam_state_dtype],
+                                offload=hp.optimizer_offload)
         max_steps = self.trainer.max_steps
         total = max_steps if max_steps and max_steps > 0 else None
-        if hp.lr_scheduler != "constant" and total is None:
+        if not hp.lr_scheduler.startswith("constant") and total is None:
             raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps to know where it ends")
-        schedule = lr_lambda(hp.lr_scheduler, hp.warmup_steps, total)
-        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}]
+        # transformers' own schedules, as TRL builds them
+        schedule = get_scheduler(hp.lr_scheduler, opt, num_warmup_steps=hp.warmup(total), num_training_steps=total,
+                                 scheduler_specific_kwargs=hp.lr_scheduler_kwargs or {})
+        return [opt], [{"scheduler": schedule, "interval": "step"}]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rlcu_counters"] = asdict(self.counters)
@@ -265,6 +272,7 @@ class GRPOModule(L.LightningModule):
     # ---- one GRPO step ---------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         rows = as_rows(batch)
+        self.scoring.new_step()
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
         with self.scoring.early_scorer(rows) as scorer:
@@ -396,11 +404,13 @@ class GRPOModule(L.LightningModule):
         trainer = self._attached_trainer()
         return bool(trainer and trainer.received_sigterm)
 
-    def trainer_state(self) -> dict:
+    def trainer_state(self) -> TrainerState:
         """TRL passes `trainer_state` to rewards for schedules that depend on progress."""
         trainer = self._attached_trainer()
-        return {"global_step": self.global_step, "max_steps": trainer.max_steps if trainer else -1,
-                "epoch": self.current_epoch}
+        if trainer is None:
+            return TrainerState(self.global_step)
+        return TrainerState(self.global_step, trainer.max_steps, float(self.current_epoch), trainer.max_epochs or -1,
+                            trainer.is_global_zero, trainer.local_rank == 0)
 
     @property
     def world_size(self) -> int:

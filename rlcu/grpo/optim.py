@@ -13,8 +13,6 @@ weights and gradients, 4 bytes a parameter, for the time of two transfers and a 
 at every step."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlcu.kernels.adamw import AdamWStep, adamw_step
@@ -136,17 +134,3 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     m.copy_(saved)
                     p.copy_(saved)
 
-
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None):
-    """The learning-rate factor at each step: a linear warm-up, then `constant`, `linear` decay to 0 or
-    `cosine` decay to 0 at `total_steps` (for LambdaLR)."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor

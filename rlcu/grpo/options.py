@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -20,7 +21,9 @@ log = logging.getLogger(__name__)
 SCALES = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
 SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-SCHEDULES = ("constant", "linear", "cosine")
+# transformers' schedules by TRL's names (`get_scheduler`), with their meanings: "constant" takes no warm-up
+SCHEDULES = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ADAM_STATE_DTYPES = ("float32", "bfloat16")
 ON_REWARD_ERROR = ("raise", "none")
 
@@ -66,8 +69,8 @@ class SamplingOptions(OptionGroup):
     temperature: float = option(1.0, "sampling temperature (0: greedy)", minimum=0)
     top_p: float = option(1.0, "nucleus sampling's probability mass", minimum=1e-9, maximum=1)
     top_k: int = option(0, "sample among the k likeliest tokens (0: off)", minimum=0)
-    min_p: float = option(0.0, "drop tokens below min_p times the likeliest's probability (0: off)", minimum=0,
-                          maximum=1)
+    min_p: float | None = option(None, "drop tokens below min_p times the likeliest's probability (None or 0: off)",
+                                 minimum=0, maximum=1)
     stop: list[str] | None = option(None, "stop strings; completions also stop at every EOS id of the model and "
                                           "tokenizer")
     long_prompts: str = option("error", "a prompt over max_prompt_length: stop at set-up (error), or keep its end "
@@ -77,8 +80,8 @@ class SamplingOptions(OptionGroup):
     def params(self, stop_token_ids: list[int], seed: int | None = None, greedy: bool = False) -> SamplingParams:
         """The sampler's settings (greedy: temperature 0, for evaluation)."""
         return SamplingParams(max_tokens=self.max_completion_length, temperature=0.0 if greedy else self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, stop_token_ids=stop_token_ids,
-                              stop=list(self.stop or []), seed=seed)
+                              top_p=self.top_p, top_k=self.top_k, min_p=self.min_p or 0.0,
+                              stop_token_ids=stop_token_ids, stop=list(self.stop or []), seed=seed)
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,14 @@ class LossOptions(OptionGroup):
                                     "(rlcu.losses)")
     advantage_estimator: str = option("grpo", "grpo (group normalisation) | rloo | reinforce_pp, or a plugin's "
                                               "(rlcu.losses)")
-    scale_rewards: str = option("group", "advantages divided by the group's std, the batch's, or none (Dr. GRPO)",
-                                choices=SCALES)
+    scale_rewards: str | bool = option("group", "advantages divided by the group's std, the batch's, or none (Dr. "
+                                                "GRPO); TRL's booleans: true is group, false none",
+                                       choices=(*SCALES, True, False))
+    multi_objective_aggregation: str = option("sum_then_normalize", "several rewards: weighted sum, then the "
+                                                                    "advantage (sum_then_normalize), or each reward "
+                                                                    "normalised in its group first, then summed and "
+                                                                    "normalised over the batch (normalize_then_sum)",
+                                              choices=AGGREGATIONS)
     importance_sampling_level: str = option("token", "token, or sequence (GSPO)", choices=LEVELS)
     epsilon: float = option(0.2, "clip range", minimum=0)
     epsilon_high: float | None = option(None, "upper clip range (DAPO's clip-higher; None: epsilon)")
@@ -111,6 +120,11 @@ class LossOptions(OptionGroup):
     vespo_lambda_neg: float = option(2.0, "VESPO's Gamma rate lambda for negative advantages")
 
     def check(self) -> None:
+        if isinstance(self.scale_rewards, bool):  # TRL maps booleans
+            object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "grpo":
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' computes the advantages itself (TRL's "
+                             f"definition); it takes advantage_estimator='grpo', got {self.advantage_estimator!r}")
         kind = registry.loss_type(self.loss_type)  # a registered record (built-in or plugin), or an error
         registry.advantage_estimator(self.advantage_estimator)
         if kind.preferred_level not in (None, self.importance_sampling_level):
@@ -192,8 +206,14 @@ class OptimizerOptions(OptionGroup):
     adam_state_dtype: str = option("float32", "AdamW's moments in float32 or bfloat16 (stochastic rounding)",
                                    choices=ADAM_STATE_DTYPES)
     optimizer_offload: bool = option(False, "AdamW's fp32 masters and moments in host memory")
-    lr_scheduler: str = option("constant", "constant, linear or cosine after a linear warm-up", choices=SCHEDULES)
-    warmup_steps: int = option(0, "steps of linear warm-up", minimum=0)
+    adam_epsilon: float = option(1e-8, "AdamW's epsilon", minimum=0)
+    lr_scheduler: str = option("constant", "transformers' schedule by TRL's name: linear, cosine, cosine_with_min_lr "
+                                           "(lr_scheduler_kwargs: min_lr or min_lr_rate), constant (no warm-up), "
+                                           "constant_with_warmup", choices=SCHEDULES)
+    lr_scheduler_type: str | None = option(None, "TRL's name of lr_scheduler", alias_of="lr_scheduler")
+    lr_scheduler_kwargs: dict | None = option(None, "the schedule's own arguments (TRL's), e.g. {min_lr_rate: 0.1}")
+    warmup_steps: float = option(0, "steps of linear warm-up; a value below 1 is a ratio of max_steps (TRL's)",
+                                 minimum=0)
     max_grad_norm: float | None = option(1.0, "gradient clipping (None: off)")
     micro_batch_size: int = option(8, "sequences per forward/backward (gradient accumulation over the step)",
                                    minimum=1)
@@ -202,6 +222,21 @@ class OptimizerOptions(OptionGroup):
 
     def check(self) -> None:
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))  # YAML gives a list
+        if self.lr_scheduler == "cosine_with_min_lr" and not set(self.lr_scheduler_kwargs or {}) & {"min_lr",
+                                                                                                   "min_lr_rate"}:
+            raise ValueError("lr_scheduler='cosine_with_min_lr' needs lr_scheduler_kwargs with min_lr or min_lr_rate "
+                             "(transformers' arguments), e.g. {min_lr_rate: 0.1}")
+        if self.lr_scheduler == "constant" and self.warmup_steps:
+            log.warning("lr_scheduler='constant' takes no warm-up (transformers' meaning, as in TRL): warmup_steps=%s "
+                        "is not used; lr_scheduler='constant_with_warmup' warms up", self.warmup_steps)
+
+    def warmup(self, total_steps: int | None) -> int:
+        """Warm-up steps: warmup_steps, or below 1 its ratio of the run's steps, rounded up (transformers')."""
+        if self.warmup_steps >= 1 or self.warmup_steps == 0:
+            return int(self.warmup_steps)
+        if total_steps is None:
+            raise ValueError(f"warmup_steps={self.warmup_steps} is a ratio of the run's steps: set trainer.max_steps")
+        return math.ceil(total_steps * self.warmup_steps)
 
 
 @dataclass(frozen=True)
@@ -286,6 +321,17 @@ class Options:
             part = getattr(self, group.name)
             out.update({f.name: getattr(part, f.name) for f in fields(part) if not f.metadata["alias_of"]})
         return out
+
+
+def trl_alias(name: str, value, default, alias: str, alias_value):
+    """One of GRPOModule's own arguments given by its TRL name (`reward_funcs` for `rewards`): the alias wins
+    when set; both set and different is an error naming both."""
+    if alias_value is None:
+        return value
+    same = lambda a, b: (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)
+    if not same(value, default) and not same(value, alias_value):
+        raise ValueError(f"{alias} and {name} are one argument (TRL's name and rlcu's); give only one")
+    return alias_value
 
 
 def resolve_aliases(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import defaultdict
 from typing import NamedTuple, Protocol
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlcu.agents import Episodes
+from rlcu.contracts import TrainerState
 from rlcu.data.prompts import decode_completions, is_conversational
 from rlcu.grpo import loss as grpo_loss
 from rlcu.grpo.batch import GRPOBatch, Sampled, ScoredRollout
@@ -35,7 +37,25 @@ class Host(Protocol):
 
     def stop_requested(self) -> bool: ...
 
-    def trainer_state(self) -> dict: ...
+    def trainer_state(self) -> TrainerState: ...
+
+
+class RewardLog:
+    """TRL's `log_extra(column, values)` and `log_metric(name, value)`, handed to every reward call: columns added
+    to the completions table, and scalar metrics averaged over the step and logged beside the built-in ones."""
+
+    def __init__(self):
+        self.extra: dict[str, list] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+    def means(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
 
 
 class ScoredStep(NamedTuple):
@@ -50,6 +70,11 @@ class Scoring:
                  host: Host):
         self.options, self.rewards, self.tokenizer, self.estimator, self.host = options, rewards, tokenizer, \
             estimator, host
+        self.log = RewardLog()  # this step's, from new_step(); evaluation's calls log into it too
+
+    def new_step(self) -> None:
+        """A training step starts: what its rewards log (`log_extra`, `log_metric`) starts empty."""
+        self.log = RewardLog()
 
     def __call__(self, rows: list[dict], sampled: Sampled, scorer: EarlyScorer | None = None) -> ScoredStep:
         """Rewards, advantages and the training batch; which rows train (filter_zero_std_groups); metrics."""
@@ -57,14 +82,20 @@ class Scoring:
         rollout = sampled.batch
         scored = (self.score(rows, sampled) if scorer is None
                   else scorer.result(rollout.completion_ids, lambda: self.score(rows, sampled)))
-        rewards = grpo_loss.combine_rewards(scored.rewards, torch.tensor([r.weight for r in self.rewards]))
-        _, is_std_zero = grpo_loss.reward_spread(rewards, g, loss.scale_rewards)
-        scored.advantages = self.estimator.advantages(rewards, g, loss.scale_rewards)
+        weights = torch.tensor([r.weight for r in self.rewards])
+        rewards = grpo_loss.combine_rewards(scored.rewards, weights)
+        if loss.multi_objective_aggregation == "normalize_then_sum":
+            scored.advantages, is_std_zero = grpo_loss.normalize_then_sum(scored.rewards, weights, g)
+        else:
+            _, is_std_zero = grpo_loss.reward_spread(rewards, g, loss.scale_rewards)
+            scored.advantages = self.estimator.advantages(rewards, g, loss.scale_rewards)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages, pad, loss.mask_truncated_completions)
         keep = ~is_std_zero if loss.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
         metrics = reward_metrics(scored.rewards, [r.name for r in self.rewards], rewards, is_std_zero)
         metrics.update(completion_metrics(grpo_batch.lengths, grpo_batch.truncated))
+        metrics.update(self.log.means())
+        scored.extra = dict(self.log.extra)
         if sampled.episodes is not None:
             metrics.update(sampled.episodes.metrics)
         if self.host.world_size > 1 and loss.filter_zero_std_groups:
@@ -98,7 +129,8 @@ class Scoring:
         try:
             values = score(self.rewards, prompts, completions, completion_ids, columns,
                            timeout=faults.reward_timeout, on_error=faults.on_reward_error,
-                           stop_requested=self.host.stop_requested, trainer_state=self.host.trainer_state())
+                           stop_requested=self.host.stop_requested, trainer_state=self.host.trainer_state(),
+                           log_extra=self.log.log_extra, log_metric=self.log.log_metric)
         except RewardInterrupted as e:  # SIGTERM while a reward hangs: stop as Lightning stops on SIGTERM
             log.warning("%s; stopping", e)
             raise SIGTERMException from e

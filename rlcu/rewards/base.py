@@ -51,10 +51,25 @@ def _name_of(fn) -> str:
     return getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
+# TRL's reward functions (and factories, given `init_args`) by their short names, where no plugin claims the name
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_cosine_scaled_reward",
+               "get_repetition_penalty_reward", "get_soft_overlong_punishment")
+
+
+def _trl_name(spec):
+    """`spec` with a TRL reward's short name as its import path in `trl.rewards`."""
+    name = spec.get("name") if isinstance(spec, dict) else spec
+    if not isinstance(name, str) or name not in TRL_REWARDS or name in plugins.available("rewards"):
+        return spec
+    path = f"trl.rewards:{name}"
+    return dict(spec, name=path) if isinstance(spec, dict) else path
+
+
 def resolve_reward(spec) -> BoundReward:
-    """A reward from a callable, a `Reward`, a short name / import path, or a mapping
-    {name | class_path: ..., weight: ..., init_args: {...}}."""
-    fn, extras = plugins.build("rewards", spec, extra_keys=("weight",))
+    """A reward from a callable, a `Reward`, a short name / import path (TRL's reward names included), or a mapping
+    {name | class_path: ..., weight: ..., init_args: {...}}; with `init_args` the target is a class or a factory
+    (TRL's `get_soft_overlong_punishment`, say), called with them to make the reward."""
+    fn, extras = plugins.build("rewards", _trl_name(spec), extra_keys=("weight",))
     if not callable(fn):
         raise TypeError(f"a reward must be callable, got {type(fn).__name__}")
     weight = extras.get("weight", getattr(fn, "weight", 1.0))
@@ -89,7 +104,7 @@ def _preview(x, n=80) -> str:
 
 def require_column(reward: str, name: str, kwargs: dict) -> list:
     if name not in kwargs:
-        cols = sorted(k for k in kwargs if k != "trainer_state")
+        cols = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric"))
         raise KeyError(f"reward {reward!r} needs the dataset column {name!r}; the batch has {cols}: add that "
                        f"column to the data, or choose a reward that does not need it")
     return kwargs[name]

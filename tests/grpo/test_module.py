@@ -87,7 +87,8 @@ def test_a_reward_without_signal_stops_the_run_instead_of_looping(tiny, tmp_path
 def test_lr_schedule_warms_up_and_decays(tiny, tmp_path):
     module = make(tiny, lr_scheduler="linear", warmup_steps=2, learning_rate=1e-2)
     lrs = [m["learning_rate"] for m in fit(module, toy_rows(24), steps=6, log_dir=tmp_path) if "learning_rate" in m]
-    expected = [1e-2 * f for f in (2 / 3, 1.0, 0.75, 0.5, 0.25, 0.0)]  # lr after each step's scheduler tick
+    # lr after each step's scheduler tick, by transformers' linear schedule (TRL's): its warm-up starts at 0
+    expected = [1e-2 * f for f in (1 / 2, 1.0, 0.75, 0.5, 0.25, 0.0)]
     assert lrs == pytest.approx(expected)
 
 

@@ -10,7 +10,7 @@ from rlcu.grpo import options as O
 from rlcu.grpo.module import GRPOModule
 
 EXPLICIT = ["self", "model", "tokenizer", "rewards", "reward_weights", "rollout", "peft_config", "tools",
-            "environment_factory"]
+            "environment_factory", "reward_funcs"]
 
 
 def test_each_option_is_defined_once_with_help_and_reaches_the_signature():
@@ -27,7 +27,8 @@ def test_groups_validate_themselves_with_one_line_naming_the_option():
     with pytest.raises(ValueError, match=r"^num_generations must be >= 2 \(GRPO compares completions within a "
                                          r"group\), got 1$"):
         O.SamplingOptions(num_generations=1)
-    with pytest.raises(ValueError, match=r"^scale_rewards must be one of \('group', 'batch', 'none'\), got 'std'$"):
+    with pytest.raises(ValueError, match=r"^scale_rewards must be one of \('group', 'batch', 'none', True, False\), "
+                                         r"got 'std'$"):
         O.LossOptions(scale_rewards="std")
     with pytest.raises(ValueError, match="top_p must be <= 1"):
         O.SamplingOptions(top_p=1.5)
