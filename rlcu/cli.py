@@ -1,6 +1,7 @@
 """The `rlcu` command, on LightningCLI (jsonargparse).
 
     rlcu run RECIPE [--section.key=value ...]   run a recipe by name (rlcu recipes) or YAML path
+    rlcu run --trl_config GRPO.yaml [...]       run a `trl grpo` config as it is, with TRL's defaults (docs/from-trl.md)
     rlcu eval RECIPE [--ckpt_path CKPT | --model.model=HF_FOLDER]   held-out evaluation (data.val_size rows,
                                                 of data.val_split where set)
     rlcu fit --config FILE.yaml [...]           LightningCLI's own subcommands (fit, validate, ...)
@@ -240,10 +241,39 @@ def expand_run(argv: list[str]) -> list[str]:
     subcommands = {"run": "fit", "eval": "validate"}
     if not argv or argv[0] not in subcommands:
         return argv
+    if argv[0] == "run" and argv[1:2] and argv[1].split("=", 1)[0] == "--trl_config":
+        return trl_run(argv[1:])
     if len(argv) < 2 or argv[1].startswith("-"):
         raise ValueError(f"usage: rlcu {argv[0]} RECIPE [--section.key=value ...]; recipes: "
                          f"{', '.join(sorted(recipes()))} (rlcu {argv[0]} RECIPE --help lists every option)")
     return [subcommands[argv[0]], "--config", str(find_recipe(argv[1]))] + argv[2:]
+
+
+def trl_run(args: list[str]) -> list[str]:
+    """`--trl_config FILE [overrides]`: the TRL config translated (each field's fate printed), as a LightningCLI
+    config in a file of its own, then `fit` on it with the overrides."""
+    import tempfile
+
+    import yaml
+
+    from rlcu.grpo.trl_config import translate
+
+    flag, _, path = args[0].partition("=")
+    rest = args[1:] if path else args[2:]
+    path = path or (args[1] if len(args) > 1 else "")
+    if not path or not Path(path).is_file():
+        raise FileNotFoundError(f"--trl_config needs a TRL GRPO config file (YAML), got {path or 'nothing'!r}")
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: a TRL config is a mapping of GRPOConfig's fields, got {type(values).__name__}")
+    translation = translate(values)
+    print(f"rlcu: TRL config {path}, as rlcu's (fields it leaves out take TRL's defaults):", file=sys.stderr)
+    for line in translation.lines:
+        print(f"  {line}", file=sys.stderr)
+    config = tempfile.NamedTemporaryFile("w", prefix="trl-", suffix=".yaml", delete=False)
+    with config:
+        yaml.safe_dump(translation.config(), config, sort_keys=False)
+    return ["fit", "--config", config.name, *rest]
 
 
 def print_run_help(command: str) -> None:

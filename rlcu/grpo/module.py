@@ -93,16 +93,34 @@ class GRPOModule(L.LightningModule):
             self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         self.rollout = self._rollout_backend(rollout, lora=peft_config is not None)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
-        self.loss_kind = registry.loss_type(opts.loss.loss_type)  # registered records (built-in or plugin)
-        self.advantage_estimator = registry.advantage_estimator(opts.loss.advantage_estimator)
         self.accuracy_index = names.index(opts.evaluation.accuracy_reward) if opts.evaluation.accuracy_reward else 0
+        self._build_phases()
+        self.last_rollout: ScoredRollout | None = None  # for callbacks
+        self._train_start: float | None = None
+        self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
+
+    def _build_phases(self) -> None:
+        """The loss type and advantage estimator (registered records, built-in or plugin), the run's counters, and
+        the score and update phases built from them."""
+        opts = self.options
+        self.loss_kind = registry.loss_type(opts.loss.loss_type)
+        self.advantage_estimator = registry.advantage_estimator(opts.loss.advantage_estimator)
         self.counters = Counters()
         self.scoring = Scoring(opts, self.rewards, self.tokenizer, self.advantage_estimator, host=self)
         self.update_phase = Update(opts, self.policy, self.ref_model, self.loss_kind, self.numerics, self.counters,
                                    self, self.rollout.on_weights_updated, self._fault)
-        self.last_rollout: ScoredRollout | None = None  # for callbacks
-        self._train_start: float | None = None
-        self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
+
+    @classmethod
+    def from_trl(cls, config, **arguments) -> "GRPOModule":
+        """A module from a TRL `GRPOConfig` (or its fields as a mapping), with TRL's defaults for what it leaves
+        out; `arguments` (model, rewards or reward_funcs, tokenizer, ...) as GRPOTrainer takes them. The trainer's
+        and the data's part of the config: `rlcu.trl.translate`."""
+        from rlcu.grpo.trl_config import translate
+
+        translation = translate(config)
+        for line in translation.lines:
+            log.info("TRL config: %s", line)
+        return cls(**{**translation.model, **arguments})
 
     def _add_lora(self, peft_config) -> None:
         """TRL's `peft_config`: LoRA adapters trained on the frozen base, inside the engine too."""
@@ -247,8 +265,9 @@ class GRPOModule(L.LightningModule):
         opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.adam_betas,
                                 eps=hp.adam_epsilon, state_dtype=STATE_DTYPES[hp.adam_state_dtype],
                                 offload=hp.optimizer_offload)
-        max_steps = self.trainer.max_steps
-        total = max_steps if max_steps and max_steps > 0 else None
+        max_steps, estimated = self.trainer.max_steps, self.trainer.estimated_stepping_batches
+        # a run by epochs ends where Lightning estimates (TRL's schedules know their end the same way)
+        total = max_steps if max_steps and max_steps > 0 else (int(estimated) if math.isfinite(estimated) else None)
         if not hp.lr_scheduler.startswith("constant") and total is None:
             raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps to know where it ends")
         # transformers' own schedules, as TRL builds them

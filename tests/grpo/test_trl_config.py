@@ -1,0 +1,132 @@
+"""TRL's GRPO config as rlcu's: every field of TRL 1.16's GRPOConfig, and of the `trl grpo` script's other
+arguments, is mapped, without effect for a stated reason, or refused by name; what a config leaves out takes
+TRL's defaults; a `trl grpo` YAML as TRL's docs write one trains through `rlcu run --trl_config`."""
+import csv
+import dataclasses
+import json
+import textwrap
+
+import pytest
+
+from rlcu import cli
+from rlcu.grpo.module import GRPOModule
+from rlcu.grpo.trl_config import ALL, RULES, field_table, translate
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+trl = pytest.importorskip("trl")
+
+
+def trl_argument_classes():
+    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    return [GRPOConfig, GRPOScriptArguments, ModelConfig, DatasetMixtureConfig]
+
+
+def default_of(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else ALL
+
+
+def test_every_trl_field_is_mapped_or_refused_with_trls_default():
+    for cls in trl_argument_classes():
+        fields = dataclasses.fields(cls)
+        assert [f.name for f in fields if f.name not in RULES] == [], f"{cls.__name__} has unaccounted fields"
+        wrong = [(f.name, RULES[f.name].default, default_of(f)) for f in fields
+                 if RULES[f.name].default is not ALL and RULES[f.name].default != default_of(f)]
+        assert wrong == [], f"rlcu's copy of {cls.__name__}'s defaults is off"
+    assert all(why for _, why in field_table())
+
+
+def test_a_config_object_translates_with_trls_defaults_and_builds_the_module(tmp_path):
+    from trl import GRPOConfig
+
+    folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, learning_rate=3e-6,
+                     lr_scheduler_type="cosine", warmup_steps=0.1, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=4, num_generations=8, scale_rewards=False, max_steps=20)
+    t = translate(cfg)
+    assert t.data["batch_size"] == 2 and t.model["micro_batch_size"] == 4  # 4 x 4 completions / groups of 8
+    assert (t.model["lr_scheduler"], t.model["warmup_steps"], t.model["max_completion_length"]) == ("cosine", 0.1, 512)
+    assert t.seed == 42 and t.trainer["max_steps"] == 20 and t.trainer["precision"] == "32-true"
+    module = GRPOModule.from_trl(cfg, model=str(folder), reward_funcs=[lambda completions, **kw: [0.0] * len(
+        completions)], max_completion_length=8)
+    assert module.options.loss.scale_rewards == "none" and module.options.optimizer.learning_rate == 3e-6
+    assert module.options.sampling.seed == 42
+    with pytest.raises(ValueError, match=r"TRL field push_to_hub=True is not supported: rlcu does not push"):
+        translate({"push_to_hub": True})
+
+
+def test_bad_trl_input_names_the_field_and_the_fix():
+    with pytest.raises(ValueError, match="unknown TRL field 'learning_rat'"):
+        translate({"learning_rat": 1e-5})
+    with pytest.raises(ValueError, match="steps_per_generation=4 with gradient_accumulation_steps=2"):
+        translate({"steps_per_generation": 4, "gradient_accumulation_steps": 2})
+    with pytest.raises(ValueError, match="generation_batch_size=64 differs from"):
+        translate({"generation_batch_size": 64, "per_device_train_batch_size": 8})
+    with pytest.raises(ValueError, match="not a multiple of num_generations=8"):
+        translate({"per_device_train_batch_size": 6})
+    with pytest.raises(ValueError, match=r"TRL field deepspeed='ds.json' is not supported: rlcu runs DDP"):
+        translate({"deepspeed": "ds.json"})
+    with pytest.raises(ValueError, match="report_to='mlflow'"):
+        translate({"report_to": "mlflow"})
+
+
+def test_a_trl_grpo_yaml_trains_a_step_through_rlcu_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                            chat_template=CHAT_TEMPLATE)
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"t{i} t{i + 1}"}]}) + "\n"
+                            for i in range(16)))
+    config = tmp_path / "grpo.yaml"  # as TRL's docs write one for `trl grpo --config`
+    config.write_text(textwrap.dedent(f"""\
+        model_name_or_path: {folder}
+        dataset_name: {rows}
+        dataset_train_split: train
+        reward_funcs: [think_format_reward]
+        output_dir: {tmp_path / "out"}
+        learning_rate: 1.0e-5
+        lr_scheduler_type: cosine
+        warmup_steps: 0.5
+        per_device_train_batch_size: 4
+        gradient_accumulation_steps: 2
+        num_generations: 4
+        max_completion_length: 6
+        max_steps: 2
+        logging_steps: 1
+        save_strategy: "no"
+        bf16: false
+        use_cpu: true
+        seed: 7
+        temperature: 0.9
+        top_p: 0.95
+        beta: 0.0
+        loss_type: dapo
+        scale_rewards: false
+        report_to: none
+        gradient_checkpointing: false
+        dtype: float32
+        """))
+    cli.main(["run", "--trl_config", str(config), "--trainer.enable_progress_bar=false"])
+    err = capsys.readouterr().err
+    for shown in ("lr_scheduler_type='cosine' -> model.lr_scheduler", "warmup_steps=0.5 -> model.warmup_steps",
+                  "-> data.batch_size=2 prompts a process, model.micro_batch_size=4",
+                  "max_completion_length=6 -> model.max_completion_length", "seed=7"):
+        assert shown in err, shown
+    metrics = list(csv.DictReader(open(next((tmp_path / "out").glob("**/metrics.csv")))))
+    steps = [r for r in metrics if r.get("reward")]
+    assert len(steps) == 2 and "rewards/think_format_reward/mean" in steps[0]
+    lrs = [float(r["learning_rate"]) for r in steps]
+    assert lrs[0] == pytest.approx(1e-5)  # after the one warm-up step (0.5 of 2), cosine from the peak
+    assert lrs[1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_docs_field_table_is_the_code():
+    from pathlib import Path
+
+    from rlcu.grpo.trl_config import markdown_table
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "from-trl.md").read_text()
+    assert page.endswith(markdown_table()), "regenerate with: python -m rlcu.grpo.trl_config"
