@@ -7,12 +7,7 @@ from rlcu.models import load_model
 from rlcu.plugins import UnknownPluginError
 from rlcu.rewards.base import RewardError
 from rlcu.rollout import SamplingParams
-from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_model, toy_rows
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    return toy_model(tmp_path / "m")
+from tests.helpers import CHAT_TEMPLATE, fit, match_target, tiny_hf_folder, toy_rows
 
 
 def make(tiny, **kw):

@@ -2,21 +2,9 @@
 import pytest
 import torch
 
-from rlcu.grpo.module import GRPOModule
 from rlcu.rewards.base import resolve_reward
-from tests.helpers import fit, match_target, toy_model, toy_rows
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    return toy_model(tmp_path / "m")
-
-
-def make(tiny, **kw):
-    options = dict(rewards=[match_target], num_generations=4, max_completion_length=4, learning_rate=1e-2,
-                   micro_batch_size=8)
-    options.update(kw)
-    return GRPOModule(tiny[0], tokenizer=tiny[1], **options)
+from tests.grpo.test_module import make
+from tests.helpers import fit, match_target, toy_rows
 
 
 def last_step(metrics):
