@@ -66,11 +66,6 @@ def test_unreported_completions_are_scored_from_the_rollout_and_a_reward_error_s
             scorer.result([[3]], None)
 
 
-@pytest.fixture
-def tiny(tmp_path):
-    return toy_model(tmp_path / "m")
-
-
 def test_scoring_during_generation_gives_the_same_update(tmp_path):
     runs = {}
     for overlap in (False, True):
