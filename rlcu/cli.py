@@ -285,6 +285,9 @@ def print_run_help(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rlcu import quiet
+
+    quiet.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage:\n{USAGE}\n\nLightningCLI subcommands: fit, validate, test, predict (rlcu fit --help)")

@@ -39,6 +39,8 @@ class WandbLogger(_LightningWandbLogger):
         save_dir = str(Path(save_dir).resolve())
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(project=project, name=name, save_dir=save_dir, offline=offline, **kwargs)
+        if self._wandb_init.get("anonymous") is None:  # Lightning passes None, which wandb warns about at every run
+            self._wandb_init.pop("anonymous", None)
 
     def log_metrics(self, metrics, step=None) -> None:
         self._logged_any = True

@@ -28,7 +28,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import get_scheduler
 
-from rlcu import strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
+from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, TrainerState, Turn, eos_token_ids
@@ -75,6 +75,7 @@ class GRPOModule(L.LightningModule):
         """
         # not super(): its `__class__` cell would make Lightning look for a local of every option of the signature
         L.LightningModule.__init__(self)
+        quiet.install()
         self.options = opts = Options.from_flat(options)  # TRL's flat names -> the checked option groups
         rewards = trl_alias("rewards", rewards, ("math_answer",), "reward_funcs", reward_funcs)
         explicit = dict(model=model, tokenizer=tokenizer, rewards=rewards, reward_weights=reward_weights,

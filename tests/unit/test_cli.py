@@ -2,6 +2,7 @@
 gets a clear error."""
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,19 @@ def test_the_private_lightning_parts_rlcu_relies_on_still_exist():
 def test_runs_save_through_the_atomic_checksummed_checkpoint_io_by_default():
     plugins = parse(["run", "quickstart"]).trainer.plugins
     assert [p.class_path for p in plugins] == ["rlcu.checkpoint.AtomicCheckpointIO"]
+
+
+@pytest.mark.slow
+def test_the_quickstart_prints_no_warning_a_user_cannot_act_on(smollm2_folder, tmp_path):
+    """`rlcu run quickstart` as `make quickstart` runs it (one step), read from its stderr."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, WANDB_SILENT="false")
+    env.pop("WANDB_API_KEY", None)
+    done = subprocess.run([sys.executable, "-m", "rlcu.cli", "run", "quickstart", "--trainer.max_steps=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("litlogger", "LeafSpec", "anonymous setting", "does not have many workers", "Warning:",
+                  "DeprecationWarning", "FutureWarning", "UserWarning"):
+        assert noise not in done.stderr, noise

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2] / "rlcu"
 LAYERS = ["kernels", "models", "engine", "rollout", "agents", "grpo"]  # each may import those before it
 TOP = {"cli", "callbacks", "bench", "generate", "export", "trl"}  # may import everything
 LEAF_PACKAGES = {"rewards", "data"}  # may import themselves and the shared modules
-SHARED = {"__init__", "calls", "contracts", "plugins", "hparams", "text", "paths", "pypi_files", "checkpoint",
+SHARED = {"__init__", "calls", "contracts", "plugins", "hparams", "text", "paths", "pypi_files", "checkpoint", "quiet",
           "loggers", "profiling", "strategies"}
 
 
