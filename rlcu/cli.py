@@ -321,8 +321,12 @@ def main(argv: list[str] | None = None) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if isinstance(e, SIGTERMException):  # Lightning's stop on SIGTERM carries code None, which exits 0
-            print("rlcu: stopped by SIGTERM (exit code 143, as a signal death would give)", file=sys.stderr)
-            sys.exit(128 + signal.SIGTERM)
+            from rlcu.callbacks.interrupt import STOPPED_BY
+
+            stop = signal.SIGINT if STOPPED_BY else signal.SIGTERM
+            print(f"rlcu: stopped by {stop.name} (exit code {128 + stop}, as a signal death would give)",
+                  file=sys.stderr)
+            sys.exit(128 + stop)
         raise
     except user_errors() as e:
         discard_failed_run()

@@ -154,3 +154,8 @@ class TrainerState(Mapping):
 
     def __len__(self) -> int:
         return len(self.__dataclass_fields__)
+
+
+class GenerationInterrupted(RuntimeError):
+    """The run asked to stop (SIGTERM, Ctrl-C) while a rollout was decoding: the rollout ends between two of its
+    decode steps, and its completions are dropped (the weights are still the last finished step's)."""

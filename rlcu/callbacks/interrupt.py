@@ -12,6 +12,8 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+STOPPED_BY: list[str] = []  # the signal that stopped the run, once one did ("SIGINT"), for the exit code
+
 
 class SaveOnInterrupt(OnExceptionCheckpoint):
     def __init__(self, dirpath: str, filename: str = "interrupted"):
@@ -25,7 +27,9 @@ class SaveOnInterrupt(OnExceptionCheckpoint):
     def _on_sigint(self, trainer) -> None:
         if trainer.received_sigterm:
             raise KeyboardInterrupt
-        rank_zero_info("\nCtrl-C: finishing this step, then saving a checkpoint (press Ctrl-C again to stop at once)")
+        rank_zero_info("\nCtrl-C: stopping at the end of this step, or between two decode steps of a rollout, then "
+                       "saving a checkpoint (press Ctrl-C again to stop at once)")
+        STOPPED_BY.append("SIGINT")
         trainer._signal_connector.received_sigterm = True  # Lightning's own stop at the end of this batch
 
     def teardown(self, trainer, pl_module, stage: str) -> None:

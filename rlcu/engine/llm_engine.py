@@ -19,6 +19,7 @@ import torch
 
 from rlcu.contracts import (
     Continuation,
+    GenerationInterrupted,
     Numerics,
     Reply,
     RolloutBatch,
@@ -36,6 +37,7 @@ from rlcu.engine.sequence import Sequence
 from rlcu.models.decoder import CausalLM
 
 log = logging.getLogger(__name__)
+STOP_CHECK_STEPS = 16  # decode steps between looks at the stop flag: about 30 ms on an H200, well under a second on CPU
 
 
 def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
@@ -103,22 +105,26 @@ class LLMEngine:
         self.scheduler: Scheduler | None = None  # of the generate() in progress
         self.stats: dict[str, int] = {}
         self._said_no_shared_prefix = False
+        self._should_stop: Callable[[], bool] | None = None  # the generate() in progress's
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
-                 continuation: Continuation | None = None,
-                 on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
+                 continuation: Continuation | None = None, on_finished: Callable[[Turn], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> RolloutBatch:
         """Completions of the prompts; with a `continuation`, episodes of several turns (module docstring).
         `on_finished`: called from the decode loop with each request's completion (a `Turn`) the step it ends,
-        while the others still decode; it must return quickly (hand its work to another thread)."""
+        while the others still decode; it must return quickly (hand its work to another thread). `should_stop`:
+        asked every STOP_CHECK_STEPS steps; when it says yes, GenerationInterrupted ends the rollout."""
         # never inference tensors, even when called from Lightning's validation loop: a kept pool is
         # written again by later rollouts outside inference mode
         with torch.inference_mode(False), torch.no_grad():
             parents = self._requests(prompt_token_ids, sampling)
             self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held()))
             self._start(parents, sampling, continuation is not None, on_finished)
+            self._should_stop = should_stop
             if continuation is None:
                 while not self.scheduler.is_finished():
                     self.step()
+                    self._check_stop()
             else:
                 self._run_episodes(continuation)
             return self._result(prompt_token_ids)
@@ -200,6 +206,7 @@ class LLMEngine:
                     self._apply_reply(pending.pop(future), future.result())
                 if not self.scheduler.is_finished() or self._ahead is not None:
                     self.step()
+                    self._check_stop()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -209,6 +216,12 @@ class LLMEngine:
             self.scheduler.end(seq, reply.finish_reason)
         else:
             self.scheduler.resume(seq, list(reply.token_ids), self._sampling.max_turn_tokens)
+
+    def _check_stop(self) -> None:
+        if self._should_stop is not None and self._steps % STOP_CHECK_STEPS == 0 and self._should_stop():
+            self.scheduler, self._ahead = None, None  # the next generate() starts afresh
+            raise GenerationInterrupted(f"the run was asked to stop while the rollout was decoding (step "
+                                        f"{self._steps})")
 
     def _copy_pending_blocks(self) -> None:
         bm = self.scheduler.bm

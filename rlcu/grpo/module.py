@@ -31,7 +31,16 @@ from transformers import get_scheduler
 from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.calls import CallInterrupted
-from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, TrainerState, Turn, eos_token_ids
+from rlcu.contracts import (
+    Continuation,
+    GenerationInterrupted,
+    Numerics,
+    RolloutBatch,
+    SamplingParams,
+    TrainerState,
+    Turn,
+    eos_token_ids,
+)
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.grpo import evaluation, registry
 from rlcu.grpo.batch import Counters, Sampled, ScoredRollout
@@ -363,7 +372,11 @@ class GRPOModule(L.LightningModule):
         try:
             # FSDP: the whole model for the rollout, sharded again after (timing/gather, timing/reshard)
             with full_parameters(self.policy, self._sharding_times, self._now):
-                return turns.generate(self.rollout, prompt_ids, sampling, continuation, on_finished)
+                return turns.generate(self.rollout, prompt_ids, sampling, continuation, on_finished,
+                                      should_stop=self.stop_requested)
+        except GenerationInterrupted as e:  # SIGTERM or Ctrl-C mid-rollout: stop as Lightning stops on SIGTERM
+            log.warning("%s; stopping", e)
+            raise SIGTERMException from e
         finally:
             self.rollout.release()
             self.policy.train(was_training)

@@ -21,6 +21,8 @@ class Capabilities:
     exact_numerics: bool = False
     lora: bool = False  # runs the live model's LoRA adapters (base + adapter, never merged)
     streaming: bool = False  # takes optimizer steps between its decode steps (streaming GRPO)
+    # generate(..., should_stop=) looks at should_stop() between decode steps and raises GenerationInterrupted
+    interruptible: bool = False
     native_models_only: bool = False  # runs rlcu's native families only (not the transformers fallback)
 
     def names(self) -> list[str]:
@@ -30,7 +32,8 @@ class Capabilities:
 HELP = {"continuation": "runs multi-turn episodes itself (generate(..., continuation=))",
         "on_finished": "reports each completion as it ends (generate(..., on_finished=))",
         "exact_numerics": "computes with the trainer's own kernels",
-        "lora": "runs LoRA adapters", "streaming": "takes optimizer steps between decode steps"}
+        "lora": "runs LoRA adapters", "streaming": "takes optimizer steps between decode steps",
+        "interruptible": "stops between decode steps when asked (generate(..., should_stop=))"}
 
 
 @runtime_checkable

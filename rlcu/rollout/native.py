@@ -11,7 +11,7 @@ from rlcu.rollout.base import Capabilities
 
 class NativeRollout:
     capabilities = Capabilities(continuation=True, on_finished=True, exact_numerics=True, lora=True,
-                                native_models_only=True)
+                                interruptible=True, native_models_only=True)
 
     def __init__(self, engine: EngineConfig | dict | None = None):
         """`engine`: the engine's settings (`EngineConfig`, or its fields as a mapping, as YAML gives them:
@@ -38,12 +38,13 @@ class NativeRollout:
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None,
-                 on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
+                 on_finished: Callable[[Turn], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> RolloutBatch:
         """Completions; with a `continuation`, episodes whose KV stays in the pool between turns; `on_finished`
-        hears of each completion as it ends (`LLMEngine.generate`)."""
+        hears of each completion as it ends; `should_stop` is asked between decode steps (`LLMEngine.generate`)."""
         if self.engine is None:
             raise RuntimeError("NativeRollout.generate() called before setup(policy, tokenizer)")
-        return self.engine.generate(prompt_token_ids, sampling, continuation, on_finished)
+        return self.engine.generate(prompt_token_ids, sampling, continuation, on_finished, should_stop)
 
     def release(self) -> None:
         if self.engine is not None:

@@ -2,9 +2,11 @@
 cache. Simple and exact, it runs anywhere and is the oracle the native engine is tested against."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from rlcu.contracts import StopStrings
+from rlcu.contracts import GenerationInterrupted, StopStrings
 from rlcu.kernels.sampling import sample
 from rlcu.rollout.base import Capabilities, RolloutBatch, SamplingParams
 
@@ -12,7 +14,7 @@ from rlcu.rollout.base import Capabilities, RolloutBatch, SamplingParams
 class ReferenceRollout:
     # episodes run turn by turn (`rollout/turns.py`), each turn prefilling its whole history; LoRA adapters
     # run as part of the live model's forward
-    capabilities = Capabilities(lora=True)
+    capabilities = Capabilities(lora=True, interruptible=True)
 
     def __init__(self, max_batch_size: int = 64):
         self.max_batch_size = max_batch_size
@@ -28,7 +30,8 @@ class ReferenceRollout:
         pass  # the model is the module's own: nothing to sync
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 should_stop: Callable[[], bool] | None = None) -> RolloutBatch:
         if self.model is None:
             raise RuntimeError("ReferenceRollout.generate() called before setup(policy, tokenizer)")
         if any(len(p) == 0 for p in prompt_token_ids):
@@ -39,14 +42,14 @@ class ReferenceRollout:
         out = RolloutBatch([], [], [], [])
         for start in range(0, len(prompt_token_ids), self.max_batch_size):
             chunk = prompt_token_ids[start:start + self.max_batch_size]
-            ids, lps, reasons = self._generate(chunk, sampling, gen, device)
+            ids, lps, reasons = self._generate(chunk, sampling, gen, device, should_stop)
             out.prompt_ids += [list(p) for p in chunk]
             out.completion_ids += ids
             out.logprobs += lps
             out.finish_reasons += reasons
         return out
 
-    def _generate(self, prompts, sp: SamplingParams, gen, device):
+    def _generate(self, prompts, sp: SamplingParams, gen, device, should_stop=None):
         b, p = len(prompts), max(len(x) for x in prompts)
         ids = torch.zeros(b, p, dtype=torch.long, device=device)
         valid = torch.zeros(b, p, dtype=torch.bool, device=device)
@@ -62,6 +65,8 @@ class ReferenceRollout:
         tokens, logprobs, lengths = [], [], torch.zeros(b, dtype=torch.long, device=device)
         pos = pos[:, -1:]
         for step in range(sp.max_tokens):
+            if should_stop is not None and step % 16 == 0 and should_stop():
+                raise GenerationInterrupted(f"the run was asked to stop while the rollout was decoding (token {step})")
             tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, gen)
             tokens.append(tok)
             logprobs.append(lp)

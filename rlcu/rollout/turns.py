@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 
 from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, check_reply
 from rlcu.rollout.base import capabilities_of
@@ -15,19 +16,21 @@ TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
 
 
 def generate(backend, prompt_token_ids: list[list[int]], sampling: SamplingParams,
-             continuation: Continuation | None = None,
-             on_finished: Callable[[Turn], None] | None = None) -> RolloutBatch:
+             continuation: Continuation | None = None, on_finished: Callable[[Turn], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> RolloutBatch:
     """The one way the module asks a backend for a rollout, by its declared capabilities: episodes run in the
     backend when it can (`continuation`), else turn by turn here; `on_finished` reaches a backend that reports
-    completions as they end, and is left out for one that does not (the caller scores after the rollout)."""
+    completions as they end, and is left out for one that does not (the caller scores after the rollout);
+    `should_stop` reaches a backend that stops between decode steps when asked (`interruptible`)."""
     caps = capabilities_of(backend)
+    asked = {"should_stop": should_stop} if should_stop is not None and caps.interruptible else {}
     if continuation is not None:
         if caps.continuation:
-            return backend.generate(prompt_token_ids, sampling, continuation=continuation)
-        return generate_in_turns(backend.generate, prompt_token_ids, sampling, continuation)
+            return backend.generate(prompt_token_ids, sampling, continuation=continuation, **asked)
+        return generate_in_turns(partial(backend.generate, **asked), prompt_token_ids, sampling, continuation)
     if on_finished is not None and caps.on_finished:
-        return backend.generate(prompt_token_ids, sampling, on_finished=on_finished)
-    return backend.generate(prompt_token_ids, sampling)
+        asked["on_finished"] = on_finished
+    return backend.generate(prompt_token_ids, sampling, **asked)
 
 
 def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: SamplingParams,

@@ -109,6 +109,28 @@ def test_native_backend_shares_parameters_and_sees_updates(tmp_path):
     assert backend.generate(PROMPTS, greedy).completion_ids != before
 
 
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_a_rollout_stops_between_decode_steps_when_asked_and_the_next_one_runs_whole(tmp_path, backend):
+    from rlcu.contracts import GenerationInterrupted
+    from rlcu.rollout import resolve_rollout, turns
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
+    rollout = resolve_rollout(backend)
+    rollout.setup(model, None)
+    asked = []
+
+    def stop_after_three_looks():
+        asked.append(1)
+        return len(asked) >= 3
+
+    long = SamplingParams(max_tokens=200, temperature=1.0, seed=0)  # no stop token: every request runs 200 tokens
+    with pytest.raises(GenerationInterrupted, match="asked to stop while the rollout was decoding"):
+        turns.generate(rollout, PROMPTS, long, should_stop=stop_after_three_looks)
+    assert len(asked) == 3  # it looked every few decode steps, and stopped at the first yes
+    out = turns.generate(rollout, PROMPTS, long, should_stop=lambda: False)
+    assert [len(c) for c in out.completion_ids] == [200] * len(PROMPTS)
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_matches_reference_and_transformers(smollm2_folder):
     model, tok = load_model(smollm2_folder)

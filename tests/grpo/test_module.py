@@ -204,8 +204,8 @@ def test_the_sampler_correction_masks_sequences_the_sampler_scored_far_off(tiny,
     class Skewed(ReferenceRollout):
         """Says its first sample of each call was 20x less likely per token than it was."""
 
-        def generate(self, prompt_token_ids, sampling):
-            out = super().generate(prompt_token_ids, sampling)
+        def generate(self, prompt_token_ids, sampling, **hooks):  # the capabilities it inherits: should_stop
+            out = super().generate(prompt_token_ids, sampling, **hooks)
             out.logprobs[0] = [lp - 3.0 for lp in out.logprobs[0]]
             return out
 
