@@ -54,6 +54,7 @@ from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
+from rlcu.rewards.model import RewardModel
 from rlcu.rollout import bind, capabilities_of, require, resolve_rollout, turns
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class GRPOModule(L.LightningModule):
     def __init__(self, model: str | CausalLM = "smollm2-135m-instruct", tokenizer: Any = None,
                  rewards: Any = ("math_answer",), reward_weights: list[float] | None = None, rollout: Any = "native",
                  peft_config: Any = None, tools: list | None = None, environment_factory: Any = None,
-                 reward_funcs: Any = None, **options):
+                 reward_funcs: Any = None, reward_processing_classes: Any = None, **options):
         """A GRPO run's module. Every option keeps TRL's name, default and meaning (`rlcu/grpo/options.py`).
 
         Args:
@@ -81,6 +82,7 @@ class GRPOModule(L.LightningModule):
             tools: functions (or import paths) the model may call
             environment_factory: one environment per episode: a class, {name: class}, or a plugin spec
             reward_funcs: TRL's name of rewards (give one of the two)
+            reward_processing_classes: the tokenizers of reward models given as objects (TRL's)
         """
         # not super(): its `__class__` cell would make Lightning look for a local of every option of the signature
         L.LightningModule.__init__(self)
@@ -94,7 +96,8 @@ class GRPOModule(L.LightningModule):
         self.policy, self.tokenizer = self._policy(model, tokenizer, opts.model.dtype, opts.model.trust_remote_code)
         self.policy.gradient_checkpointing = opts.optimizer.gradient_checkpointing
         self._add_lora(peft_config)
-        self.rewards = self._agents_and_rewards(tools, environment_factory, rewards, reward_weights)
+        self.rewards = self._agents_and_rewards(tools, environment_factory, rewards, reward_weights,
+                                                reward_processing_classes)
         names = [r.name for r in self.rewards]
         check_against_model(opts, self.policy.config.max_position_embeddings, names)
         # beta > 0: a frozen copy of the starting policy for the KL term (with LoRA, the base: adapters off)
@@ -141,7 +144,8 @@ class GRPOModule(L.LightningModule):
                              "on the transformers fallback: train it in full, or merge adapters elsewhere")
         add_lora(self.policy, peft_config)
 
-    def _agents_and_rewards(self, tools, environment_factory, rewards, reward_weights) -> list[BoundReward]:
+    def _agents_and_rewards(self, tools, environment_factory, rewards, reward_weights,
+                            processing_classes=None) -> list[BoundReward]:
         """tools / environments (TRL's names): multi-turn episodes, run as a continuation of the rollout; an
         environment's `get_reward` joins the rewards."""
         limits = self.options.agents
@@ -151,7 +155,7 @@ class GRPOModule(L.LightningModule):
         environments = self.agent.environments if self.agent else None
         environment_rewards = [BoundReward(fn, name, 1.0) for name, fn in (environments.rewards() if environments
                                                                              else [])]
-        return resolve_rewards(rewards, reward_weights, environment_rewards)
+        return resolve_rewards(rewards, reward_weights, environment_rewards, processing_classes)
 
     def _rollout_backend(self, spec, lora: bool):
         """The rollout backend, checked once against what the run asks of it (its declared capabilities), and the
@@ -208,6 +212,9 @@ class GRPOModule(L.LightningModule):
                              f"own pairing, or another loss over the step's tokens), got {loss.loss_type!r}; use dapo "
                              "or turn the filter off")
         bind(self.rollout, self.policy, self.tokenizer, self.numerics)
+        for reward in self.rewards:  # reward models score on the training device
+            if isinstance(reward.fn, RewardModel):
+                reward.fn.to(self.device)
 
     def configure_model(self) -> None:
         """Under Lightning's ModelParallelStrategy: FSDP over the data-parallel ranks (`sharding.py`)."""

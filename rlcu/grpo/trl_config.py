@@ -217,10 +217,13 @@ def _peft(_, t: Translation, v: Mapping) -> None:
 
 
 def _reward_funcs(value, t: Translation, v: Mapping) -> None:
-    """The `trl grpo` script's names (its registry: get_soft_overlong_punishment with 1280 and 256) or paths."""
-    if value is None:
+    """The `trl grpo` script's reward model first, then its names (its registry: get_soft_overlong_punishment with
+    1280 and 256) or paths."""
+    model = v.get("reward_model_name_or_path")
+    if value is None and model is None:
         return
-    rewards = []
+    rewards = [model] if model is not None else []
+    value = value or []
     for name in value:
         if name == "get_soft_overlong_punishment":
             rewards.append({"name": name, "init_args": {"max_completion_len": 1280, "soft_punish_cache": 256}})
@@ -399,7 +402,8 @@ RULES: dict[str, Rule] = {
     "dataset_train_split": Rule("data", "split", "train"), "dataset_test_split": noop("with eval_strategy", "test"),
     "dataset_streaming": refuse("rlcu reads the dataset once, at set-up", False),
     "ignore_bias_buffers": noop("no bias buffers in rlcu's models", False),
-    "reward_model_name_or_path": refuse(NOT_YET + ": reward models"),
+    "reward_model_name_or_path": custom(lambda value, t, v: None, None,
+                                        "the first of model.rewards: a reward model (hub id or folder)"),
     "reward_funcs": custom(_reward_funcs, None, "model.rewards (the script's names: "
                                                             "get_soft_overlong_punishment with 1280 and 256)"),
     "datasets": refuse("one dataset (dataset_name)", []), "streaming": refuse("rlcu reads the dataset once", False),

@@ -9,7 +9,10 @@ sample when something is wrong (`scoring.py` calls them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from rlcu import plugins
 
@@ -65,10 +68,34 @@ def _trl_name(spec):
     return dict(spec, name=path) if isinstance(spec, dict) else path
 
 
-def resolve_reward(spec) -> BoundReward:
+def _reward_model(spec, tokenizer):
+    """A reward model for a spec that names one (a folder of a sequence classifier, a hub id that is no plugin or
+    import path) or is one (a transformers model object), else None."""
+    from rlcu.rewards.model import RewardModel, is_reward_model_folder
+
+    if isinstance(spec, torch.nn.Module):
+        return RewardModel(spec, tokenizer)
+    if not isinstance(spec, str) or spec in plugins.available("rewards") or ":" in spec:
+        return None
+    if is_reward_model_folder(spec):
+        return RewardModel(spec, tokenizer)
+    if spec.count("/") == 1 and not Path(spec).exists() and not spec.startswith((".", "/", "~")):
+        try:
+            plugins.import_path(spec)
+        except (ImportError, AttributeError, ValueError):
+            return RewardModel(spec, tokenizer)  # an owner/name hub id
+    return None
+
+
+def resolve_reward(spec, tokenizer=None) -> BoundReward:
     """A reward from a callable, a `Reward`, a short name / import path (TRL's reward names included), or a mapping
     {name | class_path: ..., weight: ..., init_args: {...}}; with `init_args` the target is a class or a factory
     (TRL's `get_soft_overlong_punishment`, say), called with them to make the reward."""
+    model = _reward_model(spec, tokenizer)
+    if model is not None:
+        return BoundReward(model, model.name, 1.0)
+    if tokenizer is not None:
+        raise ValueError(f"a reward processing class was given for {spec!r}, which is not a reward model")
     fn, extras = plugins.build("rewards", _trl_name(spec), extra_keys=("weight",))
     if not callable(fn):
         raise TypeError(f"a reward must be callable, got {type(fn).__name__}")
@@ -76,12 +103,19 @@ def resolve_reward(spec) -> BoundReward:
     return BoundReward(fn, _name_of(fn), float(weight))
 
 
-def resolve_rewards(specs, weights: list[float] | None = None, extra: list[BoundReward] = ()) -> list[BoundReward]:
-    """The rewards of `specs` with `weights`, then `extra` ones that carry their own (an environment's)."""
+def resolve_rewards(specs, weights: list[float] | None = None, extra: list[BoundReward] = (),
+                    processing_classes=None) -> list[BoundReward]:
+    """The rewards of `specs` with `weights`, then `extra` ones that carry their own (an environment's).
+    `processing_classes`: TRL's `reward_processing_classes`, the tokenizers of reward models given as objects
+    (one, or one per reward with None for the others)."""
     specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
     if not specs and not extra:
         raise ValueError("at least one reward is needed (or an environment that defines get_reward)")
-    bound = [resolve_reward(s) for s in specs]
+    tokenizers = processing_classes if isinstance(processing_classes, (list, tuple)) else [processing_classes] * len(
+        specs)
+    if len(tokenizers) != len(specs):
+        raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(specs)} rewards")
+    bound = [resolve_reward(s, t) for s, t in zip(specs, tokenizers)]
     if weights is not None:
         if len(weights) != len(bound):
             raise ValueError(f"reward_weights has {len(weights)} values for {len(bound)} rewards")
