@@ -35,8 +35,15 @@ class CompletionsTable(L.Callback):
             return
         self._done_step = step
         names = [r.name for r in pl_module.rewards]
-        rows = []
-        for i in range(min(self.max_rows, len(rollout.completions))):
+        rows, seen = [], set()
+        unique = getattr(getattr(pl_module, "options", None), "evaluation", None)
+        unique = bool(unique and unique.log_unique_prompts)  # TRL's: one row per prompt
+        for i in range(len(rollout.completions)):
+            if len(rows) == self.max_rows:
+                break
+            if unique and str(rollout.prompts[i]) in seen:
+                continue
+            seen.add(str(rollout.prompts[i]))
             row = {"step": step, "prompt": completion_text(rollout.prompts[i]),
                    "completion": transcript(rollout.completions[i]),
                    "advantage": float(rollout.advantages[i])}

@@ -11,18 +11,18 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
 
-def encode_prompt(tokenizer, prompt: Any) -> list[int]:
+def encode_prompt(tokenizer, prompt: Any, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt: chat messages go through the tokenizer's chat template with the
     generation prompt; plain text is tokenised as is. No special tokens are added beyond the template's
     (TRL does the same), so text prompts and templates are never doubled up with a BOS."""
-    return encode_prompts(tokenizer, [prompt])[0]
+    return encode_prompts(tokenizer, [prompt], chat_template_kwargs)[0]
 
 
-def encode_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: list[Any], chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """`encode_prompt` of each prompt, tokenised in one call. A fast tokenizer whose backend has no truncation
     or padding of its own hands the whole list to that backend: transformers' per-text conversions cost more than
     the tokenisation itself (the calculator recipe's prompts: half the time, docs/benchmarks.md)."""
-    texts = [prompt_text(tokenizer, p) for p in prompts]
+    texts = [prompt_text(tokenizer, p, chat_template_kwargs) for p in prompts]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is not None and backend.truncation is None and backend.padding is None
             and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
@@ -30,13 +30,15 @@ def encode_prompts(tokenizer, prompts: list[Any]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def prompt_text(tokenizer, prompt: Any) -> str:
-    """What the tokenizer reads for a prompt: chat messages rendered by its template, or the text itself."""
+def prompt_text(tokenizer, prompt: Any, chat_template_kwargs: dict | None = None) -> str:
+    """What the tokenizer reads for a prompt: chat messages rendered by its template (with TRL's
+    `chat_template_kwargs`, e.g. {enable_thinking: false}), or the text itself."""
     if is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat template; "
                              "give plain-text prompts or a tokenizer with a chat_template")
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
     if isinstance(prompt, str):
         return prompt
     raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")

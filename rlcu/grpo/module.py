@@ -139,6 +139,9 @@ class GRPOModule(L.LightningModule):
         """TRL's `peft_config`: LoRA adapters trained on the frozen base, inside the engine too."""
         if peft_config is None:
             return
+        if self.options.loss.sync_ref_model:
+            raise ValueError("sync_ref_model with peft_config: the reference is the base with the adapters off, which "
+                             "does not move; train without one of them")
         if not self.policy.native:
             raise ValueError(f"peft_config: LoRA runs in rlcu's native families; {self.policy.config.model_type} runs "
                              "on the transformers fallback: train it in full, or merge adapters elsewhere")
@@ -236,7 +239,8 @@ class GRPOModule(L.LightningModule):
         rows = getattr(dm, "train_set", None)
         if rows is not None:
             long = 0
-            for i, ids in enumerate(encode_prompts(self.tokenizer, [row["prompt"] for row in rows])):
+            for i, ids in enumerate(encode_prompts(self.tokenizer, [row["prompt"] for row in rows],
+                                                   self.options.sampling.chat_template_kwargs)):
                 long += self.check_prompt_length(len(self.nonempty(ids, i)), i)
             if long:
                 log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
@@ -327,6 +331,7 @@ class GRPOModule(L.LightningModule):
         t2 = self._now()
         with record_function("rlcu/train"):
             metrics.update(self.update_phase(grpo_batch, keep) if keep.any() else self._skip())
+        self._sync_reference()
         t3 = self._now()
         memory["memory/train_GB"] = self._peak_memory_gb()  # scoring and training
         metrics.update({k: v for k, v in memory.items() if v is not None})
@@ -338,6 +343,16 @@ class GRPOModule(L.LightningModule):
         self._log_metrics(metrics)
         self.last_rollout = scored
         return None
+
+    def _sync_reference(self) -> None:
+        """TRL's `sync_ref_model` (TR-DPO): every ref_model_sync_steps optimizer steps, the reference moves toward
+        the policy: ref = alpha x policy + (1 - alpha) x ref."""
+        loss = self.options.loss
+        if not loss.sync_ref_model or self.ref_model is None or self.global_step % loss.ref_model_sync_steps:
+            return
+        with torch.no_grad():
+            for ref, live in zip(self.ref_model.parameters(), self.policy.parameters(), strict=True):
+                ref.mul_(1.0 - loss.ref_model_mixup_alpha).add_(live.to(ref.dtype), alpha=loss.ref_model_mixup_alpha)
 
     def _rollout(self, rows: list[dict], scorer: EarlyScorer | None = None) -> Sampled:
         s = self.options.sampling
@@ -355,7 +370,8 @@ class GRPOModule(L.LightningModule):
         (single-turn only): told of each completion as it ends, on a backend that reports them."""
         if self.agent is None:
             prompt_ids = [self.fit_prompt(ids, i)
-                          for i, ids in enumerate(encode_prompts(self.tokenizer, [r["prompt"] for r in rows]))]
+                          for i, ids in enumerate(encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
+                                                                 self.options.sampling.chat_template_kwargs))]
             return Sampled(self.generate([ids for ids in prompt_ids for _ in range(g)], sampling,
                                          on_finished=on_finished))
         trainer = self._attached_trainer()
@@ -390,7 +406,8 @@ class GRPOModule(L.LightningModule):
 
     def encode(self, prompt, index: int) -> list[int]:
         """A prompt's token ids; one over max_prompt_length is an error or keeps its end (long_prompts)."""
-        return self.fit_prompt(encode_prompt(self.tokenizer, prompt), index)
+        return self.fit_prompt(encode_prompt(self.tokenizer, prompt, self.options.sampling.chat_template_kwargs),
+                               index)
 
     def fit_prompt(self, ids: list[int], index: int) -> list[int]:
         ids = self.nonempty(ids, index)

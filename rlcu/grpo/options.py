@@ -73,6 +73,8 @@ class SamplingOptions(OptionGroup):
                                  minimum=0, maximum=1)
     stop: list[str] | None = option(None, "stop strings; completions also stop at every EOS id of the model and "
                                           "tokenizer")
+    chat_template_kwargs: dict | None = option(None, "extra arguments of the tokenizer's chat template for chat "
+                                                     "prompts (TRL's), e.g. {enable_thinking: false}")
     long_prompts: str = option("error", "a prompt over max_prompt_length: stop at set-up (error), or keep its end "
                                         "(truncate_left)", choices=("error", "truncate_left"))
     seed: int = option(0, "seeds the sampler (with the step and the rank)")
@@ -105,6 +107,10 @@ class LossOptions(OptionGroup):
     epsilon_high: float | None = option(None, "upper clip range (DAPO's clip-higher; None: epsilon)")
     delta: float | None = option(None, "two-sided clipping: the unclipped ratio capped at delta (INTELLECT-2)")
     beta: float = option(0.0, "k3 KL to a frozen copy of the starting model")
+    sync_ref_model: bool = option(False, "every ref_model_sync_steps steps the reference becomes alpha x policy + "
+                                         "(1 - alpha) x reference (TR-DPO; TRL's)")
+    ref_model_mixup_alpha: float = option(0.6, "the policy's share in a reference sync", minimum=0, maximum=1)
+    ref_model_sync_steps: int = option(512, "optimizer steps between reference syncs", minimum=1)
     use_bias_correction_kl: bool = option(True, "the KL term times the importance weight")
     num_iterations: int = option(1, "optimizer steps per rollout, with the sampling-time logprobs as the old "
                                     "policy", minimum=1)
@@ -122,6 +128,9 @@ class LossOptions(OptionGroup):
     def check(self) -> None:
         if isinstance(self.scale_rewards, bool):  # TRL maps booleans
             object.__setattr__(self, "scale_rewards", "group" if self.scale_rewards else "none")
+        if self.sync_ref_model and self.beta == 0.0:
+            raise ValueError("sync_ref_model moves the reference of the KL term, which beta=0 leaves out: set beta > 0 "
+                             "or sync_ref_model=false")
         if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "grpo":
             raise ValueError("multi_objective_aggregation='normalize_then_sum' computes the advantages itself (TRL's "
                              f"definition); it takes advantage_estimator='grpo', got {self.advantage_estimator!r}")
@@ -258,6 +267,7 @@ class EvaluationOptions(OptionGroup):
                                               alias_of="eval_num_samples")
     accuracy_reward: str | None = option(None, "the reward whose value is eval/accuracy (None: the first)")
     eval_at_start: bool = option(True, "a held-out evaluation before the first step")
+    log_unique_prompts: bool = option(False, "the completions table keeps one row per prompt (TRL's)")
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,6 @@ VLLM = "rlcu samples with its own engine on the trained parameters: there is no 
 LOGGING = "Lightning's logging: every logged step goes to each logger"
 LOADER = "the prompts of a step are few: one loader process reads them"
 EVAL = "rlcu's held-out evaluation is greedy accuracy, pass@k and reward (docs/recipes.md)"
-NOT_YET = "not supported yet (issue #39)"
 
 RULES: dict[str, Rule] = {
     # ---- GRPOConfig's own fields
@@ -260,7 +259,7 @@ RULES: dict[str, Rule] = {
     "generation_batch_size": custom(lambda *a: None, None), "steps_per_generation": custom(lambda *a: None, None),
     "temperature": to_model(1.0), "top_p": to_model(1.0), "top_k": to_model(0), "min_p": to_model(None),
     "generation_kwargs": custom(_generation_kwargs, None, "the sampler's temperature, top_p, top_k, min_p"),
-    "chat_template_kwargs": refuse(NOT_YET + ": chat templates are applied with their defaults"),
+    "chat_template_kwargs": to_model(None),
     "repetition_penalty": refuse("rlcu's sampler has no repetition penalty", 1.0),
     "cache_implementation": noop("the engine keeps its own paged KV cache", None),
     "use_vllm": noop(VLLM, False), "vllm_mode": noop(VLLM, "colocate"), "vllm_model_impl": noop(VLLM, "vllm"),
@@ -282,9 +281,7 @@ RULES: dict[str, Rule] = {
     "vespo_lambda_neg": to_model(2.0), "importance_sampling_level": to_model("token"), "reward_weights": to_model(None),
     "multi_objective_aggregation": to_model("sum_then_normalize"), "scale_rewards": to_model("group"),
     "loss_type": to_model("dapo"), "mask_truncated_completions": to_model(False),
-    "sync_ref_model": refuse(NOT_YET + ": the reference model stays the starting policy", False),
-    "ref_model_mixup_alpha": noop("with sync_ref_model only", 0.6),
-    "ref_model_sync_steps": noop("with sync_ref_model only", 512),
+    "sync_ref_model": to_model(False), "ref_model_mixup_alpha": to_model(0.6), "ref_model_sync_steps": to_model(512),
     "top_entropy_quantile": to_model(1.0), "entropy_coef": to_model(0.0), "use_adaptive_entropy": to_model(False),
     "entropy_coef_min": to_model(0.0), "entropy_coef_max": to_model(1.0), "entropy_coef_delta": to_model(0.005),
     "entropy_target": to_model(0.2), "max_tool_calling_iterations": to_model(None),
@@ -296,7 +293,7 @@ RULES: dict[str, Rule] = {
     "log_completions": noop("rlcu.callbacks.CompletionsTable writes completions.jsonl (and a wandb table)", False),
     "log_multimodal": noop("rlcu trains text models", True),
     "num_completions_to_print": noop("CompletionsTable's max_rows", None),
-    "log_unique_prompts": refuse(NOT_YET, False), "log_completions_hub_repo": refuse(HUB),
+    "log_unique_prompts": to_model(False), "log_completions_hub_repo": refuse(HUB),
     "use_transformers_continuous_batching": noop("rlcu's engine batches continuously over a paged cache", False),
     "transformers_continuous_batching_config": noop("rlcu's engine batches continuously", None),
     "use_transformers_paged": noop("rlcu's engine is paged", False),

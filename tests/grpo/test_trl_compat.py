@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from rlcu.grpo.module import GRPOModule
 from rlcu.rewards.base import resolve_reward
 from tests.grpo.test_module import make
 from tests.helpers import fit, match_target, toy_rows
@@ -77,3 +78,48 @@ def test_normalize_then_sum_is_trls_aggregation():
         from rlcu.grpo.options import LossOptions
 
         LossOptions(multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    from rlcu.models import load_model
+    from tests.helpers import tiny_hf_folder
+
+    template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}t9{% endif %}")
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8, chat_template=template))
+    prompt = [{"role": "user", "content": "t1 t2"}]
+    plain = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=2).encode(prompt, 0)
+    quiet = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=2,
+                       chat_template_kwargs={"enable_thinking": False}).encode(prompt, 0)
+    assert quiet == plain + tok.convert_tokens_to_ids(["t9"])
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny, tmp_path):
+    module = make(tiny, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    start = [p.detach().clone() for p in module.ref_model.parameters()]
+    fit(module, toy_rows(4), steps=1, log_dir=tmp_path)
+    for ref, live, before in zip(module.ref_model.parameters(), module.policy.parameters(), start):
+        assert torch.allclose(ref, 0.5 * before + 0.5 * live.detach())
+    assert any(not torch.equal(r, b) for r, b in zip(module.ref_model.parameters(), start))
+    with pytest.raises(ValueError, match="sync_ref_model moves the reference of the KL term"):
+        make(tiny, sync_ref_model=True)
+
+
+def test_log_unique_prompts_keeps_one_row_a_prompt(tiny, tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from rlcu.callbacks import CompletionsTable
+    from rlcu.grpo.batch import ScoredRollout
+
+    for unique, expected in ((False, 4), (True, 2)):
+        module = make(tiny, log_unique_prompts=unique)
+        module.last_rollout = ScoredRollout(["p1", "p1", "p2", "p2"], ["a", "b", "c", "d"], torch.zeros(4, 1),
+                                            torch.zeros(4))
+        folder = tmp_path / str(unique)
+        trainer = SimpleNamespace(global_step=1, log_dir=str(folder), default_root_dir=str(folder),
+                                  is_global_zero=True, loggers=[])
+        CompletionsTable(every_n_steps=1).on_train_batch_end(trainer, module, None, None, 0)
+        rows = [json.loads(line) for line in open(folder / "completions.jsonl")]
+        assert len(rows) == expected
