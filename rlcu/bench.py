@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -333,6 +334,17 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
+def finite(value):
+    """JSON without NaN or Infinity (not JSON: strict parsers refuse them): a value that is not a number is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def run(argv: list[str]) -> dict:
     args = parser().parse_args(argv)
     for name in ("prompt_len", "new_tokens", "generations"):
@@ -346,5 +358,5 @@ def run(argv: list[str]) -> dict:
                              "give a writable path") from e
     result = bench_rollout(args) if args.what == "rollout" else bench_step(args)
     if result is not None:  # (None: a rank other than the first)
-        print(json.dumps(result))
+        print(json.dumps(finite(result)))
     return result

@@ -23,6 +23,7 @@ from pathlib import Path
 from rlcu import plugins
 
 USAGE = __doc__.split("\n\n")[1]
+COMMANDS = ("run", "eval", "generate", "export", "bench", "plugins", "recipes", "fit", "validate", "test", "predict")
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -292,6 +293,15 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage:\n{USAGE}\n\nLightningCLI subcommands: fit, validate, test, predict (rlcu fit --help)")
         return
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"rlcu {version('rlcu')}")
+        return
+    if argv[0] not in COMMANDS:
+        print(f"rlcu: error: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (rlcu --help)",
+              file=sys.stderr)
+        sys.exit(2)
     if argv[0] in ("run", "eval") and argv[1:2] in (["-h"], ["--help"]):
         return print_run_help(argv[0])
     if os.getcwd() not in sys.path and "" not in sys.path:  # rewards by import path from here, as `python -m` allows

@@ -3,18 +3,23 @@
 PEFT's format (`PeftModel.from_pretrained`), or with --merge folded into a full HF folder."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 
-def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path:
-    """A LoRA run's checkpoint exports its adapters in PEFT's format, or with `merge` a merged HF folder."""
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False, overwrite: bool = False) -> Path:
+    """A LoRA run's checkpoint exports its adapters in PEFT's format, or with `merge` a merged HF folder. A folder
+    that holds files already is refused unless `overwrite`; the files are readable by others (0644 less the
+    umask), as transformers' own save_pretrained writes them."""
     from rlcu.checkpoint import load
     from rlcu.models.loading import load_model, save_pretrained
     from rlcu.models.lora import add_lora, merge_lora, save_adapter
     from rlcu.paths import check_writable_folder
 
     checkpoint = Path(checkpoint)
+    if not overwrite and Path(out).is_dir() and any(Path(out).iterdir()):
+        raise FileExistsError(f"export folder {out} is not empty; choose another folder, or pass --overwrite")
     check_writable_folder(out, "export folder")  # before the checkpoint and the model load, not after
     state = load(checkpoint)
     if not isinstance(state, dict) or "state_dict" not in state:
@@ -40,6 +45,11 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> Path
         if lora is not None:
             merge_lora(model)
         folder = save_pretrained(model, tokenizer, out)
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in Path(folder).rglob("*"):
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
     print(f"rlcu export: {checkpoint} (step {state.get('global_step', '?')}) -> {folder}", file=sys.stderr)
     return folder
 
@@ -53,5 +63,6 @@ def run(argv: list[str]) -> Path:
     p.add_argument("--merge", action="store_true",
                    help="a LoRA run: fold the adapters into the weights (an HF folder) "
                         "instead of PEFT's adapter format")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that holds files already")
     args = p.parse_args(argv)
-    return export(args.checkpoint, args.out, merge=args.merge)
+    return export(args.checkpoint, args.out, merge=args.merge, overwrite=args.overwrite)

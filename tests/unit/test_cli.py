@@ -220,3 +220,21 @@ def test_the_quickstart_prints_no_warning_a_user_cannot_act_on(smollm2_folder, t
     for noise in ("litlogger", "LeafSpec", "anonymous setting", "does not have many workers", "Warning:",
                   "DeprecationWarning", "FutureWarning", "UserWarning"):
         assert noise not in done.stderr, noise
+
+
+def test_version_and_an_unknown_command(capsys):
+    from importlib.metadata import version
+
+    cli.main(["--version"])
+    assert capsys.readouterr().out.strip() == f"rlcu {version('rlcu')}"
+    code, err = run_main(["foo"], capsys)
+    assert code == 2 and "unknown command 'foo'; commands: run, eval, generate, export, bench" in err
+
+
+def test_bench_json_has_no_nan():
+    import json
+
+    from rlcu.bench import finite
+
+    line = json.dumps(finite({"loss": float("nan"), "steps": [1.0, float("inf")], "ok": 2}), allow_nan=False)
+    assert json.loads(line) == {"loss": None, "steps": [1.0, None], "ok": 2}

@@ -1,4 +1,6 @@
 """`rlcu export`: a trained checkpoint becomes an HF folder that transformers loads, with our logits."""
+import os
+
 import pytest
 import torch
 
@@ -38,6 +40,14 @@ def test_exported_checkpoint_loads_in_transformers_with_matching_logits(tmp_path
     with torch.no_grad():
         assert torch.allclose(hf(ids).logits, ours.logits(ids), atol=1e-4)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("t1 t2").input_ids
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}["model.safetensors"] == \
+        0o666 & ~umask  # readable by others, as transformers writes (it was 0600)
+    with pytest.raises(SystemExit) as e:  # a second export into the same folder would overwrite it in silence
+        cli.main(["export", str(ckpt), str(tmp_path / "out")])
+    assert e.value.code == 2
+    cli.main(["export", str(ckpt), str(tmp_path / "out"), "--overwrite"])
 
 
 def test_export_errors_name_the_problem(tmp_path, capsys):
