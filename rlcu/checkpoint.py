@@ -37,6 +37,10 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint that only a full unpickling (which can run code) would load."""
+
+
 def verify(path: str | Path) -> None:
     """Check `path` against the checksum saved with it (if any); a mismatch is a CorruptCheckpointError."""
     path = Path(path)
@@ -56,10 +60,18 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     verify(path)
-    try:  # a Lightning checkpoint holds hyper-parameters beside tensors, so it is not weights-only
-        return torch.load(path, map_location=map_location, weights_only=False)
+    try:  # weights only: unpickling anything else can run code; rlcu's and Lightning's checkpoints need no more
+        return torch.load(path, map_location=map_location, weights_only=True)
     except PermissionError:
         raise
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            what = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), "")
+            raise UnsafeCheckpointError(f"checkpoint {path} holds Python objects beyond tensors and plain values "
+                                        f"({what or 'see RLCU_DEBUG=1'}); rlcu loads checkpoints as weights only, "
+                                        "since unpickling objects can run code. If you trust the file, load it with "
+                                        "torch.load(weights_only=False) and save what you need") from None
+        raise CorruptCheckpointError(path, e) from None
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
         raise CorruptCheckpointError(path, e) from None
 

@@ -21,6 +21,7 @@ class SaveOnInterrupt(OnExceptionCheckpoint):
         self._previous = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        STOPPED_BY.clear()  # a run before this one in the same process may have been stopped
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, lambda signum, frame: self._on_sigint(trainer))
 

@@ -70,3 +70,30 @@ def test_a_checkpoint_without_a_checksum_still_loads(tmp_path):
     path = tmp_path / "other.ckpt"
     torch.save({"step": 7}, path)
     assert load(path)["step"] == 7
+
+
+class _RunsCode:
+    """What a malicious checkpoint holds: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path, capsys):
+    import torch
+
+    from rlcu import cli
+    from rlcu.checkpoint import UnsafeCheckpointError, load
+
+    marker = tmp_path / "code-ran"
+    bad = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"model": "x"}, "payload": _RunsCode(str(marker))}, bad)
+    with pytest.raises(UnsafeCheckpointError, match="holds Python objects beyond tensors.*weights only"):
+        load(bad)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(bad), str(tmp_path / "out")])
+    assert e.value.code == 2 and "weights only" in capsys.readouterr().err
+    assert not marker.exists()
