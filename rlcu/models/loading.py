@@ -75,8 +75,31 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{folder} has no safetensors weights (model.safetensors or an index)")
     state = {}
     for f in files:
-        state.update(load_file(folder / f))
+        try:
+            state.update(load_file(folder / f))
+        except Exception as e:  # safetensors' own errors name neither the file nor the tensor
+            raise ValueError(f"{folder / f}: {unreadable_tensor(folder / f) or e}; the file is truncated or "
+                             "damaged: fetch it again") from None
     return state
+
+
+def unreadable_tensor(path: Path) -> str | None:
+    """Which tensor of a safetensors file its bytes do not cover (or that its header is unreadable), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            return f"its header claims {length} bytes of a {size}-byte file"
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            return "its header is not JSON"
+    data = size - 8 - length
+    for name, info in header.items():
+        if name != "__metadata__" and info["data_offsets"][1] > data:
+            return f"tensor {name!r} ends at byte {info['data_offsets'][1]} of {data} data bytes"
+    return None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
