@@ -34,7 +34,12 @@ def load_rows(path: str | list[str], split: str = "train", name: str | None = No
                              f"got {[str(p) for p in local]}")
         for file in local:
             check_local_file(file)
-        return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in local], split="train")
+        try:
+            return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in local], split="train")
+        except datasets.exceptions.DatasetGenerationError as e:  # its own message says only that something failed
+            cause = e.__cause__ or e
+            raise ValueError(f"could not read {', '.join(str(p) for p in local)}: {type(cause).__name__}: "
+                             f"{' '.join(str(cause).split())[:300]}") from None
     if isinstance(path, list):
         raise FileNotFoundError(f"data files not found: {files}")
     if Path(path).suffix in LOCAL_FORMATS or path.startswith((".", "/", "~")):  # a file's name, not a hub id
@@ -60,9 +65,13 @@ def check_local_file(path: Path) -> None:
             if not line.strip():
                 continue
             try:
-                json.loads(line)
+                json.dumps(json.loads(line), ensure_ascii=False).encode("utf-8")
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
+            except UnicodeEncodeError as e:  # an escaped lone surrogate ("\ud800") decodes to no character at all
+                bad = e.object[e.start:e.end].encode("unicode_escape").decode()
+                raise ValueError(f"{path}:{n} holds {bad}, half of a UTF-16 pair and no character; fix or drop "
+                                 "that line") from None
             rows += 1
     if rows == 0:
         raise ValueError(f"data file {path} holds no rows, only blank lines")

@@ -39,6 +39,8 @@ def folder(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "t1", "target": "t2"}\n{"prompt": "t3",\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"prompt": "t1", "target": "t2"}\n'
+                                              '{"prompt": "t3 \\ud800", "target": "t2"}\n')
     (tmp_path / "a-file").write_text("not a folder")
     return tmp_path
 
@@ -63,6 +65,8 @@ BAD = {
     "empty training file": (["--data.dataset=empty.jsonl", "--data.dataset_args=null"], "empty.jsonl is empty"),
     "malformed JSON Lines": (["--data.dataset=broken.jsonl", "--data.dataset_args=null"],
                              "broken.jsonl:2 is not valid JSON"),
+    "a lone surrogate in JSON Lines": (["--data.dataset=surrogate.jsonl", "--data.dataset_args=null"],
+                                       "surrogate.jsonl:2 holds \\ud800, half of a UTF-16 pair"),
     "a data file that does not exist": (["--data.dataset=nonexist.jsonl", "--data.dataset_args=null"],
                                         "nonexist.jsonl does not exist"),
     "a reward returning one float": (["--model.rewards=[my_rewards.one_float]"], "reward 'one_float' returned 1.0"),
