@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from rlcu import plugins
 from rlcu.agents.environments import Environments, TextEnvironment, tool_methods
 from rlcu.agents.formats import ToolFormat, tool_format
-from rlcu.agents.tools import ToolBox, tool_message
+from rlcu.agents.tools import MAX_RESULT_CHARS, ToolBox, tool_message
 from rlcu.calls import call_bounded
 from rlcu.contracts import Reply, Turn
 
@@ -28,11 +28,12 @@ class AgentOptions:
     max_tool_calling_iterations: int | None = None  # None: no bound
     max_completion_length: int = 256
     tool_timeout: float | None = 60.0
+    max_result_chars: int = MAX_RESULT_CHARS
 
     @classmethod
     def build(cls, tokenizer, tools=None, environment_factory=None, tool_format_name: str = "template",
               max_tool_calling_iterations: int | None = None, max_completion_length: int = 256,
-              tool_timeout: float | None = 60.0) -> "AgentOptions | None":
+              tool_timeout: float | None = 60.0, max_result_chars: int = MAX_RESULT_CHARS) -> "AgentOptions | None":
         """The options of a run with tools or environments (None for neither). Tools may be given as
         callables or, from YAML, as import paths ('my_pkg.tools:multiply')."""
         if not tools and environment_factory is None:
@@ -41,7 +42,7 @@ class AgentOptions:
         ToolBox(functions)  # checks names and docstrings now, not at the first rollout
         environments = Environments(environment_factory) if environment_factory is not None else None
         return cls(tool_format(tool_format_name, tokenizer), functions, environments, max_tool_calling_iterations,
-                   max_completion_length, tool_timeout)
+                   max_completion_length, tool_timeout, max_result_chars)
 
 
 def _tool(spec):
@@ -97,7 +98,7 @@ class EpisodeRunner:
             if observation is not None:  # TRL: appended to the last user message
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
         functions = list(self.options.tools) + (tool_methods(env) if env is not None else [])
-        box = ToolBox(functions, self.options.tool_timeout, self.stop_requested)
+        box = ToolBox(functions, self.options.tool_timeout, self.stop_requested, self.options.max_result_chars)
         return Episode(messages, len(prompt), box, env)
 
     # ---- the continuation ----------------------------------------------------------------------------

@@ -27,9 +27,19 @@ def json_schema(fn: Callable) -> dict:
                          "type hints and a Google-style docstring with an Args: section, as in TRL") from e
 
 
+MAX_RESULT_CHARS = 16_384  # a tool result's text the model reads at most (tool_result_max_chars)
+
+
+def _text(value, name: str) -> str:
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001  (an exception whose own __str__ raises)
+        return f"tool {name} failed with {type(value).__name__}"
+
+
 class ToolBox:
     def __init__(self, functions: list[Callable], timeout: float | None = None,
-                 stop_requested: Callable[[], bool] | None = None):
+                 stop_requested: Callable[[], bool] | None = None, max_result_chars: int = MAX_RESULT_CHARS):
         self.functions: dict[str, Callable] = {}
         for fn in functions:
             name = getattr(fn, "__name__", None)
@@ -39,7 +49,7 @@ class ToolBox:
                 raise ValueError(f"two tools are named {name!r}; tool names must be unique")
             self.functions[name] = fn
         self.schemas = [json_schema(fn) for fn in functions]
-        self.timeout, self.stop_requested = timeout, stop_requested
+        self.timeout, self.stop_requested, self.max_result_chars = timeout, stop_requested, max_result_chars
 
     def __bool__(self) -> bool:
         return bool(self.functions)
@@ -58,8 +68,17 @@ class ToolBox:
         except CallInterrupted:
             raise
         if isinstance(result, BaseException):
-            return {"error": str(result)}, True
-        return result, False
+            return {"error": _text(result, call.name)}, True
+        if isinstance(result, list):  # content blocks, as TRL passes them
+            return result, False
+        try:
+            text = str(result)
+        except Exception as e:  # a result whose __str__ raises: the model is told, the run goes on
+            why = f"{type(e).__name__}: {_text(e, call.name)}"
+            return {"error": f"the result of tool {call.name} has no text ({why})"}, True
+        if len(text) > self.max_result_chars:  # before it is tokenized or kept: a tool can return megabytes
+            text = text[:self.max_result_chars] + f" [... {len(text) - self.max_result_chars} more characters cut]"
+        return text, False
 
 
 def tool_message(name: str, result) -> dict:

@@ -290,6 +290,8 @@ class AgentLimits(OptionGroup):
                                           "without tools", choices=TOOL_FORMATS)
     tool_timeout: float | None = option(60.0, "seconds a tool call (or an environment's step) may take",
                                         minimum=1e-9, why=" seconds (or null: no limit)")
+    tool_result_max_chars: int = option(16_384, "characters of a tool result the model reads; the rest is cut, "
+                                                "with a note, before tokenizing", minimum=1)
 
 
 GROUPS: tuple[type[OptionGroup], ...] = (SamplingOptions, LossOptions, CorrectionOptions, EntropyOptions,

@@ -182,3 +182,25 @@ def test_a_hung_tool_does_not_keep_a_stopping_run_waiting(tokenizer):
     backend = ScriptedRollout(tokenizer, lambda history, turn: call("sleepy", seconds=600))
     with pytest.raises(CallInterrupted, match="tool 'sleepy'"):
         backend.generate(runner.prompt_ids, SamplingParams(max_tokens=200), runner)
+
+
+def test_a_tool_result_without_text_or_of_megabytes_is_contained():
+    from rlcu.agents.tools import ToolBox, ToolCall
+
+    class NoText:
+        def __str__(self):
+            raise RuntimeError("no")
+
+    def broken() -> object:
+        """Returns what has no text."""
+        return NoText()
+
+    def chatty() -> str:
+        """Returns 60,000 characters."""
+        return "x" * 60_000
+
+    box = ToolBox([broken, chatty], max_result_chars=100)
+    result, failed = box.run(ToolCall("broken", {}))
+    assert failed and result == {"error": "the result of tool broken has no text (RuntimeError: no)"}
+    result, failed = box.run(ToolCall("chatty", {}))
+    assert not failed and result == "x" * 100 + " [... 59900 more characters cut]"
