@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,43 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
+class Progress:
+    """A line on stderr every few seconds while completions end (on a backend that reports them)."""
+
+    def __init__(self, total: int, every: float = 5.0):
+        self.total, self.every, self.done = total, every, 0
+        self.start = self.last = time.perf_counter()
+
+    def one(self, turn) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            print(f"rlcu generate: {self.done}/{self.total} completions, {now - self.start:.0f} s", file=sys.stderr)
+
+
+class StopOnSignal:
+    """SIGTERM or Ctrl-C while generating: the rollout stops between two decode steps."""
+
+    def __init__(self):
+        self.signal: signal.Signals | None = None
+        self._previous: dict = {}
+
+    def asked(self) -> bool:
+        return self.signal is not None
+
+    def _on(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum)
+
+    def __enter__(self) -> "StopOnSignal":
+        self._previous = {s: signal.signal(s, self._on) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlcu generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, hub id, .gguf file or embedded name")
@@ -52,11 +90,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> Path:
-    from rlcu.contracts import eos_token_ids
+    from rlcu.contracts import GenerationInterrupted, eos_token_ids
     from rlcu.data.prompts import encode_prompts
     from rlcu.models import load_model
     from rlcu.paths import check_writable_file
-    from rlcu.rollout import SamplingParams, resolve_rollout
+    from rlcu.rollout import SamplingParams, resolve_rollout, turns
 
     args = parser().parse_args(argv)
     if args.n < 1:
@@ -70,11 +108,23 @@ def run(argv: list[str]) -> Path:
     backend = resolve_rollout(args.rollout)
     backend.setup(model, tok)
     prompt_ids = encode_prompts(tok, [r.get("prompt", r.get("messages")) for r in rows])
+    context = model.config.max_position_embeddings
+    for i, ids in enumerate(prompt_ids):  # before any work: past the context a model computes garbage
+        if len(ids) + args.max_tokens > context:
+            raise ValueError(f"prompt {i} of {args.input} has {len(ids)} tokens: with --max_tokens {args.max_tokens} "
+                             f"it passes the model's context of {context}; shorten it or lower --max_tokens")
     stops = eos_token_ids(model.config, tok)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, stop_token_ids=stops, seed=args.seed)
     start = time.perf_counter()
-    out = backend.generate([ids for ids in prompt_ids for _ in range(args.n)], sampling)
+    requests = [ids for ids in prompt_ids for _ in range(args.n)]
+    progress = Progress(len(requests))
+    with StopOnSignal() as stop:
+        try:
+            out = turns.generate(backend, requests, sampling, on_finished=progress.one, should_stop=stop.asked)
+        except GenerationInterrupted:
+            print(f"rlcu generate: stopped by {stop.signal.name}; nothing written", file=sys.stderr)
+            sys.exit(128 + stop.signal)
     seconds = time.perf_counter() - start
     with open(args.output, "w") as f:
         for i, (ids, lps, reason) in enumerate(zip(out.completion_ids, out.logprobs, out.finish_reasons)):

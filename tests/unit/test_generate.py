@@ -62,3 +62,44 @@ def test_an_unwritable_output_is_an_error_before_any_work(tmp_path, tiny, capsys
     with pytest.raises(SystemExit) as e:
         cli.main(["export", str(tmp_path / "x.ckpt"), str(blocker / "folder")])
     assert e.value.code == 2 and "cannot write there" in capsys.readouterr().err
+
+
+def test_a_prompt_past_the_context_is_refused_before_any_work(tmp_path, tiny, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(["t1"] * 1000)}) + "\n")  # the tiny model's context: 1024
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+                  "--max_tokens", "100"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and "prompt 0 of" in err and "passes the model's context of 1024" in err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_long_generate_within_seconds_and_writes_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = tiny_hf_folder(tmp_path / "big", "llama", vocab_size=4096, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                         max_position_embeddings=8192)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "t1 t2"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-m", "rlcu.cli", "generate", "--model", str(big), "--input",
+                             str(prompts), "--output", str(out), "--n", "64", "--max_tokens", "8000",
+                             "--temperature", "1.0"], env=dict(os.environ, PYTHONPATH=root),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(20)  # the model loads and the rollout (64 completions of up to 8000 tokens) is under way
+        assert proc.poll() is None, proc.communicate(timeout=5)[1][-1500:]
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and took < 10, (took, err[-1500:])
+    assert "stopped by SIGTERM; nothing written" in err and not out.exists()
