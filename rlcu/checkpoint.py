@@ -65,13 +65,13 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict:
     except PermissionError:
         raise
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):
-            what = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), "")
-            raise UnsafeCheckpointError(f"checkpoint {path} holds Python objects beyond tensors and plain values "
-                                        f"({what or 'see RLCU_DEBUG=1'}); rlcu loads checkpoints as weights only, "
-                                        "since unpickling objects can run code. If you trust the file, load it with "
-                                        "torch.load(weights_only=False) and save what you need") from None
-        raise CorruptCheckpointError(path, e) from None
+        what = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), None)
+        if what is None:  # bytes that are no pickle at all
+            raise CorruptCheckpointError(path, e) from None
+        raise UnsafeCheckpointError(f"checkpoint {path} holds Python objects beyond tensors and plain values "
+                                    f"({what}); rlcu loads checkpoints as weights only, since unpickling objects can "
+                                    "run code. If you trust the file, load it with torch.load(weights_only=False) and "
+                                    "save what you need") from None
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
         raise CorruptCheckpointError(path, e) from None
 
