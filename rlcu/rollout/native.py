@@ -19,7 +19,10 @@ class NativeRollout:
         KV pool and CUDA graphs between rollouts: faster steps (no re-allocation, no graph capture) for the
         price of that memory during training."""
         if isinstance(engine, dict):
-            fields = set(asdict(EngineConfig()))
+            if "numerics" in engine:  # one definition: the module's option, which setup() hands the engine
+                raise ValueError("the engine's numerics come from the module: set exact_logprobs (model.exact_logprobs "
+                                 "in YAML), not rollout.init_args.engine.numerics")
+            fields = set(asdict(EngineConfig())) - {"numerics"}
             unknown = sorted(set(engine) - fields)
             if unknown:
                 raise ValueError(f"unknown engine setting(s) {unknown} for the native rollout; "

@@ -94,3 +94,10 @@ def test_backend_abilities_are_never_guessed_from_signatures():
                                                                               "update.py", "evaluation.py"))]
     inspected = [p.name for p in callers if "inspect.signature(" in p.read_text()]
     assert guessed == [] and inspected == []
+
+
+def test_the_engines_numerics_are_the_modules_option_alone():
+    from rlcu.rollout.native import NativeRollout
+
+    with pytest.raises(ValueError, match="set exact_logprobs .*not rollout.init_args.engine.numerics"):
+        NativeRollout({"numerics": "exact"})
