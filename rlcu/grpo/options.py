@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from rlcu.agents.formats import FORMATS as TOOL_FORMATS
+from rlcu.agents.tools import MAX_RESULT_CHARS
 from rlcu.contracts import SamplingParams
 from rlcu.grpo import registry
 
@@ -290,8 +291,8 @@ class AgentLimits(OptionGroup):
                                           "without tools", choices=TOOL_FORMATS)
     tool_timeout: float | None = option(60.0, "seconds a tool call (or an environment's step) may take",
                                         minimum=1e-9, why=" seconds (or null: no limit)")
-    tool_result_max_chars: int = option(16_384, "characters of a tool result the model reads; the rest is cut, "
-                                                "with a note, before tokenizing", minimum=1)
+    tool_result_max_chars: int = option(MAX_RESULT_CHARS, "characters of a tool result the model reads; the rest "
+                                                          "is cut, with a note, before tokenizing", minimum=1)
 
 
 GROUPS: tuple[type[OptionGroup], ...] = (SamplingOptions, LossOptions, CorrectionOptions, EntropyOptions,
