@@ -172,6 +172,11 @@ def check_output_folders(cfg) -> None:
         save_dir = getattr(getattr(lg, "init_args", None), "save_dir", None)
         if save_dir:
             check_writable_folder(save_dir, f"the save_dir of {str(lg.class_path).rsplit('.', 1)[-1]}")
+    callbacks = trainer.callbacks if isinstance(trainer.callbacks, list) else [trainer.callbacks]
+    for cb in callbacks:  # checkpoint folders: at set-up, not at the first save a step later
+        dirpath = getattr(getattr(cb, "init_args", None), "dirpath", None)
+        if dirpath:
+            check_writable_folder(dirpath, f"the dirpath of {str(cb.class_path).rsplit('.', 1)[-1]}")
 
 
 def explicit_model_flags(args: list[str]) -> list[str]:

@@ -75,6 +75,10 @@ BAD = {
     "a misspelled option": (["--model.learning_rat=1e-5"], "did you mean --model.learning_rate?"),
     "an unwritable log folder": (["--trainer.logger=lightning.pytorch.loggers.CSVLogger",
                                   "--trainer.logger.save_dir=a-file/runs"], "cannot write there"),
+    "an unwritable checkpoint folder": (["--trainer.enable_checkpointing=true",
+                                         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                                         "--trainer.callbacks.dirpath=a-file/ckpt"],
+                                        "the dirpath of ModelCheckpoint a-file/ckpt: cannot write there"),
 }
 
 
