@@ -14,6 +14,7 @@
 # shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
+# families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them),
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8),
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
@@ -49,6 +50,19 @@ case $part in
     # without the engine's look-ahead, for its share; padding-free training (off by default)
     log rollout512nola rlcu bench rollout --sequences 512 --new_tokens 512 --no_lookahead
     log step8x8pack rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --packing ;;
+  families)
+    # the dense families at public shapes (random weights, rlcu bench's FAMILY_SHAPES): rollouts 64 and 512, the 8x8
+    # step, then TRL's step on the same transformers model (benchmarks/trl_family.py); FAMILIES picks them; the 7B
+    # trains LoRA r=16 on both sides (TRL's fp32 full fine-tuning of 7B does not fit); pythia-1b is the fallback
+    for f in ${FAMILIES:-gemma3-1b smollm3-3b phi4-mini mistral-7b pythia-1b}; do
+      lora=0; [ "$f" = mistral-7b ] && lora=16
+      log rollout64-$f rlcu bench rollout --model "$f-random" --sequences 64 --new_tokens 512
+      log rollout512-$f rlcu bench rollout --model "$f-random" --sequences 512 --new_tokens 512
+      log step8x8-$f rlcu bench step --model "$f-random" --prompts 8 --generations 8 --new_tokens 512 --steps 3 \
+        --lora_rank $lora
+      [ "$lora" = 0 ] && lora=
+      LORA=$lora log trl-$f python3 benchmarks/trl_family.py "$peers" "$f-random" 8 8 512 2
+    done ;;
   ab)
     # python3 -m puts the working folder first on the path: each tree runs from its own folder
     base=$(cd "${BASE:?BASE: a folder holding an older rlcu/}" && pwd); out=$(cd "$out" && pwd)

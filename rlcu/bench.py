@@ -35,6 +35,28 @@ SHAPES = {STANDARD: {},
                                   num_attention_heads=32, num_key_value_heads=8),
           "qwen3-8b-random": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)}
+# the public shapes of released checkpoints of other families, random weights, built by transformers' own config
+# classes (RoPE bases and scaling left at the class's defaults: they change no step's work); gpt_neox has no
+# native family and measures the transformers fallback
+FAMILY_SHAPES = {
+    "gemma3-1b-random": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                             num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                             sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768,
+                             tie_word_embeddings=True),
+    "smollm3-3b-random": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                              num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                              max_position_embeddings=65536, tie_word_embeddings=True, no_rope_layer_interval=4),
+    "mistral-7b-random": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              sliding_window=None, max_position_embeddings=32768),
+    "phi4-mini-random": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                             num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                             partial_rotary_factor=0.75, max_position_embeddings=131072, tie_word_embeddings=True,
+                             sliding_window=262144),
+    "pythia-1b-random": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048, intermediate_size=8192,
+                             num_hidden_layers=16, num_attention_heads=8, max_position_embeddings=2048,
+                             rotary_pct=0.25),
+}
 PHASES = ("generate", "score", "train", "gather", "reshard")  # timing/* of a step; the last two under fsdp2
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
 
@@ -54,11 +76,51 @@ def random_model(device: str, dtype: torch.dtype, seed: int = 0, shape: str = ST
     return model.to(dtype), word_tokenizer(cfg.vocab_size)
 
 
+def family_config(name: str):
+    """A FAMILY_SHAPES entry as transformers' own config object, with the word tokenizer's eos and pad ids."""
+    from transformers import AutoConfig
+
+    fields = dict(FAMILY_SHAPES[name])
+    vocab = fields["vocab_size"]
+    return AutoConfig.for_model(fields.pop("model_type"), **fields, eos_token_id=vocab - 1, pad_token_id=vocab - 2,
+                                bos_token_id=None)
+
+
+def random_family_model(name: str, device: str, dtype: torch.dtype, seed: int = 0):
+    """A FAMILY_SHAPES model with random weights: rlcu's native decoder where the family has one (initialised as
+    transformers does: normal, std 0.02; norms at their identity), else transformers' own module on the fallback."""
+    from rlcu.models.config import ModelConfig
+    from rlcu.models.decoder import CausalLM
+    from rlcu.models.spec import family
+
+    hf = family_config(name)
+    torch.manual_seed(seed)
+    if family(hf.model_type) is None:
+        from transformers import AutoModelForCausalLM
+
+        from rlcu.models.hf import HFCausalLM
+
+        with torch.device(device):
+            model = HFCausalLM(AutoModelForCausalLM.from_config(hf, dtype=dtype))
+        return model, word_tokenizer(hf.vocab_size)
+    cfg = ModelConfig.from_hf(hf.to_dict())
+    with torch.device(device):
+        model = CausalLM(cfg)
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                torch.nn.init.constant_(p, 1.0 - cfg.spec.norm_offset)
+            else:
+                torch.nn.init.normal_(p, std=0.02)
+    return model.to(dtype), word_tokenizer(cfg.vocab_size)
+
+
 def build_model(name: str, device: str, dtype: str):
     from rlcu.models.loading import load_model, resolve_dtype
 
     if name in SHAPES:
         return random_model(device, resolve_dtype(dtype), shape=name)
+    if name in FAMILY_SHAPES:
+        return random_family_model(name, device, resolve_dtype(dtype))
     model, tok = load_model(name, dtype=dtype)
     return model.to(device), tok
 
@@ -78,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
     for name in ("rollout", "step"):
         s = sub.add_parser(name, allow_abbrev=False)
         s.add_argument("--model", default=STANDARD,
-                       help=f"{', '.join(SHAPES)} (random weights) or any model rlcu loads")
+                       help=f"{', '.join([*SHAPES, *FAMILY_SHAPES])} (random weights) or any model rlcu loads")
         s.add_argument("--prompt_len", type=int, default=128)
         s.add_argument("--new_tokens", type=int, default=512)
         s.add_argument("--dtype", default="bfloat16")
@@ -150,6 +212,8 @@ def bench_rollout(args) -> dict:
     n_prompts = -(-args.sequences // args.generations)
     prompts = random_prompt_ids(n_prompts, args.prompt_len, model.config.vocab_size)
     requests = [p for p in prompts for _ in range(args.generations)][:args.sequences]
+    if not model.native:
+        return bench_reference_rollout(args, model, requests)
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size, max_num_seqs=max(256, args.sequences),
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
                                            lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
@@ -171,14 +235,44 @@ def bench_rollout(args) -> dict:
               f"= {tokens / runs[-1]:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
     best = min(runs[1:]) if args.repeats else runs[0]
     profile = profile_rollout(args, engine, requests, sampling, continuation) if args.profile else {}
-    return dict(bench="rollout", model=args.model, sequences=args.sequences, generations=args.generations,
-                prompt_len=args.prompt_len, new_tokens=args.new_tokens, cuda_graphs=not args.no_cuda_graphs,
+    return dict(bench="rollout", model=args.model, path="native", sequences=args.sequences,
+                generations=args.generations, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                cuda_graphs=not args.no_cuda_graphs,
                 lookahead=args.lookahead, shared_prefix=args.shared_prefix, turns=args.turns,
                 kv_cache_dtype=args.kv_cache_dtype, exact_logprobs=args.exact_logprobs, tokens=tokens,
                 seconds=round(best, 3), tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device),
                 **({"profile": profile} if profile else {}))
+
+
+def bench_reference_rollout(args, model, requests) -> dict:
+    """A model without a native family: the rollouts GRPOModule gives it (the reference backend over transformers'
+    KV cache, one lockstep batch)."""
+    from rlcu.rollout.base import SamplingParams
+    from rlcu.rollout.reference import ReferenceRollout
+
+    if args.turns > 1 or args.profile or args.exact_logprobs or args.kv_cache_dtype != "auto":
+        raise ValueError(f"{args.model} runs on the transformers fallback: --turns, --profile, --exact_logprobs and "
+                         "--kv_cache_dtype measure the native engine only")
+    backend = ReferenceRollout(max_batch_size=len(requests))
+    backend.setup(model)
+    sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)
+    runs = []
+    for i in range(1 + args.repeats):
+        _sync(args.device)
+        start = time.perf_counter()
+        out = backend.generate(requests, sampling)
+        _sync(args.device)
+        runs.append(time.perf_counter() - start)
+        tokens = sum(len(c) for c in out.completion_ids)
+        print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {runs[-1]:.2f} s "
+              f"= {tokens / runs[-1]:,.0f} tok/s (transformers fallback)", file=sys.stderr)
+    best = min(runs[1:]) if args.repeats else runs[0]
+    return dict(bench="rollout", model=args.model, path="fallback", sequences=args.sequences,
+                generations=args.generations, prompt_len=args.prompt_len, new_tokens=args.new_tokens, tokens=tokens,
+                seconds=round(best, 3), tok_per_s=round(tokens / best), peak_GB=round(_peak_gb(args.device), 1),
+                device=_device_name(args.device))
 
 
 def profile_rollout(args, engine, requests, sampling, continuation) -> dict:
@@ -299,7 +393,8 @@ def bench_step(args) -> dict:
     steady = steps[1:] or steps
     mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", *PHASES) if k in steady[0]}
     peaks = {k: round(max(s.get(k, float("nan")) for s in steps), 1) for k in ("peak_generate_GB", "peak_train_GB")}
-    return dict(bench="step", model=args.model, prompts=args.prompts, generations=args.generations,
+    return dict(bench="step", model=args.model, path="native" if module.policy.native else "fallback",
+                prompts=args.prompts, generations=args.generations,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,

@@ -79,10 +79,16 @@ class HFCausalLM(nn.Module):
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, on: bool) -> None:
+        # transformers 5.24 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
+        new = hasattr(self.hf, "activation_checkpointing_enable")
         if on:
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if new:
+                self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         elif self.gradient_checkpointing:
-            self.hf.gradient_checkpointing_disable()
+            (self.hf.activation_checkpointing_disable if new else self.hf.gradient_checkpointing_disable)()
 
     def check_numerics(self, numerics) -> None:
         if numerics.batch_invariant:

@@ -128,3 +128,46 @@ def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch)
           "--generations", "2", "--prompt_len", "4", "--new_tokens", "4", "--steps", "1", "--exact_logprobs"])
     out = last_json(capsys)
     assert out["exact_logprobs"] is True and out["logprob_mismatch_max"] == 0.0
+
+
+# parameters of the released checkpoints whose shapes FAMILY_SHAPES copies (from their model cards), in billions
+PUBLIC_SIZES = {"gemma3-1b-random": 1.00, "smollm3-3b-random": 3.08, "mistral-7b-random": 7.25,
+                "phi4-mini-random": 3.84, "pythia-1b-random": 1.01}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_SIZES))
+def test_family_shapes_have_the_public_checkpoints_sizes(name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlcu.bench import FAMILY_SHAPES, family_config
+    from rlcu.models.config import ModelConfig
+    from rlcu.models.decoder import CausalLM
+    from rlcu.models.spec import family
+
+    assert set(PUBLIC_SIZES) == set(FAMILY_SHAPES)
+    hf = family_config(name)
+    with torch.device("meta"):
+        ours = CausalLM(ModelConfig.from_hf(hf.to_dict())) if family(hf.model_type) else None
+        theirs = AutoModelForCausalLM.from_config(hf)
+    count = lambda m: sum(p.numel() for p in m.parameters()) / 1e9  # noqa: E731  (tied weights count once)
+    assert count(theirs) == pytest.approx(PUBLIC_SIZES[name], rel=0.02)
+    if ours is not None:  # the native decoder built from the same config holds the same parameters
+        assert count(ours) == count(theirs)
+
+
+@pytest.mark.parametrize("name,path", [("gemma3-1b-random", "native"), ("pythia-1b-random", "fallback")])
+def test_bench_runs_a_family_shape_natively_or_on_the_fallback(monkeypatch, capsys, name, path):
+    import rlcu.bench as bench
+
+    tiny = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+    shape = dict(bench.FAMILY_SHAPES[name], **tiny)
+    shape.update({k: v for k, v in dict(head_dim=16, sliding_window=4, num_key_value_heads=2).items() if k in shape})
+    monkeypatch.setitem(bench.FAMILY_SHAPES, name, shape)
+    common = ["--model", name, "--device", "cpu", "--dtype", "float32", "--prompt_len", "5", "--new_tokens", "6"]
+    main(["bench", "rollout", *common, "--sequences", "3", "--repeats", "1"])
+    out = last_json(capsys)
+    assert out["path"] == path and out["tokens"] == 3 * 6
+    main(["bench", "step", *common, "--prompts", "2", "--generations", "2", "--steps", "1", "--micro_batch_size", "4"])
+    out = last_json(capsys)
+    assert out["path"] == path and out["mean_length"] == 6.0 and len(out["step_seconds"]) == 1
