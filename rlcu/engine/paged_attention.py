@@ -54,9 +54,9 @@ class PagedAttention:
         norm = ()
         if qk_norm is not None:
             q_norm, k_norm = qk_norm
-            if q_norm.weight.dtype == q.dtype:
-                norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-            else:  # the fused kernel rounds the normed q/k once, to q's dtype: not for wider weights (autocast)
+            if q_norm.weight.dtype == q.dtype or q_norm.offset:
+                norm = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
+            else:  # the fused kernel rounds Llama's normed q/k once, to q's dtype: not for wider weights (autocast)
                 q, k = q_norm(q), k_norm(k)
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:

@@ -3,7 +3,10 @@ x + residual (the next residual stream), rounded at the same points as the unfus
 
 Forward and backward are Triton kernels, so training runs them too (the unfused PyTorch form is eight
 elementwise passes over fp32 copies each way). Rows are addressed as [M, H, N] with any strides for M
-and H, so per-head norms (Qwen3's q/k norm) read straight from the fused q/k/v projection without a copy."""
+and H, so per-head norms (Qwen3's q/k norm) read straight from the fused q/k/v projection without a copy.
+
+`offset` 1.0 is Gemma's form: the checkpoint stores w, the row scales by 1 + w, and the product is taken in fp32
+before one rounding to the input's dtype (where Llama's form rounds the normed row first, then multiplies)."""
 from __future__ import annotations
 
 import torch
@@ -11,13 +14,14 @@ import torch
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       offset: float = 0.0):
     """x, residual: [..., H]; returns out, or (out, x + residual) when a residual is given."""
     if residual is not None:
         x = x + residual
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
+    out = (h * (offset + weight.float())).to(x.dtype) if offset else weight * h.to(x.dtype)
     return out if residual is None else (out, x)
 
 
@@ -28,7 +32,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, eps, N: tl.constexpr,
-                         N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                         N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         OFFSET: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, N_PAD)
         mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -43,22 +48,26 @@ if HAS_TRITON:
         # stored whether or not backward needs it: one compiled kernel for training and inference, so that the
         # two round alike (exact_logprobs; a second variant may compile to other bits)
         tl.store(RSTD + rows, rstd, mask=rows < n_rows)
-        if HAS_RESIDUAL:  # rounded to the sum's dtype (x + residual may promote, e.g. bf16 + fp32 under autocast)
-            normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
-        else:
-            normed = (h * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(OUT + dense, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
+        if OFFSET != 0.0:  # Gemma: (normed * (1 + w)) in fp32, one rounding
+            tl.store(OUT + dense, (h * rstd[:, None] * (OFFSET + w[None, :])).to(OUT.dtype.element_ty), mask=mask)
+        else:
+            if HAS_RESIDUAL:  # rounded to the sum's dtype (x + residual may promote, e.g. bf16 + fp32 under autocast)
+                normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
+            else:
+                normed = (h * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+            tl.store(OUT + dense, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_backward_kernel(DY, S, W, RSTD, DRES, DX, DW, n_rows, H, ss_m, ss_h, N: tl.constexpr,
-                                  N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DRES: tl.constexpr):
+                                  N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DRES: tl.constexpr,
+                                  OFFSET: tl.constexpr):
         """dx = rstd * (dy*w - normed * mean(dy*w*normed)) (+ the residual stream's gradient); each program
         strides over row blocks and writes its partial sum of dy * normed to its own row of DW."""
         pid = tl.program_id(0)
         cols = tl.arange(0, N_PAD)
         col_ok = cols < N
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + OFFSET
         dw = tl.zeros([N_PAD], dtype=tl.float32)
         for block in range(pid, tl.cdiv(n_rows, BLOCK_ROWS), tl.num_programs(0)):
             rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -74,7 +83,10 @@ if HAS_TRITON:
             if HAS_DRES:
                 dx += tl.load(DRES + dense, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + dense, dx.to(DX.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * normed.to(S.dtype.element_ty).to(tl.float32), 0)
+            if OFFSET != 0.0:
+                dw += tl.sum(dy * normed, 0)
+            else:
+                dw += tl.sum(dy * normed.to(S.dtype.element_ty).to(tl.float32), 0)
         tl.store(DW + pid * N + cols, dw, mask=col_ok)
 
 
@@ -88,13 +100,13 @@ def _block_rows(n_pad: int) -> int:
     return max(1, min(64, 8192 // n_pad))
 
 
-def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False):
+def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0):
     """As rms_norm_reference; with store_rstd, also returns the fp32 1/rms of each row (for backward)."""
     shape, n = x.shape, x.shape[-1]
     x3 = _as_rows(x)
     rows = x3.shape[0] * x3.shape[1]
     total = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype  # x + residual
-    out = torch.empty(shape, dtype=torch.promote_types(total, weight.dtype), device=x.device)
+    out = torch.empty(shape, dtype=total if offset else torch.promote_types(total, weight.dtype), device=x.device)
     r3 = _as_rows(residual) if residual is not None else x3
     res_out = torch.empty(shape, dtype=total, device=x.device) if residual is not None else out
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -102,7 +114,7 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False):
     br = _block_rows(n_pad)
     _rms_norm_kernel[(triton.cdiv(rows, br),)](
         x3, r3, weight, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
-        r3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br, HAS_RESIDUAL=residual is not None)
+        r3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br, HAS_RESIDUAL=residual is not None, OFFSET=float(offset))
     result = out if residual is None else (out, res_out)
     return (result, rstd) if store_rstd else result
 
@@ -111,7 +123,7 @@ def _backward_programs(device: torch.device, blocks: int) -> int:
     return max(1, min(blocks, 4 * num_sms(device, cpu=4)))
 
 
-def rms_norm_backward_triton(dy, s, weight, rstd, dres=None):
+def rms_norm_backward_triton(dy, s, weight, rstd, dres=None, offset: float = 0.0):
     """(dx, dweight) of rms_norm at the pre-norm input s (x + residual), given the output's gradient dy and,
     with the residual form, the gradient dres of the returned residual stream (it passes through to dx)."""
     n = s.shape[-1]
@@ -126,15 +138,15 @@ def rms_norm_backward_triton(dy, s, weight, rstd, dres=None):
     dw = torch.empty(programs, n, dtype=torch.float32, device=s.device)
     _rms_norm_backward_kernel[(programs,)](dy, s3, weight, rstd, dres, dx, dw, rows, s3.shape[1], s3.stride(0),
                                            s3.stride(1), N=n, N_PAD=n_pad, BLOCK_ROWS=br,
-                                           HAS_DRES=dres is not dy)
+                                           HAS_DRES=dres is not dy, OFFSET=float(offset))
     return dx, dw.sum(0).to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, residual):
-        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True)
-        ctx.has_residual = residual is not None
+    def forward(ctx, x, weight, eps, residual, offset=0.0):
+        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True, offset=offset)
+        ctx.has_residual, ctx.offset = residual is not None, offset
         ctx.save_for_backward(result[1] if ctx.has_residual else x, weight, rstd)
         ctx.set_materialize_grads(False)
         return result
@@ -143,17 +155,17 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dout, dres=None):
         s, weight, rstd = ctx.saved_tensors
         if dout is None:  # only the residual stream was used
-            return dres, None, None, dres
-        dx, dw = rms_norm_backward_triton(dout, s, weight, rstd, dres)
-        return dx, dw if ctx.needs_input_grad[1] else None, None, dx if ctx.has_residual else None
+            return dres, None, None, dres, None
+        dx, dw = rms_norm_backward_triton(dout, s, weight, rstd, dres, ctx.offset)
+        return dx, dw if ctx.needs_input_grad[1] else None, None, dx if ctx.has_residual else None, None
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(x, weight, eps, residual=None, offset: float = 0.0):
     """Triton on CUDA (with its backward when gradients are recorded); the PyTorch reference elsewhere."""
     if not use_triton(x):
-        return rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_reference(x, weight, eps, residual, offset)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                               (residual is not None and residual.requires_grad))
     if needs_grad:
-        return RMSNormFunction.apply(x, weight, eps, residual)
-    return rms_norm_triton(x, weight, eps, residual)
+        return RMSNormFunction.apply(x, weight, eps, residual, offset)
+    return rms_norm_triton(x, weight, eps, residual, offset=offset)

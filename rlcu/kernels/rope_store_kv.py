@@ -2,9 +2,9 @@
 rotates k straight into its cache slot and copies v beside it, instead of three launches (rope q,
 rope k, store) and a rotated-k tensor that is written once and read once. Rounds as `rope_reference`.
 
-Qwen3's per-head RMSNorm of q and k (`q_weight`, `k_weight`) is applied in the same pass, rounded as
-`rms_norm_reference`: two launches per layer fewer, which at a decode step of a 28-layer model is 56 of
-its roughly 300 kernels (they are launch-bound at any batch size).
+Qwen3's and Gemma 3's per-head RMSNorm of q and k (`q_weight`, `k_weight`, `offset` 1.0 for Gemma's 1 + w) is
+applied in the same pass, rounded as `rms_norm_reference`: two launches per layer fewer, which at a decode step of
+a 28-layer model is 56 of its roughly 300 kernels (they are launch-bound at any batch size).
 
 An FP8 cache gets k and v saturated and rounded as `kv_cache.to_cache` does (kv_cache.py)."""
 from __future__ import annotations
@@ -18,11 +18,11 @@ from rlcu.kernels.rope import rope_reference
 
 
 def rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None,
-                            eps: float = 0.0) -> torch.Tensor:
+                            eps: float = 0.0, offset: float = 0.0) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D], cos/sin: [T, D]; caches [blocks, block_size, Hkv, D]; slots [T]
     (negative: write nothing); q_weight/k_weight [D]: RMSNorm each head of q/k first. Returns the rotated q."""
     if q_weight is not None:
-        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+        q, k = rms_norm_reference(q, q_weight, eps, offset=offset), rms_norm_reference(k, k_weight, eps, offset=offset)
     c, s = cos[:, None], sin[:, None]
     store_kv_reference(rope_reference(k, c, s), v, k_cache, v_cache, slots)
     return rope_reference(q, c, s)
@@ -30,18 +30,25 @@ def rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight
 
 if HAS_TRITON:
     @triton.jit
-    def _rotate(X, stride_h, heads, hmask, c1, c2, s1, s2, W, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    def _rotate(X, stride_h, heads, hmask, c1, c2, s1, s2, W, eps, HALF: tl.constexpr, NORM: tl.constexpr,
+                OFFSET: tl.constexpr):
         """Heads `heads` of one token as [heads, HALF] halves, each RMS-normalised on its own when NORM, rotated."""
         d = tl.arange(0, HALF)
         row = X + heads[:, None] * stride_h + d[None, :]
         x1 = tl.load(row, mask=hmask[:, None], other=0.0)
         x2 = tl.load(row + HALF, mask=hmask[:, None], other=0.0)
         dt = X.dtype.element_ty
-        if NORM:  # rounded as rms_norm: the normalised row to x's dtype, then times the weight
+        if NORM:  # rounded as rms_norm: the normalised row to x's dtype, then times the weight (Gemma: one rounding)
             h1, h2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(h1 * h1, 1) + tl.sum(h2 * h2, 1)) / (2 * HALF) + eps)
-            x1 = ((h1 * rstd[:, None]).to(dt).to(tl.float32) * tl.load(W + d).to(tl.float32)[None, :]).to(dt)
-            x2 = ((h2 * rstd[:, None]).to(dt).to(tl.float32) * tl.load(W + HALF + d).to(tl.float32)[None, :]).to(dt)
+            w1 = tl.load(W + d).to(tl.float32)[None, :]
+            w2 = tl.load(W + HALF + d).to(tl.float32)[None, :]
+            if OFFSET != 0.0:
+                x1 = (h1 * rstd[:, None] * (OFFSET + w1)).to(dt)
+                x2 = (h2 * rstd[:, None] * (OFFSET + w2)).to(dt)
+            else:
+                x1 = ((h1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt)
+                x2 = ((h2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt)
         # each product rounds to x's dtype first, as in torch
         o1 = ((x1 * c1[None, :]).to(dt) + (-x2 * s1[None, :]).to(dt)).to(dt)
         o2 = ((x2 * c2[None, :]).to(dt) + (x1 * s2[None, :]).to(dt)).to(dt)
@@ -57,7 +64,7 @@ if HAS_TRITON:
     def _rope_store_kv_kernel(Q, K, V, COS, SIN, Q_OUT, KC, VC, slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
                               stride_kh, stride_vt, stride_vh, stride_ct, HQ: tl.constexpr, HKV: tl.constexpr,
                               HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
-                              FP8_CACHE: tl.constexpr):
+                              FP8_CACHE: tl.constexpr, OFFSET: tl.constexpr):
         """Program (t, 0) rotates token t's query heads, (t, 1) its key heads into the cache, with v beside them:
         a program per token and head was 12,288 programs of 128 elements at a 512-sequence decode step."""
         t = tl.program_id(0)
@@ -69,7 +76,7 @@ if HAS_TRITON:
         if tl.program_id(1) == 0:
             heads = tl.arange(0, HQ_PAD)
             hmask = heads < HQ
-            o1, o2 = _rotate(Q + t * stride_qt, stride_qh, heads, hmask, c1, c2, s1, s2, QW, eps, HALF, NORM)
+            o1, o2 = _rotate(Q + t * stride_qt, stride_qh, heads, hmask, c1, c2, s1, s2, QW, eps, HALF, NORM, OFFSET)
             out = Q_OUT + (t * HQ + heads[:, None]) * 2 * HALF + d[None, :]
             tl.store(out, o1, mask=hmask[:, None])
             tl.store(out + HALF, o2, mask=hmask[:, None])
@@ -78,7 +85,8 @@ if HAS_TRITON:
             if slot >= 0:
                 heads = tl.arange(0, HKV_PAD)
                 hmask = heads < HKV
-                o1, o2 = _rotate(K + t * stride_kt, stride_kh, heads, hmask, c1, c2, s1, s2, KW, eps, HALF, NORM)
+                o1, o2 = _rotate(K + t * stride_kt, stride_kh, heads, hmask, c1, c2, s1, s2, KW, eps, HALF, NORM,
+                                 OFFSET)
                 dst = (slot * HKV + heads[:, None]) * 2 * HALF + d[None, :]
                 tl.store(KC + dst, _to_cache(o1, KC, FP8_CACHE), mask=hmask[:, None])
                 tl.store(KC + dst + HALF, _to_cache(o2, KC, FP8_CACHE), mask=hmask[:, None])
@@ -90,20 +98,21 @@ if HAS_TRITON:
 
 
 def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None,
-                         eps: float = 0.0) -> torch.Tensor:
+                         eps: float = 0.0, offset: float = 0.0) -> torch.Tensor:
     t, hq, d = q.shape
     hkv = k.shape[1]
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert cos.stride(-1) == 1 and cos.stride() == sin.stride()
     norm = q_weight is not None
-    # the fused norm rounds once, to q's dtype: a wider weight (fp32 under autocast) would promote the product
-    assert not norm or q_weight.dtype == k_weight.dtype == q.dtype, "q/k norm weights in q's dtype only"
+    # the fused norm rounds once, to q's dtype: a wider weight (fp32 under autocast) would promote Llama's product
+    # (Gemma's form rounds to q's dtype whatever the weight's)
+    assert not norm or offset or q_weight.dtype == k_weight.dtype == q.dtype, "q/k norm weights in q's dtype only"
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     _rope_store_kv_kernel[(t, 2)](q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
                                   q_weight if norm else q, k_weight if norm else k, eps,
                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                   cos.stride(0), HQ=hq, HKV=hkv, HQ_PAD=next_pow2(hq), HKV_PAD=next_pow2(hkv),
-                                  HALF=d // 2, NORM=norm, FP8_CACHE=k_cache.dtype == FP8)
+                                  HALF=d // 2, NORM=norm, FP8_CACHE=k_cache.dtype == FP8, OFFSET=float(offset))
     return q_out
 
 
@@ -111,8 +120,9 @@ def supported(head_dim: int) -> bool:
     return head_dim // 2 == next_pow2(head_dim // 2)
 
 
-def rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None, eps: float = 0.0):
+def rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None, eps: float = 0.0,
+                  offset: float = 0.0):
     """Triton on CUDA (power-of-two half head_dim); the reference otherwise."""
     if use_triton(q) and supported(q.shape[-1]):
-        return rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps)
-    return rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps)
+        return rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)
+    return rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight, k_weight, eps, offset)

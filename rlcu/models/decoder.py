@@ -11,14 +11,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rlcu.contracts import Numerics
 from rlcu.kernels._triton import next_pow2
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope import rope as apply_rope
-from rlcu.kernels.silu_mul import silu_mul
+from rlcu.kernels.silu_mul import gated_mul
 from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttention, PaddedAttention
 from rlcu.models.config import ModelConfig
 from rlcu.models.exact_attention import ExactPackedAttention
@@ -35,13 +34,7 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if not self.offset:
-            return rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-        h = x.float()
-        out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight.float()))
-        return out.to(x.dtype) if residual is None else (out.to(x.dtype), x)
+        return rms_norm(x, self.weight, self.eps, residual, self.offset)
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool, device) -> tuple[torch.Tensor, float]:
@@ -104,8 +97,8 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         norms = {}
-        if self.qk_norm == "head":  # Qwen3: handed to a context that fuses them, else applied here
-            if getattr(attention, "applies_qk_norm", False) and not self.q_norm.offset:
+        if self.qk_norm == "head":  # Qwen3, Gemma 3: handed to a context that fuses them, else applied here
+            if getattr(attention, "applies_qk_norm", False):
                 norms = {"qk_norm": (self.q_norm, self.k_norm)}
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -137,11 +130,7 @@ class MLP(nn.Module):
         self.activation = cfg.spec.activation
 
     def forward(self, x, batch_invariant: bool = False):
-        gate_up = self.gate_up_proj(x, batch_invariant)
-        if self.activation == "gelu_tanh":  # GeGLU (Gemma)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up, batch_invariant)
-        return self.down_proj(silu_mul(gate_up), batch_invariant)
+        return self.down_proj(gated_mul(self.gate_up_proj(x, batch_invariant), self.activation), batch_invariant)
 
 
 class DecoderLayer(nn.Module):

@@ -165,7 +165,7 @@ def test_greedy_parity_with_triton_kernels_under_the_interpreter(tmp_path, monke
     real = decode.decode_attention_triton
     monkeypatch.setattr(decode, "decode_attention_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     real_rope = paged.rope_store_kv
-    monkeypatch.setattr(paged, "rope_store_kv", lambda *a: normed.append(len(a) == 11) or real_rope(*a))
+    monkeypatch.setattr(paged, "rope_store_kv", lambda *a: normed.append(len(a) == 12) or real_rope(*a))
     got = LLMEngine(model, EngineConfig(max_num_batched_tokens=32, max_num_seqs=8)).generate(PROMPTS, sp)
     assert calls, "the Triton decode kernel did not run"
     assert normed and all(normed), "the q/k norms were not fused into the RoPE + KV-write kernel"

@@ -15,17 +15,18 @@ pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not in
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 576), (7, 1024), (3, 5, 100)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(dtype, shape, with_residual):
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(dtype, shape, with_residual, offset):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
     r = torch.randn(shape, generator=g).to(dtype).to(DEVICE) if with_residual else None
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
-    got, ref = rms_norm_triton(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
+    w = (1 - offset + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)  # Gemma stores w, scales by 1 + w
+    got, ref = rms_norm_triton(x, w, 1e-6, r, offset=offset), rms_norm_reference(x, w, 1e-6, r, offset)
     if with_residual:
         assert torch.equal(got[1], ref[1])
         got, ref = got[0], ref[0]
     s = (x.double() + (r.double() if with_residual else 0)).cpu()
-    exact = w.double().cpu() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    exact = (offset + w.double().cpu()) * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
     assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
@@ -34,20 +35,22 @@ def test_rms_norm(dtype, shape, with_residual):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 576), (37, 100), (130, 64)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_backward(dtype, rows, width, with_residual):
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_backward(dtype, rows, width, with_residual, offset):
     """dx, dweight (and the residual stream's pass-through gradient) against float64 autograd."""
     from rlcu.kernels.rmsnorm import RMSNormFunction
 
     g = torch.Generator().manual_seed(4)
     x, r = (torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEVICE)
+    w = (1 - offset + 0.1 * torch.randn(width, generator=g)).to(dtype).to(DEVICE)
     up = [torch.randn(rows, width, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    ref = lambda *a: _rms64(*a, offset=offset)  # noqa: E731
     if with_residual:
-        got = grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r), [x, w, r], up)
-        exact = grads(_rms64, [x.double(), w.double(), r.double()], [u.double() for u in up])
+        got = grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r, offset), [x, w, r], up)
+        exact = grads(ref, [x.double(), w.double(), r.double()], [u.double() for u in up])
     else:
-        got = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None), [x, w], up)
-        exact = grads(_rms64, [x.double(), w.double()], [u.double() for u in up])
+        got = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None, offset), [x, w], up)
+        exact = grads(ref, [x.double(), w.double()], [u.double() for u in up])
     for name, a, b in zip(("x", "weight", "residual"), got, exact):
         assert_close(a, b, dtype, scale=8 if name == "weight" else 2)  # dweight sums over every row
 
@@ -91,7 +94,7 @@ def test_rms_norm_with_a_wider_residual_keeps_its_dtype():
         assert_close(a, b, torch.float16, scale=8)
 
 
-def _rms64(x, w, residual=None, eps=1e-6):
+def _rms64(x, w, residual=None, eps=1e-6, offset=0.0):
     s = x + residual if residual is not None else x
-    out = w * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    out = (offset + w) * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     return (out, s) if residual is not None else out

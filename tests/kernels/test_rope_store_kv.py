@@ -1,4 +1,4 @@
-"""RoPE + KV-cache write (with Qwen3's q/k norms) against float64."""
+"""RoPE + KV-cache write (with Qwen3's and Gemma 3's q/k norms) against float64."""
 import pytest
 import torch
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not in
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim", [(9, 3, 64), (16, 8, 128), (2, 1, 16)])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("qk_norm", [False, True, "offset"], ids=["plain", "qk_norm", "qk_norm_1_plus_w"])
 def test_rope_store_kv(dtype, hq, hkv, head_dim, qk_norm):
     """The fused kernel reads q/k/v as strided views of one projection output (as the model hands them
     over), RMS-normalises each q/k head when given the weights (Qwen3), rotates q, rotates k into its
@@ -29,9 +29,10 @@ def test_rope_store_kv(dtype, hq, hkv, head_dim, qk_norm):
     cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
     slots = torch.tensor([0, 17, 131, -1, 5, 64], device=DEVICE)  # -1: a padding row writes nowhere
     caches = [torch.zeros(blocks, block_size, hkv, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
-    norm = ()
-    if qk_norm:
-        norm = tuple((1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2)) + (1e-6,)
+    norm, offset = (), 1.0 if qk_norm == "offset" else 0.0
+    if qk_norm:  # Gemma stores w and scales by 1 + w: the same scales as Qwen3's w
+        norm = tuple((1 - offset + 0.3 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE)
+                     for _ in range(2)) + (1e-6, offset)
     got = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots, *norm)
     ref = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots, *norm)
     atol, rtol = TOLERANCE[dtype]
@@ -42,7 +43,7 @@ def test_rope_store_kv(dtype, hq, hkv, head_dim, qk_norm):
     def rotate64(x, w=None):
         x64 = x.double().cpu()
         if w is not None:
-            x64 = w.double().cpu() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+            x64 = (offset + w.double().cpu()) * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
         half = head_dim // 2
         return x64 * emb.cos()[:, None] + torch.cat((-x64[..., half:], x64[..., :half]), -1) * emb.sin()[:, None]
 
