@@ -34,6 +34,15 @@ DENSE_FAMILIES = {
                          "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=8.0)})),
 }
 FAMILIES.update(DENSE_FAMILIES)
+# mixture-of-experts families (tests/models/test_moe.py): 8 experts, 3 a token (an odd split), layer 1 dense
+MOE_FAMILIES = {
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                                                       norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3_moe-unnormalised": dict(cls="Qwen3MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3,
+                                                                    moe_intermediate_size=24, norm_topk_prob=False,
+                                                                    decoder_sparse_step=1)),
+}
+FAMILIES.update(MOE_FAMILIES)
 # architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)
 FALLBACK_FAMILIES = {
     "gpt_neox": dict(cls="GPTNeoXConfig", extra=dict(tie_word_embeddings=False)),

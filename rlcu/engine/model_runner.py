@@ -22,6 +22,7 @@ from rlcu.kernels.sampling import sample
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
 from rlcu.kernels.token_logprob import token_logprob
 from rlcu.models.decoder import CausalLM
+from rlcu.models.moe import grouped_mm_supported
 
 # Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
 # extra kernel (measured in docs/engine.md)
@@ -56,7 +57,10 @@ class ModelRunner:
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
         self.fuse_qk_norm = (cfg.qk_norm and cfg.spec.qk_norm != "full" and triton and rope_supported(cfg.head_dim)
                              and not self.exact)
-        if cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size):
+        # experts outside torch's grouped GEMM read their token counts on the host, which a graph cannot replay
+        graph_safe = not cfg.is_moe or (not self.exact and grouped_mm_supported(self.device, model.compute_dtype()))
+        if (cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size)
+                and graph_safe):
             max_blocks = min(num_blocks, blocks_for(cfg.max_position_embeddings, block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
 

@@ -112,6 +112,9 @@ class LossOptions(OptionGroup):
                                          "(1 - alpha) x reference (TR-DPO; TRL's)")
     ref_model_mixup_alpha: float = option(0.6, "the policy's share in a reference sync", minimum=0, maximum=1)
     ref_model_sync_steps: int = option(512, "optimizer steps between reference syncs", minimum=1)
+    router_aux_loss_coef: float | None = option(None, "mixture-of-experts models: weight of the load-balancing loss "
+                                                      "added to the policy loss (None: the model config's own, 0: "
+                                                      "off; TRL's)", minimum=0)
     use_bias_correction_kl: bool = option(True, "the KL term times the importance weight")
     num_iterations: int = option(1, "optimizer steps per rollout, with the sampling-time logprobs as the old "
                                     "policy", minimum=1)

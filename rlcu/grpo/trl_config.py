@@ -248,7 +248,7 @@ RULES: dict[str, Rule] = {
     # ---- GRPOConfig's own fields
     "model_init_kwargs": custom(_model_init, None, "model.dtype and model.trust_remote_code"),
     "trust_remote_code": to_model(False),
-    "router_aux_loss_coef": refuse("mixture-of-experts models are not native yet (issue #41): no router to balance"),
+    "router_aux_loss_coef": to_model(None),
     "disable_dropout": noop("rlcu's models have no dropout, and the transformers fallback turns dropout off", False),
     "cast_lm_head_to_fp32": refuse("rlcu takes the log-softmax in fp32 of logits in the weights' dtype; for logprobs "
                                    "equal between sampler and trainer use exact_logprobs", False),

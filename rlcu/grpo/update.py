@@ -5,6 +5,7 @@ module it runs in only for what `Host` lists. Input: the step's `GRPOBatch` and 
 update's metrics."""
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class Update:
         self.loss_kind, self.numerics, self.counters = loss_kind, numerics, counters
         self.host, self.on_weights_updated, self.fault = host, on_weights_updated, fault
         self._entropy_window: torch.Tensor | None = None  # the entropy bonus's [sum, tokens] in an update
+        self.routers = Routers(policy, options.loss.router_aux_loss_coef)
 
     def __call__(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
         """num_iterations optimizer steps on the kept rows."""
@@ -71,6 +73,7 @@ class Update:
             total = self.host.reduce_sum(loss_items.to(self.host.device))
             loss_items = total.cpu() / self.host.world_size
         stats, losses, grad_norms = LossStats(), [], []
+        self.routers.start()
         gap = [torch.zeros((), device=self.host.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
         for it in range(loss_opts.num_iterations):
             loss = self._accumulate(staged, old, ref, loss_items, stats, gap if it == 0 else None)
@@ -88,6 +91,7 @@ class Update:
         out["logprob_mismatch/max"] = float(gap[1])
         self.counters.consecutive_faults = 0
         out["faults/skipped_updates"] = float(self.counters.faults)
+        out.update(self.routers.metrics())
         if entropy.active:
             out["entropy_coef"] = (self.counters.entropy_coef if entropy.use_adaptive_entropy
                                    else self._entropy_coef_now())
@@ -140,7 +144,8 @@ class Update:
         top_entropy_quantile < 1; corrected for the sampler and masked off-policy as configured), KL, the
         aggregation, the entropy bonus."""
         lo, en, b, sc = self.options.loss, self.options.entropy, staged.rows, self.options.correction
-        logps, entropy = self._logps(self.policy, staged, rows, grad=True)
+        with self.routers.recording():
+            logps, entropy = self._logps(self.policy, staged, rows, grad=True)
         mask, adv, sampler = b.loss_mask[rows].float(), b.advantages[rows], b.sampler_logps[rows]
         old_lp = old[rows] if old is not None else logps.detach()
         top = ratio = keep = None
@@ -161,6 +166,10 @@ class Update:
             effective = mask if top is None else mask * top
             loss = loss - self._entropy_coef_now() * grpo_loss.entropy_bonus(entropy, effective, num_micro_batches)
             self._entropy_window += torch.stack([(entropy.detach() * effective).sum(), effective.sum()])
+        if self.routers.moe:  # the router logits of every token the forward saw, padding left out
+            padded = not self.options.optimizer.packing and staged.padded(rows)
+            loss = loss + self.routers.loss(b.attention_mask[rows].reshape(-1).bool() if padded else None,
+                                            num_micro_batches)
         return MicroBatchLoss(loss, logps.detach(), entropy.detach(), coef.detach(),
                               kl.detach() if kl is not None else None, mask, ratio)
 
@@ -213,3 +222,56 @@ class Update:
         with torch.set_grad_enabled(grad):
             return completion_logprobs(model, ids, mask, b.loss_mask.shape[1], self.options.sampling.temperature,
                                        packed=packing, numerics=numerics)
+
+
+class Routers:
+    """A mixture-of-experts policy's routers during the update: their load-balancing loss (TRL's
+    `router_aux_loss_coef`, None: the model config's own coefficient) and how evenly they route."""
+
+    def __init__(self, policy, coef: float | None):
+        from rlcu.models.moe import SparseMoE
+
+        self.moe = [m for m in policy.modules() if isinstance(m, SparseMoE)]
+        if coef and not self.moe:
+            raise ValueError(f"router_aux_loss_coef={coef}: {policy.config.model_type} is not a mixture-of-experts "
+                             "model rlcu runs natively, so there is no router to balance; leave router_aux_loss_coef "
+                             "unset")
+        self.coef = (policy.config.router_aux_loss_coef if self.moe else 0.0) if coef is None else coef
+        self.top_k = self.moe[0].top_k if self.moe else 0
+        self.start()
+
+    def start(self) -> None:
+        self.aux: list[torch.Tensor] = []
+        self.load_max = 0.0
+
+    @contextlib.contextmanager
+    def recording(self):
+        for m in self.moe:
+            m.keep_router_logits = True
+        try:
+            yield
+        finally:
+            for m in self.moe:
+                m.keep_router_logits = False
+
+    def loss(self, token_mask: torch.Tensor | None, num_micro_batches: int) -> torch.Tensor:
+        """The micro-batch's load-balancing loss, scaled as the policy loss is for accumulation (TRL's), or 0."""
+        from rlcu.models.moe import expert_load_max, load_balancing_loss
+
+        logits = [m.router_logits for m in self.moe]
+        for m in self.moe:
+            m.router_logits = None
+        self.load_max = max(self.load_max, expert_load_max(logits, self.top_k, token_mask))
+        if not self.coef:
+            return torch.zeros((), device=logits[0].device)
+        aux = load_balancing_loss(logits, self.top_k, token_mask)
+        self.aux.append(aux.detach())
+        return self.coef * aux / num_micro_batches
+
+    def metrics(self) -> dict[str, float]:
+        if not self.moe:
+            return {}
+        out = {"moe/expert_load_max": self.load_max}
+        if self.aux:
+            out["aux_loss"] = float(torch.stack(self.aux).mean())
+        return out

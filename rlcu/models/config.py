@@ -10,7 +10,8 @@ from rlcu.models.spec import ArchSpec, family, native_families
 ROPE_TYPES_OWN = ("default", "llama3")  # computed here; other types by transformers' own ROPE_INIT_FUNCTIONS
 # sanity bounds on a config.json, checked before anything is allocated (a hostile or broken file)
 LIMITS = {"vocab_size": 10_000_000, "hidden_size": 1_000_000, "intermediate_size": 10_000_000,
-          "num_hidden_layers": 10_000, "num_attention_heads": 10_000, "head_dim": 65_536}
+          "num_hidden_layers": 10_000, "num_attention_heads": 10_000, "head_dim": 65_536, "num_experts": 100_000,
+          "num_local_experts": 100_000, "moe_intermediate_size": 10_000_000}
 
 
 class UnsupportedModelError(ValueError):
@@ -49,6 +50,14 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # mixture of experts (Qwen3-MoE, OLMoE): 0 experts is a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.0
     source: dict[str, Any] | None = field(default=None, repr=False)  # the config.json it was read from
 
     @property
@@ -78,6 +87,14 @@ class ModelConfig:
         if self.layer_types is None:
             return self.sliding_window if self.spec.sliding == "all" else None
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
     def windowed(self) -> bool:
@@ -194,4 +211,15 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         if hf.get(key) is not None:
             out[key] = float(hf[key])
+    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    if experts:
+        top_k = hf.get("num_experts_per_tok") or 0
+        if not 0 < top_k <= experts:
+            raise ValueError(f"config.json: num_experts_per_tok={top_k!r} must be in 1..{experts} (num_experts)")
+        out.update(num_experts=int(experts), num_experts_per_tok=int(top_k),
+                   moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
     return out

@@ -22,6 +22,7 @@ from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttentio
 from rlcu.models.config import ModelConfig
 from rlcu.models.exact_attention import ExactPackedAttention
 from rlcu.models.fused_linear import FusedLinear, Linear
+from rlcu.models.moe import SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -143,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.rope_kind = None if layer_idx in cfg.nope_layers else (
             "local" if cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None else "full")
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
         if spec.norm != "post":
             self.input_layernorm = norm()

@@ -19,6 +19,7 @@ from rlcu.models.decoder import CausalLM
 from rlcu.models.embedded import NAMES, fetch_embedded
 from rlcu.models.fused_linear import join_hf_parts, split_hf_parts
 from rlcu.models.gguf import gguf_to_folder
+from rlcu.models.moe import join_expert_parts, split_expert_parts
 from rlcu.models.spec import family
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", 
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     try:
-        state = join_hf_parts(state, model)
+        state = join_expert_parts(join_hf_parts(state, model), model)
     except ValueError as e:
         raise ValueError(f"{folder}: {e}; the folder's weights are incomplete") from None
     expected = {k: v.shape for k, v in model.state_dict().items()
@@ -182,7 +183,8 @@ def save_pretrained(model: CausalLM, tokenizer, folder: str | os.PathLike) -> Pa
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     keep = model.config.spec.hf_fused
-    state = {k: v.detach().contiguous().cpu() for k, v in split_hf_parts(model.state_dict(), model, keep=keep).items()}
+    state = split_expert_parts(split_hf_parts(model.state_dict(), model, keep=keep), model)
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})

@@ -1,6 +1,7 @@
-"""Every native family beyond Llama against transformers' own module, on tiny random models built by
-transformers' own config classes (fp32): logits, greedy tokens through the engine, the engine's logprobs
-against the training forward, LoRA against the merged model; export back to transformers is in test_llama.py."""
+"""Every native family beyond Llama, mixture-of-experts ones included, against transformers' own module, on tiny
+random models built by transformers' own config classes (fp32): logits, greedy tokens through the engine, the
+engine's logprobs against the training forward, LoRA against the merged model; export back to transformers is in
+test_llama.py, the experts' own pieces in test_moe.py."""
 import copy
 import json
 
@@ -13,11 +14,11 @@ from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import add_lora, load_model, merge_lora
 from rlcu.models.lora import adapters
 from rlcu.rollout import SamplingParams
-from tests.helpers import DENSE_FAMILIES, EOS, PROMPTS, tiny_hf_folder
+from tests.helpers import DENSE_FAMILIES, EOS, MOE_FAMILIES, PROMPTS, tiny_hf_folder
 from tests.models.test_llama import padded_batch
 
 ATOL = 1e-5
-FAMILIES = sorted(DENSE_FAMILIES)
+FAMILIES = sorted(DENSE_FAMILIES) + sorted(MOE_FAMILIES)
 
 
 def hf_model(folder):

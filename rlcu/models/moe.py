@@ -1,0 +1,173 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, OLMoE): a router picks `top_k` of `num_experts` gated MLPs for each token,
+and the token's output is their outputs weighted by the router's probabilities.
+
+Experts are stored stacked, as transformers 5 holds them in memory (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]); checkpoints name one module per expert (`experts.{e}.gate_proj.weight`), which
+`join_expert_parts` and `split_expert_parts` convert at the folder's boundary, as `fused_linear.py` does for q/k/v.
+
+Dispatch sorts the tokens' (token, slot) pairs by expert, so that each expert's rows are contiguous, and runs
+both projections as one grouped GEMM (`grouped_linear`). The weighted sum over a token's k experts is taken in
+a fixed order (slot 0 first), so a token's output does not depend on the other tokens of its batch once each
+expert's GEMM does not either (`Numerics.EXACT`: the batch-invariant GEMM per expert). The sampler and the
+trainer run this same module, so their routing is the same computation: there is nothing to replay."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlcu.kernels.matmul import invariant_linear
+from rlcu.kernels.silu_mul import gated_mul
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch's grouped GEMM (one launch for every expert, no host synchronisation: CUDA-graph safe) takes bf16 on
+    Hopper and newer; elsewhere the experts run one GEMM each, which reads the counts on the host."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   batch_invariant: bool = False) -> torch.Tensor:
+    """x [M, K] sorted by group, weight [G, N, K], counts [G] rows of each group -> [M, N] (x_g @ weight_g.T).
+    The loop form synchronises with the host for the counts; the grouped form does not."""
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    if not batch_invariant and grouped_mm_supported(x.device, dtype):
+        ends = counts.cumsum(0).to(torch.int32)
+        with torch.autocast(kind, enabled=False):  # cast by hand, as autocast would F.linear's inputs
+            return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=ends)
+    out, start = [], 0
+    for g, n in enumerate(counts.tolist()):
+        if n:
+            rows = x[start:start + n]
+            out.append(invariant_linear(rows, weight[g]) if batch_invariant else F.linear(rows, weight[g]))
+        start += n
+    return torch.cat(out) if out else x.new_zeros(0, weight.shape[1])
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, experts [T, k]): softmax in fp32, the k
+    largest, renormalised to sum to 1 when `normalize` (Qwen3-MoE's norm_topk_prob)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str):
+        super().__init__()
+        self.num_experts, self.activation = num_experts, activation
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                batch_invariant: bool = False) -> torch.Tensor:
+        """x [T, H], experts and weights [T, k] -> [T, H]."""
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs by expert, tokens ascending within one
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))
+        rows = x[order // k]
+        h = gated_mul(grouped_linear(rows, self.gate_up_proj, counts, batch_invariant), self.activation)
+        y = grouped_linear(h, self.down_proj, counts, batch_invariant)
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
+        out = per_slot[:, 0] * weights[:, :1]
+        for j in range(1, k):  # a fixed order of the k terms (a batch-invariant sum)
+            out = out + per_slot[:, j] * weights[:, j:j + 1]
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The MLP of an MoE layer: `gate` (the router, [E, H]) and `experts`. With `keep_router_logits` set, each
+    forward leaves its router logits [T, E] in `router_logits` (the load-balancing loss reads them)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.spec.activation)
+        self.keep_router_logits = False
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = invariant_linear(flat, self.gate.weight) if batch_invariant else self.gate(flat)
+        if self.keep_router_logits:
+            self.router_logits = logits
+        weights, experts = route(logits, self.top_k, self.normalize)
+        return self.experts(flat, experts, weights.to(flat.dtype), batch_invariant).view(shape)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None):
+    """Switch Transformer's auxiliary loss over the layers' router logits ([T, E] each, the same T tokens): E times
+    the sum over experts of (share of the tokens' top-k picks that went to the expert) x (its mean router
+    probability), counting only tokens where `token_mask` [T] is true. transformers' `load_balancing_loss_func`
+    (which TRL's `router_aux_loss_coef` weights) computes the same."""
+    logits = torch.cat(router_logits)  # [L * T, E]
+    e = logits.shape[-1]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    picked = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, e).float()  # [L*T, k, E]
+    if token_mask is None:
+        share, mean_prob = picked.mean(0), probs.mean(0)
+    else:
+        m = token_mask.float().repeat(len(router_logits))
+        share = (picked * m[:, None, None]).sum(0) / m.sum()
+        mean_prob = (probs * m[:, None]).sum(0) / m.sum()
+    return e * (share * mean_prob[None]).sum()
+
+
+def expert_load_max(router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None) -> float:
+    """The busiest expert's share of a layer's top-k picks over the uniform share (1.0: balanced), the largest over
+    the layers."""
+    worst = 0.0
+    for logits in router_logits:
+        picks = torch.topk(logits.detach(), top_k, dim=-1).indices
+        if token_mask is not None:
+            picks = picks[token_mask]
+        counts = torch.bincount(picks.reshape(-1), minlength=logits.shape[-1]).float()
+        worst = max(worst, float(counts.max() * logits.shape[-1] / counts.sum().clamp(min=1)))
+    return worst
+
+
+def _expert_modules(model: nn.Module, prefix: str = "") -> list[tuple[str, Experts]]:
+    return [(f"{prefix}{name}.", m) for name, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def join_expert_parts(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-expert weights (`experts.{e}.gate_proj.weight`, up, down) -> the stacked parameters;
+    a checkpoint already stacked (`experts.gate_up_proj`) is unchanged. A missing expert is named."""
+    state = dict(state)
+    for p, m in _expert_modules(model):
+        if f"{p}0.gate_proj.weight" not in state:
+            continue
+        names = [f"{p}{e}.{part}.weight" for e in range(m.num_experts)
+                 for part in ("gate_proj", "up_proj", "down_proj")]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise ValueError(f"the weights have expert 0 of {p.rstrip('.')} but not {missing[:3]}"
+                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+        gate_up, down = [], []
+        for e in range(m.num_experts):
+            gate_up.append(torch.cat([state.pop(f"{p}{e}.gate_proj.weight"), state.pop(f"{p}{e}.up_proj.weight")]))
+            down.append(state.pop(f"{p}{e}.down_proj.weight"))
+        state[f"{p}gate_up_proj"], state[f"{p}down_proj"] = torch.stack(gate_up), torch.stack(down)
+    return state
+
+
+def split_expert_parts(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The stacked expert parameters -> one module per expert, as checkpoints name them (views, no copies)."""
+    state = dict(state)
+    for p, m in _expert_modules(model):
+        gate_up, down = state.pop(f"{p}gate_up_proj", None), state.pop(f"{p}down_proj", None)
+        if gate_up is None:
+            continue
+        for e in range(m.num_experts):
+            gate, up = gate_up[e].chunk(2)
+            state[f"{p}{e}.gate_proj.weight"], state[f"{p}{e}.up_proj.weight"] = gate, up
+            state[f"{p}{e}.down_proj.weight"] = down[e]
+    return state

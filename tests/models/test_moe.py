@@ -1,0 +1,98 @@
+"""The mixture-of-experts pieces (`rlcu/models/moe.py`) against transformers' own Qwen3-MoE modules and float64;
+whole models (logits, engine, LoRA, export) are in test_families.py and test_llama.py."""
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
+
+from rlcu.models import load_model
+from rlcu.models.moe import Experts, grouped_linear, load_balancing_loss, route
+from tests.helpers import tiny_hf_folder
+
+
+def per_expert(x, weight, groups):
+    """The plain loop: each row times its group's weight, in float64."""
+    return torch.stack([x[i].double() @ weight[g].double().T for i, g in enumerate(groups)])
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1, 0, 2, 7], [18, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 18],
+                                    [1, 1, 1, 1, 1, 1, 12]], ids=["uneven", "all-on-first", "all-on-last", "one-each"])
+def test_grouped_linear_equals_a_loop_over_experts_and_float64(counts):
+    """Odd sizes (K 37, N 29), empty experts, every row on one expert."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(sum(counts), 37, generator=g), torch.randn(len(counts), 29, 37, generator=g)
+    groups = [e for e, n in enumerate(counts) for _ in range(n)]
+    got = grouped_linear(x, w, torch.tensor(counts))
+    assert got.shape == (18, 29)
+    assert torch.allclose(got.double(), per_expert(x, w, groups), atol=1e-5)
+
+
+def test_experts_equal_transformers_experts_and_float64():
+    cfg = transformers.Qwen3MoeConfig(hidden_size=40, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    theirs = hf_moe.Qwen3MoeExperts(cfg)
+    torch.nn.init.normal_(theirs.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(theirs.down_proj, std=0.2)
+    ours = Experts(6, 40, 24, "silu")
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(11, 40)
+    experts = torch.tensor([[e % 6, (e + 2) % 6] for e in range(11)])
+    experts[:4] = torch.tensor([5, 0])  # expert 5 crowded, 0 too; none is empty by chance
+    weights = torch.rand(11, 2)
+    got = ours(x, experts, weights)
+    assert (got - theirs(x, experts, weights)).abs().max() < 1e-5
+    x64 = x.double()
+    want = torch.zeros(11, 40, dtype=torch.float64)
+    for t in range(11):
+        for j in range(2):
+            e = experts[t, j]
+            gate, up = (x64[t] @ ours.gate_up_proj[e].double().T).chunk(2)
+            want[t] += weights[t, j].double() * (torch.nn.functional.silu(gate) * up) @ ours.down_proj[e].double().T
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routing_equals_transformers_router(normalize):
+    cfg = transformers.Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=normalize)
+    router = hf_moe.Qwen3MoeTopKRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(9, 16)
+    logits, their_weights, their_experts = router(x)
+    weights, experts = route(logits, 3, normalize)
+    assert torch.equal(experts, their_experts) and torch.allclose(weights, their_weights, atol=1e-7)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_equals_transformers(masked):
+    g = torch.Generator().manual_seed(2)
+    layers = [torch.randn(2 * 7, 8, generator=g) for _ in range(3)]  # 2 rows of 7 tokens, 8 experts, 3 layers
+    mask = torch.ones(2, 7, dtype=torch.long)
+    if masked:
+        mask[0, :3] = 0  # left padding
+    want = hf_moe.load_balancing_loss_func(tuple(layers), 8, 3, mask if masked else None)
+    got = load_balancing_loss(layers, 3, mask.reshape(-1).bool() if masked else None)
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
+
+
+def test_a_checkpoint_missing_an_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_hf_folder(tmp_path, "qwen3_moe")
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.5\.up_proj"):
+        load_model(folder)
+
+
+def test_moe_config_is_read_and_checked(tmp_path):
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3_moe", layers=3))
+    cfg = model.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 3, 24, True)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True]  # mlp_only_layers=[1]
+    assert cfg.router_aux_loss_coef == transformers.Qwen3MoeConfig().router_aux_loss_coef
+    from rlcu.models.config import ModelConfig
+
+    bad = dict(cfg.source, num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be in 1..8"):
+        ModelConfig.from_hf(bad)
