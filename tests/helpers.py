@@ -41,6 +41,8 @@ MOE_FAMILIES = {
     "qwen3_moe-unnormalised": dict(cls="Qwen3MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3,
                                                                     moe_intermediate_size=24, norm_topk_prob=False,
                                                                     decoder_sparse_step=1)),
+    "olmoe": dict(cls="OlmoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, intermediate_size=24,
+                                                head_dim=None, norm_topk_prob=False)),
 }
 FAMILIES.update(MOE_FAMILIES)
 # architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)
@@ -65,6 +67,8 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
               rms_norm_eps=1e-6, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 2, bos_token_id=None)
     kw.update(spec["extra"])
     kw.update(overrides)
+    if kw["head_dim"] is None:  # the config class's own default (OLMoE's reads a head_dim attribute even when None)
+        del kw["head_dim"]
     for key in ("layer_types", "no_rope_layers"):  # per-layer patterns repeat to the model's depth
         if key in kw:
             kw[key] = [kw[key][i % len(kw[key])] for i in range(kw["num_hidden_layers"])]

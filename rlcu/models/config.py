@@ -165,6 +165,9 @@ def _rope(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:
 def _common_fields(hf: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias") or False)
+    if hf.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{spec.model_type} with clip_qkv={hf['clip_qkv']} has no native path (the "
+                                    "released checkpoints set none)")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError(f"{spec.model_type} with mlp_bias=true has no native path (no released "
                                     "checkpoint of this family uses it)")

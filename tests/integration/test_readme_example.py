@@ -55,9 +55,15 @@ def test_agents_guide_example_trains_with_a_tool(smollm2_folder):
 
 def test_models_guide_example_adds_a_family_and_matches_transformers():
     scope: dict = {}
-    exec(python_blocks(README.parent / "docs" / "models.md")[0], scope)
+    exec(python_blocks(README.parent / "docs" / "models.md")[1], scope)
     assert scope["gap"] < 1e-5 and scope["tokenizer"] is None
     assert scope["ours"].model.layers[0].self_attn.window == 5
+
+
+def test_models_guide_moe_example_matches_transformers():
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "models.md")[0], scope)
+    assert scope["moe_gap"] < 1e-5 and scope["ours"].config.is_moe
 
 
 def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():

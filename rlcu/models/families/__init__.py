@@ -1,3 +1,3 @@
 """The built-in decoder families, one small spec each (`rlcu/models/spec.py`). Importing this package
 registers them; a model_type that none claims runs on the transformers fallback (`rlcu/models/hf.py`)."""
-from rlcu.models.families import gemma, granite, llama, mistral, olmo, phi, qwen, seed_oss, smollm  # noqa: F401
+from rlcu.models.families import gemma, granite, llama, mistral, olmo, olmoe, phi, qwen, seed_oss, smollm  # noqa: F401
