@@ -64,16 +64,25 @@ SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> E
 def random_model(device: str, dtype: torch.dtype, seed: int = 0, shape: str = STANDARD):
     """The standard workload's model (or a larger shape of it), initialised as transformers does (normal, std 0.02)."""
     from rlcu.models.config import ModelConfig
-    from rlcu.models.decoder import CausalLM
 
     fields = dict(QWEN3_06B, **SHAPES[shape])
     cfg = ModelConfig(**fields, eos_token_id=fields["vocab_size"] - 1, pad_token_id=fields["vocab_size"] - 2)
     torch.manual_seed(seed)
+    return random_native(cfg, device, dtype), word_tokenizer(cfg.vocab_size)
+
+
+def random_native(cfg, device: str, dtype: torch.dtype):
+    """rlcu's decoder for `cfg`, initialised as transformers does: normal, std 0.02; norms at their identity."""
+    from rlcu.models.decoder import CausalLM
+
     with torch.device(device):
         model = CausalLM(cfg)
         for name, p in model.named_parameters():
-            torch.nn.init.normal_(p, std=0.02) if "norm" not in name else torch.nn.init.ones_(p)
-    return model.to(dtype), word_tokenizer(cfg.vocab_size)
+            if "norm" in name:
+                torch.nn.init.constant_(p, 1.0 - cfg.spec.norm_offset)  # Gemma stores w and scales by 1 + w
+            else:
+                torch.nn.init.normal_(p, std=0.02)
+    return model.to(dtype)
 
 
 def family_config(name: str):
@@ -90,7 +99,6 @@ def random_family_model(name: str, device: str, dtype: torch.dtype, seed: int = 
     """A FAMILY_SHAPES model with random weights: rlcu's native decoder where the family has one (initialised as
     transformers does: normal, std 0.02; norms at their identity), else transformers' own module on the fallback."""
     from rlcu.models.config import ModelConfig
-    from rlcu.models.decoder import CausalLM
     from rlcu.models.spec import family
 
     hf = family_config(name)
@@ -104,14 +112,7 @@ def random_family_model(name: str, device: str, dtype: torch.dtype, seed: int = 
             model = HFCausalLM(AutoModelForCausalLM.from_config(hf, dtype=dtype))
         return model, word_tokenizer(hf.vocab_size)
     cfg = ModelConfig.from_hf(hf.to_dict())
-    with torch.device(device):
-        model = CausalLM(cfg)
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                torch.nn.init.constant_(p, 1.0 - cfg.spec.norm_offset)
-            else:
-                torch.nn.init.normal_(p, std=0.02)
-    return model.to(dtype), word_tokenizer(cfg.vocab_size)
+    return random_native(cfg, device, dtype), word_tokenizer(cfg.vocab_size)
 
 
 def build_model(name: str, device: str, dtype: str):

@@ -242,7 +242,7 @@ class Routers:
 
     def start(self) -> None:
         self.aux: list[torch.Tensor] = []
-        self.load_max = 0.0
+        self.load_max: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def recording(self):
@@ -261,7 +261,7 @@ class Routers:
         logits = [m.router_logits for m in self.moe]
         for m in self.moe:
             m.router_logits = None
-        self.load_max = max(self.load_max, expert_load_max(logits, self.top_k, token_mask))
+        self.load_max.append(expert_load_max(logits, self.top_k, token_mask))
         if not self.coef:
             return torch.zeros((), device=logits[0].device)
         aux = load_balancing_loss(logits, self.top_k, token_mask)
@@ -271,7 +271,7 @@ class Routers:
     def metrics(self) -> dict[str, float]:
         if not self.moe:
             return {}
-        out = {"moe/expert_load_max": self.load_max}
+        out = {"moe/expert_load_max": float(torch.stack(self.load_max).max())} if self.load_max else {}
         if self.aux:
             out["aux_loss"] = float(torch.stack(self.aux).mean())
         return out

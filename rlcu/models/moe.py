@@ -27,18 +27,26 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                   batch_invariant: bool = False) -> torch.Tensor:
-    """x [M, K] sorted by group, weight [G, N, K], counts [G] rows of each group -> [M, N] (x_g @ weight_g.T).
-    The loop form synchronises with the host for the counts; the grouped form does not."""
+def grouped(x: torch.Tensor, batch_invariant: bool = False) -> bool:
+    """Whether `grouped_linear` takes torch's grouped GEMM for x (in the dtype autocast gives it)."""
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    if not batch_invariant and grouped_mm_supported(x.device, dtype):
+    return not batch_invariant and grouped_mm_supported(x.device, dtype)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int],
+                   batch_invariant: bool = False) -> torch.Tensor:
+    """x [M, K] sorted by group, weight [G, N, K], counts [G] rows of each group -> [M, N] (x_g @ weight_g.T).
+    The grouped form reads the counts on the device; the loop form needs them on the host (a list: read once by
+    the caller for both of a layer's projections, or a tensor, read here)."""
+    if isinstance(counts, torch.Tensor) and grouped(x, batch_invariant):
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         ends = counts.cumsum(0).to(torch.int32)
         with torch.autocast(kind, enabled=False):  # cast by hand, as autocast would F.linear's inputs
             return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=ends)
     out, start = [], 0
-    for g, n in enumerate(counts.tolist()):
+    for g, n in enumerate(counts if isinstance(counts, list) else counts.tolist()):
         if n:
             rows = x[start:start + n]
             out.append(invariant_linear(rows, weight[g]) if batch_invariant else F.linear(rows, weight[g]))
@@ -71,6 +79,8 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs by expert, tokens ascending within one
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(
             0, flat, torch.ones_like(flat))
+        if not grouped(x, batch_invariant):
+            counts = counts.tolist()  # one host read for both projections
         rows = x[order // k]
         h = gated_mul(grouped_linear(rows, self.gate_up_proj, counts, batch_invariant), self.activation)
         y = grouped_linear(h, self.down_proj, counts, batch_invariant)
@@ -121,17 +131,16 @@ def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, token_mas
     return e * (share * mean_prob[None]).sum()
 
 
-def expert_load_max(router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None) -> float:
+def expert_load_max(router_logits: list[torch.Tensor], top_k: int,
+                    token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The busiest expert's share of a layer's top-k picks over the uniform share (1.0: balanced), the largest over
-    the layers."""
-    worst = 0.0
-    for logits in router_logits:
-        picks = torch.topk(logits.detach(), top_k, dim=-1).indices
-        if token_mask is not None:
-            picks = picks[token_mask]
-        counts = torch.bincount(picks.reshape(-1), minlength=logits.shape[-1]).float()
-        worst = max(worst, float(counts.max() * logits.shape[-1] / counts.sum().clamp(min=1)))
-    return worst
+    the layers; a device scalar (no host synchronisation in the training loop)."""
+    logits = torch.stack([x.detach() for x in router_logits])  # [L, T, E]
+    if token_mask is not None:
+        logits = logits[:, token_mask]
+    e = logits.shape[-1]
+    picks = F.one_hot(torch.topk(logits, top_k, dim=-1).indices, e).sum((1, 2)).float()  # [L, E]
+    return (picks.amax(-1) * e / picks.sum(-1).clamp(min=1)).max()
 
 
 def _expert_modules(model: nn.Module, prefix: str = "") -> list[tuple[str, Experts]]:
