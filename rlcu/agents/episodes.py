@@ -75,6 +75,7 @@ class Episodes:
     completions: list[list[dict]]  # [N] each episode's messages after its prompt (TRL's `completions[i]`)
     environments: list | None  # [N] each episode's environment (TRL's `environments` column), None without
     metrics: dict[str, float]  # tools/call_frequency, tools/failure_frequency, episodes/mean_turns
+    columns: dict[str, list] = field(default_factory=dict)  # [N] each, for the rewards (agent programs' returns)
 
 
 class EpisodeRunner:

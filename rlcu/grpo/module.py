@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import lightning.pytorch as L
@@ -30,6 +30,8 @@ from transformers import get_scheduler
 
 from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
 from rlcu.agents import AgentOptions, EpisodeRunner
+from rlcu.agents.formats import tool_format
+from rlcu.agents.programs import ProgramRunner, agent_reward, load_program
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import (
     Continuation,
@@ -69,7 +71,7 @@ class GRPOModule(L.LightningModule):
     def __init__(self, model: str | CausalLM = "smollm2-135m-instruct", tokenizer: Any = None,
                  rewards: Any = ("math_answer",), reward_weights: list[float] | None = None, rollout: Any = "native",
                  peft_config: Any = None, tools: list | None = None, environment_factory: Any = None,
-                 reward_funcs: Any = None, reward_processing_classes: Any = None, **options):
+                 agent: Any = None, reward_funcs: Any = None, reward_processing_classes: Any = None, **options):
         """A GRPO run's module. Every option keeps TRL's name, default and meaning (`rlcu/grpo/options.py`).
 
         Args:
@@ -81,6 +83,7 @@ class GRPOModule(L.LightningModule):
             peft_config: LoRA: a PEFT LoraConfig or its fields
             tools: functions (or import paths) the model may call
             environment_factory: one environment per episode: a class, {name: class}, or a plugin spec
+            agent: a program `async def agent(endpoint, row) -> reward | None`, or its import path (docs/agents.md)
             reward_funcs: TRL's name of rewards (give one of the two)
             reward_processing_classes: the tokenizers of reward models given as objects (TRL's)
         """
@@ -89,21 +92,20 @@ class GRPOModule(L.LightningModule):
         quiet.install()
         self.options = opts = Options.from_flat(options)  # TRL's flat names -> the checked option groups
         rewards = trl_alias("rewards", rewards, ("math_answer",), "reward_funcs", reward_funcs)
-        explicit = dict(model=model, tokenizer=tokenizer, rewards=rewards, reward_weights=reward_weights,
+        explicit = dict(model=model, tokenizer=tokenizer, rewards=rewards, reward_weights=reward_weights, agent=agent,
                         rollout=rollout, peft_config=peft_config, tools=tools, environment_factory=environment_factory)
         self.save_hyperparameters({**{k: v for k, v in explicit.items() if plain(v)}, **opts.flat()})
         self.automatic_optimization = False
         self.policy, self.tokenizer = self._policy(model, tokenizer, opts.model.dtype, opts.model.trust_remote_code)
         self.policy.gradient_checkpointing = opts.optimizer.gradient_checkpointing
         self._add_lora(peft_config)
-        self.rewards = self._agents_and_rewards(tools, environment_factory, rewards, reward_weights,
+        self.rewards = self._agents_and_rewards(tools, environment_factory, agent, rewards, reward_weights,
                                                 reward_processing_classes)
         names = [r.name for r in self.rewards]
         check_against_model(opts, self.policy.config.max_position_embeddings, names)
         # beta > 0: a frozen copy of the starting policy for the KL term (with LoRA, the base: adapters off)
-        self.ref_model = None
-        if opts.loss.beta != 0.0 and peft_config is None:
-            self.ref_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        self.ref_model = (copy.deepcopy(self.policy).requires_grad_(False).eval()
+                          if opts.loss.beta != 0.0 and peft_config is None else None)
         self.rollout = self._rollout_backend(rollout, lora=peft_config is not None)
         self.stop_token_ids = eos_token_ids(self.policy.config, self.tokenizer)
         self.accuracy_index = names.index(opts.evaluation.accuracy_reward) if opts.evaluation.accuracy_reward else 0
@@ -147,11 +149,22 @@ class GRPOModule(L.LightningModule):
                              "on the transformers fallback: train it in full, or merge adapters elsewhere")
         add_lora(self.policy, peft_config)
 
-    def _agents_and_rewards(self, tools, environment_factory, rewards, reward_weights,
+    def _agents_and_rewards(self, tools, environment_factory, agent, rewards, reward_weights,
                             processing_classes=None) -> list[BoundReward]:
         """tools / environments (TRL's names): multi-turn episodes, run as a continuation of the rollout; an
-        environment's `get_reward` joins the rewards."""
+        environment's `get_reward` joins the rewards. An agent program: episodes through the endpoint, and what
+        the program returns joins the rewards as `agent`."""
         limits = self.options.agents
+        self.program = None
+        if agent is not None:
+            if tools or environment_factory is not None:
+                raise ValueError("agent runs its own tools and environment: give agent, or tools / "
+                                 "environment_factory, not both")
+            self.agent, self.program = None, (load_program(agent), tool_format(limits.tool_format, self.tokenizer))
+            if isinstance(rewards, tuple) and rewards == ("math_answer",):
+                rewards = []  # left at the default: the program's returns are the reward
+            return resolve_rewards(rewards, reward_weights, [BoundReward(agent_reward, "agent", 1.0)],
+                                   processing_classes)
         self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, limits.tool_format,
                                         limits.max_tool_calling_iterations,
                                         self.options.sampling.max_completion_length, limits.tool_timeout,
@@ -369,6 +382,8 @@ class GRPOModule(L.LightningModule):
                on_finished: Callable[[Turn], None] | None = None) -> Sampled:
         """`g` completions per row, adjacent; with tools or environments, `g` episodes per row. `on_finished`
         (single-turn only): told of each completion as it ends, on a backend that reports them."""
+        if self.program is not None:
+            return self._sample_programs(rows, g, sampling)
         if self.agent is None:
             prompt_ids = [self.fit_prompt(ids, i)
                           for i, ids in enumerate(encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
@@ -385,6 +400,20 @@ class GRPOModule(L.LightningModule):
         except CallInterrupted as e:  # SIGTERM while a tool hangs: stop as Lightning stops on SIGTERM
             log.warning("%s; stopping", e)
             raise SIGTERMException from e
+
+    def _sample_programs(self, rows: list[dict], g: int, sampling: SamplingParams) -> Sampled:
+        """`g` episodes per row of the agent program, each through the endpoint, which stops with the rollout."""
+        program, fmt = self.program
+        limits = self.options.agents
+        runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
+                               self.options.sampling.max_completion_length, limits.agent_timeout)
+        try:
+            for i, ids in enumerate(runner.prompt_ids[::g]):
+                self.check_prompt_length(len(ids), i)
+            batch = self.generate(runner.prompt_ids, replace(sampling, max_turn_tokens=limits.max_call_tokens), runner)
+            return Sampled(batch, runner.record())
+        finally:
+            runner.close()
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None,

@@ -294,6 +294,11 @@ class AgentLimits(OptionGroup):
                                           "without tools", choices=TOOL_FORMATS)
     tool_timeout: float | None = option(60.0, "seconds a tool call (or an environment's step) may take",
                                         minimum=1e-9, why=" seconds (or null: no limit)")
+    agent_timeout: float | None = option(600.0, "seconds an agent program's episode may take, from its start to "
+                                                "its return", minimum=1e-9, why=" seconds (or null: no limit)")
+    max_call_tokens: int | None = option(None, "tokens one call of an agent program may sample (a call cut there "
+                                               "ends with finish_reason length); None: the episode's remaining "
+                                               "max_completion_length", minimum=1)
     tool_result_max_chars: int = option(MAX_RESULT_CHARS, "characters of a tool result the model reads; the rest "
                                                           "is cut, with a note, before tokenizing", minimum=1)
 

@@ -125,6 +125,8 @@ class Scoring:
         columns = {k: [r.get(k) for r in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
         if episodes is not None and episodes.environments is not None:
             columns["environments"] = episodes.environments
+        if episodes is not None:
+            columns.update(episodes.columns)
         faults = self.options.faults
         try:
             values = score(self.rewards, prompts, completions, completion_ids, columns,

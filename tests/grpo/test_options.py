@@ -10,7 +10,7 @@ from rlcu.grpo import options as O
 from rlcu.grpo.module import GRPOModule
 
 EXPLICIT = ["self", "model", "tokenizer", "rewards", "reward_weights", "rollout", "peft_config", "tools",
-            "environment_factory", "reward_funcs", "reward_processing_classes"]
+            "environment_factory", "agent", "reward_funcs", "reward_processing_classes"]
 
 
 def test_each_option_is_defined_once_with_help_and_reaches_the_signature():

@@ -66,6 +66,18 @@ def test_models_guide_moe_example_matches_transformers():
     assert scope["moe_gap"] < 1e-5 and scope["ours"].config.is_moe
 
 
+def test_agents_guide_program_example_trains_one_step(tmp_path):
+    from rlcu.models import load_model
+    from tests.helpers import CHAT_TEMPLATE, fit, tiny_hf_folder, toy_rows
+
+    pytest.importorskip("openai")
+    model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE))
+    scope: dict = {"model": model, "tokenizer": tokenizer}
+    exec(python_blocks(README.parent / "docs" / "agents.md")[1], scope)
+    metrics = fit(scope["module"], toy_rows(4), steps=1, log_dir=tmp_path)
+    assert any("rewards/agent/mean" in m for m in metrics)
+
+
 def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():
     from rlcu.grpo import registry
 

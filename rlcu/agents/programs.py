@@ -1,0 +1,343 @@
+"""Agents that are programs: an async function `agent(endpoint, row)` that talks to the policy through an
+OpenAI-compatible endpoint (`endpoint.py`) and returns the episode's reward (a number), or None to leave scoring to
+the run's rewards, which then get the episode's messages as TRL's rewards get an agent's.
+
+    async def agent(endpoint, row):
+        client = endpoint.client()                         # openai.AsyncOpenAI on this episode's base URL
+        reply = await client.chat.completions.create(model=endpoint.model, messages=[...])
+        ...
+        return 1.0 if solved else 0.0
+
+One episode is one training sample: its first call's messages are the prompt; each later call must extend the
+conversation so far (the messages sent before, the assistant message as served, then new messages), and only the
+new messages' tokens are added, rendered by the chat template after the served tokens. The tokens sampled for the
+agent are recorded as sampled (token in, token out: never re-tokenized from text); the appended ones are masked out
+of the loss. A call that does not extend its episode (a sub-agent, a retry on an edited history) is refused with
+HTTP 409: branching is not supported yet. Sampling settings are the run's (temperature, top_p, max_completion_length
+over the whole episode); a request's own are ignored, so that the samples are the policy's.
+
+`ProgramRunner` is a continuation of the rollout (as `episodes.EpisodeRunner` is for tools): the engine keeps each
+episode's KV blocks between its calls."""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcu.agents.endpoint import Endpoint, HTTPError
+from rlcu.agents.episodes import Episodes
+from rlcu.agents.formats import ToolFormat
+from rlcu.contracts import Reply, Turn
+
+
+@dataclass
+class AgentEndpoint:
+    """What an agent program is handed: its episode's base URL, the run's key and the model name to ask for."""
+    base_url: str
+    api_key: str
+    model: str
+
+    def client(self):
+        """An `openai.AsyncOpenAI` client on this episode (needs the `openai` package)."""
+        try:
+            import openai
+        except ImportError:
+            raise ImportError("endpoint.client() needs the openai package: pip install openai (or use "
+                              "endpoint.base_url and endpoint.api_key with any OpenAI-compatible client)") from None
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+
+
+def load_program(spec: str | Callable) -> Callable:
+    """An agent program given as a callable or an import path ('my_pkg.agents:solve')."""
+    if callable(spec):
+        return spec
+    module, _, name = str(spec).partition(":")
+    if not name:
+        raise ValueError(f"agent {spec!r}: give an import path 'package.module:function' or a callable")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent {spec!r} cannot be imported ({e}); check the path and that the package is "
+                         "installed") from None
+    if not callable(fn):
+        raise ValueError(f"agent {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+@dataclass
+class ProgramEpisode:
+    id: str
+    row: dict
+    messages: list[dict] = field(default_factory=list)
+    num_prompt_messages: int = 0
+    tools: list[dict] | None = None
+    prompt_ids: list[int] | None = None
+    consumed: int = 0  # completion tokens already served or appended
+    calls: int = 0
+    started: Future = field(default_factory=Future)  # the first call arrived (True), or the program ended (False)
+    answer: Future | None = None  # the unanswered call's response
+    waiting: Future | None = None  # the next call's (tokens, messages), or None when the program ended
+    open: bool = True
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ProgramRunner:
+    """Runs one agent program per row (rows already repeated per generation) against an endpoint, for one
+    rollout: `prompt_ids` once every program made its first call, then the continuation (`__call__`), then
+    `record()` once the programs returned. `close()` stops the endpoint and the programs."""
+
+    def __init__(self, rows: list[dict], program: Callable, fmt: ToolFormat, model_name: str,
+                 max_completion_length: int, timeout: float | None):
+        self.program, self.format, self.model_name = program, fmt, model_name
+        self.max_completion_length, self.timeout = max_completion_length, timeout
+        self.episodes = [ProgramEpisode(secrets.token_hex(8), row) for row in rows]
+        self.by_id = {e.id: e for e in self.episodes}
+        self.lock = threading.Lock()
+        self.endpoint = Endpoint(self)
+        self.endpoint.start()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_programs, name="rlcu-agents", daemon=True)
+        self._thread.start()
+        try:
+            self.prompt_ids = [self._first_call(e, i) for i, e in enumerate(self.episodes)]
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the programs --------------------------------------------------------------------------------
+    def _run_programs(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def one(ep: ProgramEpisode):
+            endpoint = AgentEndpoint(self.endpoint.base_url(ep.id), self.endpoint.api_key, self.model_name)
+            try:
+                ep.result = await asyncio.wait_for(self.program(endpoint, ep.row), self.timeout)
+            except BaseException as e:  # noqa: BLE001 - reported by record(), naming the episode
+                ep.error = e
+            finally:
+                self._ended(ep)
+
+        async def all_programs():
+            await asyncio.gather(*(one(e) for e in self.episodes))
+
+        self._loop.run_until_complete(all_programs())
+
+    def _ended(self, ep: ProgramEpisode) -> None:
+        with self.lock:
+            ep.open = False
+            if not ep.started.done():
+                ep.started.set_result(False)
+            if ep.waiting is not None and not ep.waiting.done():
+                ep.waiting.set_result(None)
+        ep.done.set()
+
+    def _first_call(self, ep: ProgramEpisode, index: int) -> list[int]:
+        remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+        try:
+            called = ep.started.result(remaining)
+        except TimeoutError:
+            raise TimeoutError(f"agent program {_name(self.program)}: episode {index} made no call within its "
+                               f"timeout of {self.timeout} s") from None
+        if not called:
+            what = f"raised {type(ep.error).__name__}: {ep.error}" if ep.error is not None else "returned"
+            raise RuntimeError(f"agent program {_name(self.program)} {what} before its first call in episode "
+                               f"{index} (row {_brief(ep.row)}); an episode needs at least one call")
+        return ep.prompt_ids
+
+    # ---- the endpoint's handler ----------------------------------------------------------------------
+    def has_episode(self, episode: str) -> bool:
+        ep = self.by_id.get(episode)
+        return ep is not None and ep.open
+
+    async def completion(self, episode: str, body: dict) -> dict:
+        raise HTTPError(400, "an episode is a conversation: use /chat/completions (a completions call has no "
+                             "messages to extend)")
+
+    async def chat(self, episode: str, body: dict) -> dict:
+        messages, tools = _messages(body), body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise HTTPError(400, "'tools' must be a list of OpenAI tool schemas")
+        ep = self.by_id[episode]
+        with self.lock:
+            if not ep.open:
+                raise HTTPError(404, f"episode {episode!r} has ended", "episode_not_found")
+            if ep.prompt_ids is None:
+                try:
+                    ep.prompt_ids = self.format.prompt_ids(messages, tools)
+                except Exception as e:  # noqa: BLE001 - a template that cannot render what was sent
+                    raise HTTPError(400, f"the chat template cannot render these messages ({e})") from None
+                ep.messages, ep.tools, ep.num_prompt_messages = list(messages), tools, len(messages)
+                ep.answer = Future()
+                ep.started.set_result(True)
+            else:
+                if ep.waiting is None or ep.waiting.done():
+                    raise HTTPError(409, "a call while this episode's previous call is unanswered: an episode is "
+                                         "one conversation, one call at a time")
+                new = _extension(ep.messages, messages)
+                try:
+                    suffix = self.format.suffix_ids(new, ep.tools)
+                except ValueError as e:
+                    raise HTTPError(400, str(e)) from None
+                ep.answer = Future()
+                ep.waiting.set_result((suffix, new))
+            ep.calls += 1
+            answer = ep.answer
+        return await asyncio.wrap_future(answer)
+
+    # ---- the continuation ----------------------------------------------------------------------------
+    def __call__(self, turn: Turn) -> Reply:
+        ep = self.episodes[turn.request]
+        ids = turn.completion_ids[ep.consumed:]
+        message, calls = self.format.parse(ids)
+        ep.consumed = len(turn.completion_ids)
+        served = _openai_message(message, ep.calls)
+        # a turn cut by the turn limit is a call that ended by length (OpenAI's meaning): the episode goes on until
+        # its whole budget is spent
+        spent = turn.finish_reason != "stop" and len(turn.completion_ids) >= self.max_completion_length
+        with self.lock:
+            ep.messages.append(served)
+            ep.waiting = None if spent else Future()
+            if ep.waiting is None:
+                ep.open = False  # the episode's budget is spent: later calls get 404
+            waiting = ep.waiting
+        ep.answer.set_result(self._response(ep, served, len(ids), "tool_calls" if calls else
+                                            ("stop" if turn.finish_reason == "stop" else "length")))
+        if waiting is None:
+            return Reply(None)
+        remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+        try:
+            nxt = waiting.result(remaining)
+        except TimeoutError:
+            nxt = None
+        if nxt is None:  # the program returned (or ran out of time): the episode ends with the last turn
+            with self.lock:
+                ep.open = False
+            return Reply(None)
+        suffix, new = nxt
+        if len(turn.completion_ids) + len(suffix) >= self.max_completion_length:
+            with self.lock:
+                ep.open = False
+            ep.answer.set_exception(HTTPError(400, f"the episode reached max_completion_length "
+                                                   f"({self.max_completion_length} tokens)", "context_length_exceeded"))
+            return Reply(None, "length")
+        ep.messages += new
+        ep.consumed += len(suffix)
+        return Reply(suffix)
+
+    def _response(self, ep: ProgramEpisode, message: dict, n: int, finish_reason: str) -> dict:
+        return {"id": f"chatcmpl-{ep.id}-{ep.calls}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+                "usage": {"prompt_tokens": len(ep.prompt_ids) + ep.consumed - n, "completion_tokens": n,
+                          "total_tokens": len(ep.prompt_ids) + ep.consumed}}
+
+    # ---- after the rollout ---------------------------------------------------------------------------
+    def record(self) -> Episodes:
+        """The episodes once every program returned: their messages, the programs' return values (the column
+        `agent_returns`, which the `agent` reward reads) and metrics. A program that raised fails the step."""
+        for i, ep in enumerate(self.episodes):
+            remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0) + 5.0
+            if not ep.done.wait(remaining):
+                raise TimeoutError(f"agent program {_name(self.program)}: episode {i} did not return within its "
+                                   f"timeout of {self.timeout} s")
+            if ep.error is not None:
+                if isinstance(ep.error, asyncio.TimeoutError):
+                    raise TimeoutError(f"agent program {_name(self.program)}: episode {i} ran past its timeout of "
+                                       f"{self.timeout} s (agent_timeout)") from None
+                raise RuntimeError(f"agent program {_name(self.program)} raised in episode {i} (row "
+                                   f"{_brief(ep.row)}): {type(ep.error).__name__}: {ep.error}") from ep.error
+            if ep.result is not None and not isinstance(ep.result, (int, float)):
+                raise TypeError(f"agent program {_name(self.program)} returned a {type(ep.result).__name__} in "
+                                f"episode {i}: return the episode's reward (a number) or None")
+        n = max(len(self.episodes), 1)
+        completions = [e.messages[e.num_prompt_messages:] for e in self.episodes]
+        metrics = {"episodes/mean_turns": sum(sum(m["role"] == "assistant" for m in c) for c in completions) / n,
+                   "episodes/mean_calls": sum(e.calls for e in self.episodes) / n}
+        return Episodes(completions, None, metrics,
+                        columns={"agent_returns": [None if e.result is None else float(e.result)
+                                                   for e in self.episodes]})
+
+    def close(self) -> None:
+        for ep in self.episodes:
+            self._ended(ep)
+        self.endpoint.stop()
+        if self._thread.is_alive():
+            for task in asyncio.all_tasks(self._loop) if not self._loop.is_closed() else []:
+                self._loop.call_soon_threadsafe(task.cancel)
+            self._thread.join(10)
+
+
+def agent_reward(agent_returns, **kwargs) -> list[float | None]:
+    """The `agent` reward: what each episode's program returned (None: no score from it)."""
+    return list(agent_returns)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
+                                                                  for m in messages):
+        raise HTTPError(400, "'messages' must be a non-empty list of {'role', 'content'} objects")
+    return messages
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two messages are the same turn when their role, text and tool calls' names and arguments agree."""
+    def calls(m):
+        return [(c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
+                for c in m.get("tool_calls") or []]
+    return (a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "")
+            and calls(a) == calls(b))
+
+
+def _arguments(value):
+    if isinstance(value, str):
+        import json
+
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _extension(before: list[dict], messages: list[dict]) -> list[dict]:
+    """The messages a call adds after the conversation so far, or HTTP 409 when it does not extend it."""
+    if len(messages) <= len(before) or not all(_same(a, b) for a, b in zip(before, messages)):
+        raise HTTPError(409, "this call does not extend its episode's conversation (the messages sent before, "
+                             "the assistant message as served, then new ones); branching within an episode is not "
+                             "supported yet", "episode_branch")
+    new = messages[len(before):]
+    if any(m.get("role") == "assistant" for m in new):
+        raise HTTPError(409, "the new messages hold an assistant message the endpoint did not serve", "episode_branch")
+    return [{k: v for k, v in m.items() if k in ("role", "content", "name", "tool_call_id")} for m in new]
+
+
+def _openai_message(message: dict, call: int) -> dict:
+    """A parsed assistant turn in OpenAI's schema: tool calls with ids and JSON-string arguments."""
+    import json
+
+    out = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": f"call_{call}_{i}", "type": "function",
+                              "function": {"name": c["function"]["name"],
+                                           "arguments": json.dumps(c["function"].get("arguments") or {})}}
+                             for i, c in enumerate(message["tool_calls"])]
+    return out
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _brief(row: dict) -> str:
+    text = repr(row)
+    return text if len(text) <= 80 else text[:77] + "..."

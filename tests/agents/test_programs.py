@@ -1,0 +1,210 @@
+"""Agents that are programs, through the OpenAI-compatible endpoint, with the real `openai` client: an episode of
+three calls becomes one sample whose sampled tokens are the served ones and whose appended tokens are masked, the
+engine's logprobs equal a fresh forward, streaming and tool calls come back in OpenAI's schema, and bad requests
+get HTTP errors while the rollout goes on."""
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rlcu.agents.formats import tool_format
+from rlcu.agents.programs import ProgramRunner, load_program
+from rlcu.contracts import SamplingParams
+from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.grpo.logprobs import completion_logprobs
+from rlcu.models import load_model
+from tests.agents.scripted import ScriptedRollout, call
+from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
+
+openai = pytest.importorskip("openai")
+ROWS = [{"prompt": "t3 t4", "n": 1}, {"prompt": "t9", "n": 2}]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    model, tok = load_model(tiny_hf_folder(tmp_path, "qwen3", chat_template=CHAT_TEMPLATE))
+    return model, tok
+
+
+def runner_for(rows, program, tok, budget=40, timeout=60.0, fmt="template"):
+    return ProgramRunner(rows, program, tool_format(fmt, tok), "policy", budget, timeout)
+
+
+async def three_calls(endpoint, row):
+    """Three calls of one conversation: plain, then streamed, then plain; the reward is the row's n."""
+    client = endpoint.client()
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["policy"]
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "t20 t21"}]
+    stream = await client.chat.completions.create(model=endpoint.model, messages=messages, stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "t30"}]
+    await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return float(row["n"])
+
+
+def test_a_three_call_episode_is_one_sample_with_its_tokens_as_sampled(tiny):
+    model, tok = tiny
+    runner = runner_for(ROWS, three_calls, tok)
+    try:
+        sp = SamplingParams(max_tokens=40, max_turn_tokens=5, temperature=1.0, seed=0)
+        out = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(runner.prompt_ids, sp, continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    assert episodes.columns["agent_returns"] == [1.0, 2.0]
+    for i, row in enumerate(ROWS):
+        assert out.prompt_ids[i] == tok(row["prompt"] + " ", add_special_tokens=False).input_ids
+        ids, mask = out.completion_ids[i], out.tool_mask[i]
+        # three sampled turns of 5 tokens, the two appended user messages masked out, token for token
+        appended = [tok(t, add_special_tokens=False).input_ids for t in ("t20 t21 ", "t30 ")]
+        assert mask == [1] * 5 + [0] * len(appended[0]) + [1] * 5 + [0] * len(appended[1]) + [1] * 5
+        assert ids[5:5 + len(appended[0])] == appended[0]
+        served = [m["content"] for m in episodes.completions[i] if m["role"] == "assistant"]
+        sampled = [ids[:5], ids[5 + len(appended[0]):10 + len(appended[0])], ids[-5:]]
+        assert served == [tok.decode(t, skip_special_tokens=True) for t in sampled]  # the agent got what was sampled
+        lp, _ = completion_logprobs(model, torch.tensor([out.prompt_ids[i] + ids]), None, len(ids), 1.0)
+        real = torch.tensor(mask, dtype=torch.bool)
+        assert (lp[0][real] - torch.tensor(out.logprobs[i])[real]).abs().max() < 1e-5
+    assert not runner.endpoint.loop, "the endpoint is left running"
+
+
+def test_tool_calls_come_back_in_openai_schema_and_tool_results_extend_the_episode(smollm2_folder):
+    """SmolLM2's real tokenizer and chat template (hermes tool format) and a scripted model that calls a tool,
+    then answers."""
+    tok = AutoTokenizer.from_pretrained(smollm2_folder)
+    script = lambda text, turn: call("multiply", a=6, b=7) if turn == 0 else "42<|im_end|>"  # noqa: E731
+    schema = {"type": "function", "function": {"name": "multiply", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    seen = {}
+
+    async def agent(endpoint, row):
+        client = endpoint.client()
+        messages = [{"role": "user", "content": "What is 6 x 7?"}]
+        first = await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[schema])
+        choice = first.choices[0]
+        seen["finish_reason"], seen["call"] = choice.finish_reason, choice.message.tool_calls[0]
+        args = json.loads(choice.message.tool_calls[0].function.arguments)
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id,
+                      "content": str(args["a"] * args["b"])}]
+        final = await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[schema])
+        return 1.0 if final.choices[0].message.content.strip() == "42" else 0.0
+
+    runner = runner_for([{"prompt": "q"}], agent, tok, budget=200, fmt="hermes")
+    try:
+        out = ScriptedRollout(tok, script).generate(runner.prompt_ids, SamplingParams(max_tokens=200),
+                                                     continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    assert seen["finish_reason"] == "tool_calls" and seen["call"].type == "function"
+    assert seen["call"].function.name == "multiply" and json.loads(seen["call"].function.arguments) == {"a": 6, "b": 7}
+    assert episodes.columns["agent_returns"] == [1.0]
+    assert [m["role"] for m in episodes.completions[0]] == ["assistant", "tool", "assistant"]
+    assert 0 in out.tool_mask[0] and out.tool_mask[0][-1] == 1
+
+
+def _post(url, body: bytes, key: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_requests_get_http_errors_and_the_rollout_goes_on(tiny):
+    model, tok = tiny
+    statuses = {}
+
+    async def hostile(endpoint, row):
+        url = endpoint.base_url + "/chat/completions"
+        good = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "t1"}]}).encode()
+        loop = asyncio.get_running_loop()
+        post = lambda *a: loop.run_in_executor(None, _post, *a)  # noqa: E731
+        statuses["wrong key"] = (await post(url, good, "rlcu-wrong"))[0]
+        statuses["no key"] = (await post(url, good, None))[0]
+        statuses["malformed"] = (await post(url, b"{not json", endpoint.api_key))[0]
+        statuses["no messages"] = (await post(url, b'{"model": "policy"}', endpoint.api_key))[0]
+        statuses["10 MB"] = (await post(url, b'{"x": "' + b"a" * (10 << 20) + b'"}', endpoint.api_key))[0]
+        other = endpoint.base_url.replace("/episodes/", "/episodes/nope")
+        statuses["unknown episode"] = (await post(other + "/chat/completions", good, endpoint.api_key))[0]
+        status, first = await post(url, good, endpoint.api_key)  # the episode itself still works
+        statuses["good"] = status
+        branch = json.dumps({"messages": [{"role": "user", "content": "t2"}, {"role": "user", "content": "t3"}]})
+        statuses["branch"] = (await post(url, branch.encode(), endpoint.api_key))[0]
+        return 1.0
+
+    runner = runner_for([{"prompt": "x"}], hostile, tok)
+    try:
+        sp = SamplingParams(max_tokens=20, max_turn_tokens=4, temperature=1.0, seed=0)
+        out = LLMEngine(model).generate(runner.prompt_ids, sp, continuation=runner)
+        episodes = runner.record()
+        url = runner.endpoint.base_url(runner.episodes[0].id) + "/chat/completions"
+        after = _post(url, json.dumps({"messages": [{"role": "user", "content": "t1"}]}).encode(),
+                      runner.endpoint.api_key)[0]
+    finally:
+        runner.close()
+    assert statuses == {"wrong key": 401, "no key": 401, "malformed": 400, "no messages": 400, "10 MB": 413,
+                        "unknown episode": 404, "good": 200, "branch": 409}
+    assert after == 404  # an episode that ended takes no more calls
+    assert episodes.columns["agent_returns"] == [1.0] and len(out.completion_ids[0]) == 4
+
+
+def test_a_program_that_fails_is_one_line_naming_the_episode(tiny):
+    model, tok = tiny
+
+    async def quits(endpoint, row):
+        return 0.0
+
+    with pytest.raises(RuntimeError, match=r"quits returned before its first call in episode 0"):
+        runner_for([{"prompt": "x"}], quits, tok)
+
+    async def raises(endpoint, row):
+        await endpoint.client().chat.completions.create(model="policy", messages=[{"role": "user", "content": "t1"}])
+        raise KeyError("boom")
+
+    runner = runner_for([{"prompt": "x"}], raises, tok)
+    try:
+        LLMEngine(model).generate(runner.prompt_ids, SamplingParams(max_tokens=8, max_turn_tokens=4, seed=0),
+                                  continuation=runner)
+        with pytest.raises(RuntimeError, match=r"raises raised in episode 0 .*KeyError: 'boom'"):
+            runner.record()
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match="cannot be imported"):
+        load_program("no_such_module:agent")
+
+
+async def echo_target(endpoint, row):
+    """A program as a user writes it: two calls, rewarded by whether the answer holds the row's target token."""
+    client = endpoint.client()
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "t1"}]
+    reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return float(f"t{row['target']}" in reply.choices[0].message.content.split())
+
+
+def test_a_grpo_step_trains_an_agent_program_through_the_endpoint(tmp_path):
+    from rlcu.grpo.module import GRPOModule
+    from tests.helpers import fit, toy_rows
+
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    module = GRPOModule(model, tokenizer=tok, agent="tests.agents.test_programs:echo_target", num_generations=4,
+                        max_completion_length=16, max_call_tokens=5, learning_rate=1e-2, micro_batch_size=8)
+    assert [r.name for r in module.rewards] == ["agent"]
+    metrics = fit(module, toy_rows(4), steps=1, log_dir=tmp_path)
+    assert any("rewards/agent/mean" in m for m in metrics)
+    assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="give agent, or tools / environment_factory, not both"):
+        GRPOModule(model, tokenizer=tok, agent=echo_target, tools=[len])
