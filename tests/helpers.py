@@ -45,6 +45,13 @@ MOE_FAMILIES = {
                                                 head_dim=None, norm_topk_prob=False)),
 }
 FAMILIES.update(MOE_FAMILIES)
+# linear-attention hybrids (Gated DeltaNet layers beside full attention): odd head sizes, a GVA group of 2
+HYBRID_FAMILIES = {
+    "qwen3_5_text": dict(cls="Qwen3_5TextConfig", extra=dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, tie_word_embeddings=True)),
+}
+FAMILIES.update(HYBRID_FAMILIES)
 # architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)
 FALLBACK_FAMILIES = {
     "gpt_neox": dict(cls="GPTNeoXConfig", extra=dict(tie_word_embeddings=False)),

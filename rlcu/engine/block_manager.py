@@ -24,6 +24,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do first
+        self.pending_state_copies: list[tuple[int, int]] = []  # (parent, fork) request slots of recurrent state
 
     @property
     def num_free(self) -> int:

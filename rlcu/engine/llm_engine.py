@@ -34,6 +34,7 @@ from rlcu.engine.paged_attention import KV_CACHE_DTYPES, cache_dtype
 from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
+from rlcu.engine.states import bytes_per_slot
 from rlcu.models.decoder import CausalLM
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,10 @@ class LLMEngine:
         # written again by later rollouts outside inference mode
         with torch.inference_mode(False), torch.no_grad():
             parents = self._requests(prompt_token_ids, sampling)
-            self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held()))
+            slots = len(prompt_token_ids) if self.model.config.linear_layers else 0
+            state_bytes = slots * bytes_per_slot(self.model.config, self.model.compute_dtype()) if slots else 0
+            self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held(), state_bytes),
+                                 slots)
             self._start(parents, sampling, continuation is not None, on_finished)
             self._should_stop = should_stop
             if continuation is None:
@@ -226,7 +230,9 @@ class LLMEngine:
     def _copy_pending_blocks(self) -> None:
         bm = self.scheduler.bm
         self.runner.copy_blocks(bm.pending_copies)
+        self.runner.copy_states(bm.pending_state_copies)
         bm.pending_copies.clear()
+        bm.pending_state_copies.clear()
 
     # ---- set-up and result ---------------------------------------------------------------------------
     def _requests(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[Sequence]:
@@ -247,22 +253,25 @@ class LLMEngine:
 
     def _pool_bytes_held(self) -> int:
         """Bytes of a kept pool, which the next one may reuse."""
-        return 0 if self.runner is None else self.runner.k_cache.nbytes * 2
+        if self.runner is None:
+            return 0
+        return self.runner.k_cache.nbytes * 2 + (self.runner.states.nbytes if self.runner.states is not None else 0)
 
-    def _prepare_runner(self, num_blocks: int) -> None:
+    def _prepare_runner(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """Keep a kept pool that is large enough and whose graphs still read the parameters where they are;
         else a new one (parameters move when FSDP gathers them anew, or on a user's model.to())."""
         cfg, runner = self.config, self.runner
         addresses = [p.data_ptr() for p in self.model.parameters()]
         if (runner is not None and runner.k_cache.shape[1] >= num_blocks and runner.param_addresses == addresses
-                and runner.dtype == cache_dtype(self.model, cfg.kv_cache_dtype)):
+                and runner.dtype == cache_dtype(self.model, cfg.kv_cache_dtype)
+                and (runner.states is None or runner.states.num_slots >= num_state_slots)):
             return
         self.runner = None  # the old pool goes before the new one is taken
         # FSDP's gathered parameters are plain tensors for the rollout (models/sharding.py): graphs capture them
         # as they capture a single process's; if the next gather puts them elsewhere, the check above renews them
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.cuda_graphs,
                                   shared_prefix=cfg.shared_prefix, kv_cache_dtype=cfg.kv_cache_dtype,
-                                  numerics=cfg.numerics)
+                                  numerics=cfg.numerics, num_state_slots=num_state_slots)
         if cfg.shared_prefix is True and not self.runner.shared_prefix and not self._said_no_shared_prefix:
             self._said_no_shared_prefix = True  # once per engine, not at every rollout
             log.warning("shared_prefix needs the Triton kernels (a CUDA device, a power-of-two head_dim >= 16): "

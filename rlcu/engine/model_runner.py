@@ -13,6 +13,7 @@ from rlcu.engine.block_manager import BlockManager, blocks_for
 from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.paged_attention import PagedAttention, cache_dtype
 from rlcu.engine.sequence import Sequence
+from rlcu.engine.states import StatePool
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import triton_supports
 from rlcu.kernels.kv_cache import as_bytes
@@ -32,14 +33,18 @@ SHARED_PREFIX_MIN_SEQS = 256
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, shared_prefix: bool | None = False, kv_cache_dtype: str = "auto",
-                 numerics: Numerics = Numerics.FAST):
+                 numerics: Numerics = Numerics.FAST, num_state_slots: int = 0):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # KV for the attention layers only; a hybrid's linear-attention layers keep a state per request instead
+        self.kv_index = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        shape = (len(self.kv_index), num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.dtype, self.device = cache_dtype(model, kv_cache_dtype), model.device
         # zeros, not empty: a padding row of a graph batch reads block 0, and must not read NaN
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.states = (StatePool(cfg, num_state_slots, model.compute_dtype(), self.device) if cfg.linear_layers
+                       else None)
         self.param_addresses: list[int] = []  # where the parameters were when this runner's graphs were made
         self.graphs = None
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence.
@@ -59,6 +64,7 @@ class ModelRunner:
                              and not self.exact)
         # experts outside torch's grouped GEMM read their token counts on the host, which a graph cannot replay
         graph_safe = not cfg.is_moe or (not self.exact and grouped_mm_supported(self.device, model.compute_dtype()))
+        graph_safe = graph_safe and self.states is None  # state slots are gathered by host-made indices
         if (cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size)
                 and graph_safe):
             max_blocks = min(num_blocks, blocks_for(cfg.max_position_embeddings, block_size))
@@ -85,6 +91,19 @@ class ModelRunner:
             for cache in (as_bytes(self.k_cache), as_bytes(self.v_cache)):
                 cache[:, dst] = cache[:, src]
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs and self.states is not None:
+            self.states.copy(pairs)
+
+    def state_rows(self, seqs: list[Sequence], fresh: list[bool] | None, cu: torch.Tensor, decode: bool):
+        """(cu, state slots, which start from zeros or None, decode) of a step's sequences, for a hybrid's
+        linear-attention layers; None for other models."""
+        if self.states is None:
+            return None
+        slots = to_device([s.request_index for s in seqs], self.device)
+        fresh_t = to_device(fresh, self.device).bool() if fresh is not None and any(fresh) else None
+        return cu, slots, fresh_t, decode
+
     @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]], bm: BlockManager,
             decode_only: bool) -> tuple[torch.Tensor, list[Sequence]]:
@@ -107,10 +126,12 @@ class ModelRunner:
             seq.num_computed_tokens += n
         dev = self.device
         tiles = None if not use_triton(self.k_cache) else query_tiles(cu, BLOCK_M, dev)
-        attention = PagedAttention(self, torch.tensor(slots, device=dev),
-                                   torch.tensor(cu, dtype=torch.int32, device=dev),
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+        states = self.state_rows([seq for seq, _ in batch], [seq.num_computed_tokens == n for seq, n in batch], cu_t,
+                                 decode=all(n == 1 for _, n in batch))
+        attention = PagedAttention(self, torch.tensor(slots, device=dev), cu_t,
                                    torch.tensor(ctx, dtype=torch.int32, device=dev), padded_table(tables).to(dev),
-                                   decode_only=False, tiles=tiles)
+                                   decode_only=False, tiles=tiles, states=states)
         hidden = self.model(torch.tensor([ids], device=dev), torch.tensor([positions], device=dev), attention)
         if not sampling:
             return hidden.new_empty(0, self.model.config.vocab_size), []
@@ -144,8 +165,9 @@ class ModelRunner:
         if groups is not None:
             prefix_splits = prefix_plan(len(groups[2]), int(groups[2].max()), self.model.config.num_key_value_heads)[1]
             groups = tuple(torch.from_numpy(a).to(dev) for a in groups)
+        states = self.state_rows(seqs, None, torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev), decode=True)
         attention = PagedAttention.decode(self, slots_t.to(dev), ctx_t.to(dev), table.to(dev), groups=groups,
-                                          prefix_splits=prefix_splits)
+                                          prefix_splits=prefix_splits, states=states)
         hidden = self.model(ids_t.to(dev)[None], pos_t.to(dev)[None], attention)
         return self.model.lm_head(hidden[0], self.exact), seqs
 

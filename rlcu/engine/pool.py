@@ -22,7 +22,7 @@ from rlcu.models.decoder import CausalLM
 def bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
     cfg = model.config
     size = torch.empty((), dtype=cache_dtype(model, kv_cache_dtype)).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * size
+    return 2 * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads * cfg.head_dim * size
 
 
 def available_memory(device: torch.device) -> int:
@@ -51,11 +51,16 @@ def blocks_running_at_once(parents: list[Sequence], block_size: int, max_num_seq
     return (max_num_seqs + 1) * longest
 
 
-def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int = 0) -> int:
-    """Blocks for a rollout of `parents` (sequences with their pending forks) under `config` (EngineConfig)."""
+def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int = 0, state_bytes: int = 0) -> int:
+    """Blocks for a rollout of `parents` (sequences with their pending forks) under `config` (EngineConfig), beside
+    `state_bytes` of recurrent state (a hybrid's, `states.py`), which comes out of the same budget first."""
     bs = config.block_size
     want = config.num_blocks
     if want is None:
         want = min(blocks_all_at_once(parents, bs), blocks_running_at_once(parents, bs, config.max_num_seqs))
-    budget = int((available_memory(model.device) + held_bytes) * config.memory_fraction)
+    budget = int((available_memory(model.device) + held_bytes) * config.memory_fraction) - state_bytes
+    if budget <= 0:
+        raise ValueError(f"the recurrent state of {sum(1 + s.pending_forks for s in parents)} sequences "
+                         f"({state_bytes / 2**30:.1f} GiB) does not fit in memory_fraction={config.memory_fraction} "
+                         "of free memory: raise memory_fraction or generate fewer sequences at once")
     return max(1, min(want, budget // bytes_per_block(model, bs, config.kv_cache_dtype)))

@@ -141,6 +141,7 @@ class Scheduler:
             for k in range(seq.pending_forks):
                 child = self.bm.fork(seq)
                 child.request_index = seq.request_index + 1 + k
+                self.bm.pending_state_copies.append((seq.request_index, child.request_index))
                 self.running.append(child)
                 family.append(child)
             seq.pending_forks = 0

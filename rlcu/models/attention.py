@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels.rope import rope
+from rlcu.models.linear_attention import Segments, rows_as_sequences
 
 
 class AttentionContext(Protocol):
@@ -22,6 +23,20 @@ class AttentionContext(Protocol):
         `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword
         `qk_norm=(q_norm, k_norm)`, with q and k unnormalised. `batch_invariant` (an attribute): the forward's
         linear layers run batch-invariant GEMMs too (`Numerics.EXACT`)."""
+
+    def segments(self, layer_idx: int, batch: int, length: int, device) -> Segments:
+        """For a hybrid's linear-attention layer: how the [B, T] tokens split into sequences and the state each
+        brings (`rlcu/models/linear_attention.py`)."""
+
+    def keep(self, layer_idx: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """The layer's state after these tokens, per sequence: kept where later tokens continue from it."""
+
+
+class Stateless:
+    """Training's contexts: every sequence starts from zero state and nothing is kept."""
+
+    def keep(self, layer_idx, conv, state) -> None:
+        pass
 
 
 def causal_key_mask(key_valid: torch.Tensor, num_queries: int, window: int | None = None) -> torch.Tensor:
@@ -51,7 +66,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return out.transpose(1, 2)
 
 
-class PaddedAttention:
+class PaddedAttention(Stateless):
     """Self-attention over a padded batch (prompt left-padded, completion right-padded)."""
 
     batch_invariant = False
@@ -61,6 +76,9 @@ class PaddedAttention:
         unpadded = attention_mask is None or bool(attention_mask.all())
         self.attention_mask = None if unpadded else attention_mask.bool()
         self.masks: dict[int | None, torch.Tensor | None] = {}
+
+    def segments(self, layer_idx, batch, length, device) -> Segments:
+        return rows_as_sequences(batch, length, device, self.attention_mask)
 
     def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
         t = q.shape[1]
@@ -74,7 +92,7 @@ class PaddedAttention:
         return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale)
 
 
-class PackedAttention:
+class PackedAttention(Stateless):
     """Padding-free training: the batch's sequences one after another in a single row ([1, T]), each
     attending causally within itself. `cu_seqlens` [n + 1] (int32) marks where each starts. On CUDA in
     bf16/fp16 this is variable-length flash attention (`torch.nn.attention.varlen`, forward and
@@ -85,6 +103,9 @@ class PackedAttention:
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int):
         self.cu, self.max_len = cu_seqlens.to(torch.int32), max_len
         self.masks: dict[int | None, torch.Tensor] = {}
+
+    def segments(self, layer_idx, batch, length, device) -> Segments:
+        return Segments(self.cu)
 
     def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
@@ -146,6 +167,7 @@ class DenseKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # linear-attention layer -> (conv, matrix)
 
     def step(self, new_valid: torch.Tensor) -> "DenseCacheAttention":
         """Reserve the next T slots ([B, T] validity) and return the attention context for them."""
@@ -163,6 +185,16 @@ class DenseCacheAttention:
     def __init__(self, cache: DenseKVCache, start: int, t: int):
         self.cache, self.start, self.end, self.t = cache, start, start + t, t
         self.masks = {None: causal_key_mask(cache.key_valid[:, :self.end], t)}
+
+    def segments(self, layer_idx, batch, length, device) -> Segments:
+        """Each row one sequence, continuing from its state after the earlier steps; padding zeroed."""
+        seg = rows_as_sequences(batch, length, device, self.cache.key_valid[:, self.start:self.end])
+        seg.conv, seg.state = self.cache.states.get(layer_idx, (None, None))
+        seg.decode = length == 1
+        return seg
+
+    def keep(self, layer_idx, conv, state) -> None:
+        self.cache.states[layer_idx] = (conv, state)
 
     def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
         c = self.cache

@@ -14,6 +14,11 @@ LIMITS = {"vocab_size": 10_000_000, "hidden_size": 1_000_000, "intermediate_size
           "num_local_experts": 100_000, "moe_intermediate_size": 10_000_000}
 
 
+LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")
+LIMITS.update(dict.fromkeys(LINEAR_SIZES, 65_536))
+
+
 class UnsupportedModelError(ValueError):
     pass
 
@@ -58,6 +63,13 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.0
+    # linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet, `linear_attention.py`) and their sizes
+    linear_layers: list[int] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     source: dict[str, Any] | None = field(default=None, repr=False)  # the config.json it was read from
 
     @property
@@ -95,6 +107,19 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with keys and values to cache (all but the linear-attention ones)."""
+        linear = set(self.linear_layers)
+        return [i for i in range(self.num_hidden_layers) if i not in linear]
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of a linear-attention layer's convolution: its queries', keys' and values' dims together."""
+        keys, values = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads * \
+            self.linear_value_head_dim
+        return 2 * keys + values
 
     @property
     def windowed(self) -> bool:
@@ -214,6 +239,12 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         if hf.get(key) is not None:
             out[key] = float(hf[key])
+    if "linear_attention" in (layer_types or []):
+        out.update(linear_layers=[i for i, kind in enumerate(layer_types) if kind == "linear_attention"],
+                   **{key: int(hf[key]) for key in LINEAR_SIZES})
+        if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+            raise ValueError(f"config.json: linear_num_value_heads={out['linear_num_value_heads']} is not a multiple "
+                             f"of linear_num_key_heads={out['linear_num_key_heads']}")
     experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
     if experts:
         top_k = hf.get("num_experts_per_tok") or 0

@@ -22,6 +22,7 @@ from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttentio
 from rlcu.models.config import ModelConfig
 from rlcu.models.exact_attention import ExactPackedAttention
 from rlcu.models.fused_linear import FusedLinear, Linear
+from rlcu.models.linear_attention import GatedDeltaNet
 from rlcu.models.moe import SparseMoE
 
 
@@ -81,7 +82,9 @@ class Attention(nn.Module):
         self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
         h, d = cfg.hidden_size, cfg.head_dim
         kv = self.num_kv_heads * d
-        self.qkv_proj = FusedLinear(h, {"q_proj": self.num_heads * d, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
+        self.output_gate = spec.attn_output_gate
+        q_rows = self.num_heads * d * (2 if self.output_gate else 1)
+        self.qkv_proj = FusedLinear(h, {"q_proj": q_rows, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
         self.o_proj = FusedLinear(self.num_heads * d, {"o_proj": h}, cfg.o_bias)
         self.qk_norm = (spec.qk_norm or "head") if cfg.qk_norm else None
         if self.qk_norm:
@@ -93,13 +96,18 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         exact = attention.batch_invariant
         q, k, v = self.qkv_proj.split(self.qkv_proj(x, exact))
+        gate = None
+        if self.output_gate:  # each head's rows: its query, then its gate
+            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).split(self.head_dim, dim=-1)
+            q, gate = q.flatten(-2), gate.flatten(-2)
         if self.qk_norm == "full":  # OLMo 2: over the whole projection, before heads are split
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         norms = {}
         if self.qk_norm == "head":  # Qwen3, Gemma 3: handed to a context that fuses them, else applied here
-            if getattr(attention, "applies_qk_norm", False):
+            # (not under partial RoPE, which is applied here, after the norms)
+            if getattr(attention, "applies_qk_norm", False) and self.rotary_dim == self.head_dim:
                 norms = {"qk_norm": (self.q_norm, self.k_norm)}
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -107,7 +115,10 @@ class Attention(nn.Module):
             q, k = partial_rope(q, k, cos, sin, self.rotary_dim)
             cos, sin = identity_rope(cos, self.head_dim)
         out = attention(self.layer_idx, q, k, v, cos, sin, scale=self.scale, window=self.window, **norms)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), exact)
+        out = out.reshape(b, t, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out, exact)
 
 
 def partial_rope(q, k, cos, sin, r: int):
@@ -143,7 +154,11 @@ class DecoderLayer(nn.Module):
         self.norm, self.multiplier = spec.norm, cfg.residual_multiplier
         self.rope_kind = None if layer_idx in cfg.nope_layers else (
             "local" if cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None else "full")
-        self.self_attn = Attention(cfg, layer_idx)
+        self.linear = layer_idx in cfg.linear_layers
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = Attention(cfg, layer_idx)
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
         if spec.norm != "post":
@@ -154,17 +169,22 @@ class DecoderLayer(nn.Module):
         if spec.norm != "pre":
             self.post_feedforward_layernorm = norm()
 
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: attention, or Gated DeltaNet in a hybrid's linear-attention layers."""
+        return self.linear_attn if self.linear else self.self_attn
+
     def forward(self, x, cos, sin, attention, residual=None):
         exact = attention.batch_invariant
         if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
             x = x if residual is None else x + residual
-            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attention))
+            x = x + self.post_attention_layernorm(self.mixer(x, cos, sin, attention))
             return self.post_feedforward_layernorm(self.mlp(x, exact)), x
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, attention)
+        h = self.mixer(h, cos, sin, attention)
         if self.norm == "sandwich":  # Gemma: norms after each branch too
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(h, exact)), residual
@@ -213,6 +233,10 @@ class CausalLM(nn.Module):
         paged kernel, `exact_attention.py`), when the forward's context asks for it (docs/engine.md)."""
         if not numerics.batch_invariant:
             return
+        if self.config.linear_layers:
+            raise ValueError("exact_logprobs does not cover linear-attention layers (Qwen3.5, Qwen3-Next): the "
+                             "engine's recurrent decode and training's chunked form sum in different orders; set "
+                             "exact_logprobs: false (docs/models.md measures the mismatch)")
         d = self.config.head_dim
         if not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
             raise ValueError(f"exact_logprobs needs a power-of-two head_dim >= 16 (the paged attention kernel), got "

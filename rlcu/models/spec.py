@@ -23,6 +23,8 @@ class ArchSpec:
     projection before heads are split: OLMo 2). `qkv_bias`/`o_bias`: None reads the config's `attention_bias`.
     `embed_scale`: "sqrt_hidden" (Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype)
     or None (the config's `embedding_multiplier`, 1 by default: Granite).
+    `attn_output_gate`: q_proj also projects a gate per head (Qwen3.5, Qwen3-Next), the second half of each head's
+    rows; attention's output is multiplied by its sigmoid before o_proj.
     `sliding`: "layer_types" (sliding layers are named in the config's `layer_types`) or "all" (every layer
     uses `sliding_window` when it is set: Mistral, Phi-3).
     `hf_fused`: projections the checkpoint stores fused already (Phi-3's `qkv_proj`, `gate_up_proj`), which
@@ -40,6 +42,7 @@ class ArchSpec:
     o_bias: bool | None = None
     qk_norm: Literal["head", "full"] | None = None
     embed_scale: Literal["sqrt_hidden"] | None = None
+    attn_output_gate: bool = False
     sliding: Literal["layer_types", "all"] = "layer_types"
     hf_fused: tuple[str, ...] = ()
     weight_prefixes: dict[str, str] = field(default_factory=dict)

@@ -14,11 +14,11 @@ from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import add_lora, load_model, merge_lora
 from rlcu.models.lora import adapters
 from rlcu.rollout import SamplingParams
-from tests.helpers import DENSE_FAMILIES, EOS, MOE_FAMILIES, PROMPTS, tiny_hf_folder
+from tests.helpers import DENSE_FAMILIES, EOS, HYBRID_FAMILIES, MOE_FAMILIES, PROMPTS, tiny_hf_folder
 from tests.models.test_llama import padded_batch
 
 ATOL = 1e-5
-FAMILIES = sorted(DENSE_FAMILIES) + sorted(MOE_FAMILIES)
+FAMILIES = sorted(DENSE_FAMILIES) + sorted(MOE_FAMILIES) + sorted(HYBRID_FAMILIES)
 
 
 def hf_model(folder):
@@ -84,27 +84,30 @@ def test_lora_equals_the_merged_model(tmp_path, family):
                 == LLMEngine(merged).generate(PROMPTS, sp).completion_ids)
 
 
-def test_the_language_model_of_a_composite_gemma3_checkpoint_loads_alone(tmp_path, caplog):
-    """A `gemma3` folder (vision tower + language model): its language model under `model.language_model.`,
-    the vision weights left out with a log line, and the logits those of transformers' Gemma3ForCausalLM."""
-    text = tiny_hf_folder(tmp_path / "text", "gemma3_text")
+@pytest.mark.parametrize("text_family,composite,unused", [
+    ("gemma3_text", "gemma3", ["model.vision_tower.patch.weight"]),
+    ("qwen3_5_text", "qwen3_5", ["model.visual.patch.weight", "mtp.fc.weight"])])
+def test_the_language_model_of_a_composite_checkpoint_loads_alone(tmp_path, caplog, text_family, composite, unused):
+    """A vision + language folder: its language model under `model.language_model.`, the vision (and
+    multi-token-prediction) weights left out with a log line, and the logits those of transformers' text model."""
+    text = tiny_hf_folder(tmp_path / "text", text_family)
     state = hf_model(text).state_dict()
-    composite = tmp_path / "composite"
-    composite.mkdir()
+    folder = tmp_path / "composite"
+    folder.mkdir()
     from safetensors.torch import save_file
 
     weights = {k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in state.items()
                if k != "lm_head.weight"}
-    weights["model.vision_tower.patch.weight"] = torch.zeros(2, 2)
-    save_file(weights, composite / "model.safetensors")
+    weights.update({name: torch.zeros(2, 2) for name in unused})
+    save_file(weights, folder / "model.safetensors")
     text_config = json.loads((text / "config.json").read_text())
-    (composite / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text_config,
-                                                       "vision_config": {}}))
+    (folder / "config.json").write_text(json.dumps({"model_type": composite, "text_config": text_config,
+                                                    "vision_config": {}}))
     for f in text.glob("tokenizer*"):
-        (composite / f.name).write_bytes(f.read_bytes())
+        (folder / f.name).write_bytes(f.read_bytes())
     with caplog.at_level("INFO"):
-        ours, _ = load_model(composite)
-    assert "left out 1 tensors" in caplog.text
+        ours, _ = load_model(folder)
+    assert f"left out {len(unused)} tensors" in caplog.text
     ids = torch.randint(0, 62, (2, 11))
     with torch.no_grad():
         assert (ours.logits(ids) - hf_model(text)(input_ids=ids).logits).abs().max() < ATOL

@@ -7,7 +7,7 @@ import transformers
 
 from rlcu.models import load_model, save_pretrained
 from rlcu.models.attention import DenseKVCache
-from tests.helpers import DENSE_FAMILIES, FALLBACK_FAMILIES, FAMILIES, MOE_FAMILIES, tiny_hf_folder
+from tests.helpers import DENSE_FAMILIES, FALLBACK_FAMILIES, FAMILIES, HYBRID_FAMILIES, MOE_FAMILIES, tiny_hf_folder
 
 ATOL = 1e-4  # fp32 logits; observed differences are ~1e-6, this leaves room for kernel order changes
 
@@ -55,7 +55,8 @@ def test_tied_embeddings_share_one_parameter(tmp_path):
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", *sorted(DENSE_FAMILIES), *sorted(MOE_FAMILIES)])
+@pytest.mark.parametrize("family", ["llama", "qwen2", *sorted(DENSE_FAMILIES), *sorted(MOE_FAMILIES),
+                                    *sorted(HYBRID_FAMILIES)])
 def test_saved_folder_loads_in_transformers(tmp_path, family):
     ours, tok = load_model(tiny_hf_folder(tmp_path / "src", family))
     with torch.no_grad():

@@ -1,0 +1,64 @@
+"""Recurrent state beside the paged KV cache, for hybrids' linear-attention layers (Qwen3.5, Qwen3-Next).
+
+A linear-attention layer keeps, per sequence, the short convolution's last inputs and the delta rule's matrix per
+value head: a fixed size, whatever the sequence's length. The pool holds one slot per request of a rollout (the
+request's index), so a sequence keeps its state for its whole life: across prefill chunks, while parked between
+turns, and when forked (the fork copies its parent's slot, so that a shared prompt is prefilled once). A
+sequence whose blocks were taken back (preemption, a reclaimed parked episode) restarts from zero state at its
+first token, as its KV does."""
+from __future__ import annotations
+
+import torch
+
+from rlcu.models.config import ModelConfig
+from rlcu.models.linear_attention import Segments
+
+
+def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One sequence's state over all linear-attention layers: the convolution window in the forward's dtype, the
+    delta rule's matrices in fp32."""
+    conv = cfg.linear_conv_channels * (cfg.linear_conv_kernel_dim - 1) * torch.empty((), dtype=dtype).element_size()
+    matrix = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_layers) * (conv + matrix)
+
+
+class StatePool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device):
+        self.index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
+        n = len(cfg.linear_layers)
+        self.conv = torch.zeros(n, num_slots, cfg.linear_conv_channels, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
+                                device=device)
+        self.matrix = torch.zeros(n, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                  cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.matrix.nbytes
+
+    def read(self, layer_idx: int, cu: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None,
+             decode: bool) -> Segments:
+        """The states of the sequences at `slots` before this step; `fresh` [N] (bool, or None: none is): those
+        starting at their first token, from zeros whatever their slot holds."""
+        i = self.index[layer_idx]
+        conv, matrix = self.conv[i][slots], self.matrix[i][slots]
+        if fresh is not None:
+            conv = conv.masked_fill(fresh[:, None, None], 0)
+            matrix = matrix.masked_fill(fresh[:, None, None, None], 0)
+        return Segments(cu, conv, matrix, decode=decode)
+
+    def write(self, layer_idx: int, slots: torch.Tensor, conv: torch.Tensor, matrix: torch.Tensor) -> None:
+        i = self.index[layer_idx]
+        self.conv[i].index_copy_(0, slots, conv.to(self.conv.dtype))
+        self.matrix[i].index_copy_(0, slots, matrix.float())
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(source slot, destination slot): forks take their parent's state."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.conv.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.conv.device)
+            self.conv[:, dst] = self.conv[:, src]
+            self.matrix[:, dst] = self.matrix[:, src]

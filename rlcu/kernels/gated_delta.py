@@ -1,0 +1,149 @@
+"""Gated DeltaNet's token mixing (Qwen3.5, Qwen3-Next): a short causal convolution, then the gated delta rule,
+over sequences laid one after another in a flat row (`cu` [N + 1] marks where each starts), each continuing
+from a state it brings (the engine's pool: a prefill chunk after an earlier one, a decode step, a fork).
+
+The recurrence, per value head, with S [Dk, Dv] starting at the sequence's state:
+    S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+with q and k L2-normalised and q scaled by Dk^-0.5. `gated_delta_reference` is that loop, token by token (the
+oracle of the tests, in float64). `gated_delta_rule` computes the same sums in chunks (the WY form: within a
+chunk the updates solve one triangular system, across chunks the state carries): flash-linear-attention's Triton
+kernels on CUDA (the `hybrid` extra), a PyTorch form of the chunked algorithm elsewhere. States are float32."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per chunk of the PyTorch form: its triangular solves are CHUNK x CHUNK
+L2_EPS = 1e-6  # the eps under the L2 norm's square root (fla's and transformers')
+
+
+@functools.cache
+def fla_ops():
+    """(chunked, recurrent) gated delta rule of flash-linear-attention, or None when it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def require_fla() -> None:
+    if fla_ops() is None:
+        raise ImportError("linear-attention layers (Qwen3.5, Qwen3-Next) need flash-linear-attention on CUDA: "
+                          "pip install 'rlcu[hybrid]'")
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, window: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution with SiLU: x [T, C] (sequences at `cu`), weight [C, K], `window` [N, C, K - 1]
+    the inputs before each sequence's first token (None: zeros) -> (out [T, C], each sequence's last K - 1 inputs
+    [N, C, K - 1], the window its next tokens continue from).
+
+    Each sequence gets its window laid in front of it, and one convolution without padding runs over the lot:
+    an output at a sequence's token reads only that sequence's window and tokens."""
+    t, c = x.shape
+    n, k = len(cu) - 1, weight.shape[1]
+    w = k - 1
+    lengths = (cu[1:] - cu[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(n, device=x.device), lengths, output_size=t)
+    token_at = torch.arange(t, device=x.device) + (seq + 1) * w  # a token's row in the extended layout
+    starts = cu[:-1].long() + torch.arange(n, device=x.device) * w  # each sequence's window's first row
+    window_at = (starts[:, None] + torch.arange(w, device=x.device)).reshape(-1)
+    if window is None:
+        window = x.new_zeros(n, c, w)
+    ext = x.new_zeros(t + n * w, c)
+    ext = ext.index_copy(0, token_at, x).index_copy(0, window_at, window.transpose(1, 2).reshape(-1, c).to(x.dtype))
+    out = F.conv1d(ext.T[None], weight.to(x.dtype)[:, None], groups=c)[0].T  # row r reads ext rows r .. r + w
+    y = F.silu(out[token_at - w])
+    ends = cu[1:].long() + (torch.arange(n, device=x.device) + 1) * w
+    last = ext[(ends[:, None] - w + torch.arange(w, device=x.device)).reshape(-1)].reshape(n, w, c).transpose(1, 2)
+    return y, last
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _prepare(q, k, v, g, beta):
+    """fp32, q/k normalised, q scaled, q/k heads repeated to the value heads ([T, Hv, D] each)."""
+    group = v.shape[1] // k.shape[1]
+    q, k = (l2_normalize(x.float()).repeat_interleave(group, dim=1) for x in (q, k))
+    return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
+
+
+def gated_delta_reference(q, k, v, g, beta, cu: torch.Tensor, state: torch.Tensor | None = None,
+                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token, in `dtype`: q/k [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv], `state`
+    [N, Hv, Dk, Dv] (None: zeros) -> (o [T, Hv, Dv], final states [N, Hv, Dk, Dv]), both in `dtype`."""
+    q, k, v, g, beta = (x.to(dtype) for x in _prepare(q, k, v, g, beta))
+    n, hv, dk, dv = len(cu) - 1, v.shape[1], q.shape[-1], v.shape[-1]
+    outs, finals = [], []
+    bounds = cu.tolist()
+    for i in range(n):
+        s = state[i].to(dtype) if state is not None else q.new_zeros(hv, dk, dv)
+        for t in range(bounds[i], bounds[i + 1]):
+            s = s * g[t].exp()[:, None, None]
+            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, k[t]))
+            s = s + k[t][:, :, None] * u[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", s, q[t]))
+        finals.append(s)
+    return torch.stack(outs) if outs else v.new_zeros(0, hv, dv), torch.stack(finals)
+
+
+def gated_delta_rule(q, k, v, g, beta, cu: torch.Tensor, state: torch.Tensor | None = None,
+                     decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence in chunks (module docstring): shapes as `gated_delta_reference`'s; `decode`: one token a
+    sequence (the recurrent kernel). Returns (o [T, Hv, Dv] in v's dtype, final states [N, Hv, Dk, Dv] fp32)."""
+    if q.is_cuda:
+        require_fla()
+        chunked, recurrent = fla_ops()
+        op = recurrent if decode else chunked
+        init = None if state is None else state.float()
+        o, final = op(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), initial_state=init,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+        return o[0].to(v.dtype), final.float()
+    return _chunked_torch(q, k, v, g, beta, cu, state)
+
+
+def _chunked_torch(q, k, v, g, beta, cu, state):
+    """The chunked form in PyTorch: sequences right-padded to whole chunks (a padded token has g = 0 and beta = 0,
+    which leaves the state as it is), all chunks' triangular systems solved at once, then the scan over chunks."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    n, hv, dk, dv = len(cu) - 1, v.shape[1], q.shape[-1], v.shape[-1]
+    lengths = (cu[1:] - cu[:-1]).long()
+    longest = int(lengths.max()) if n else 0
+    c = CHUNK if longest > CHUNK else max(longest, 1)
+    padded = -(-longest // c) * c
+    seq = torch.repeat_interleave(torch.arange(n, device=q.device), lengths, output_size=len(q))
+    pos = torch.arange(len(q), device=q.device) - cu[:-1].long()[seq]
+
+    def grid(x):  # [T, Hv, ...] -> [N, Hv, chunks, c, ...]
+        out = x.new_zeros(n, padded, *x.shape[1:])
+        out = out.index_put((seq, pos), x).reshape(n, padded // c, c, *x.shape[1:])
+        return out.permute(0, 3, 1, 2) if x.dim() == 2 else out.permute(0, 3, 1, 2, 4)
+
+    qc, kc, vc, gc, bc = grid(q), grid(k), grid(v), grid(g), grid(beta)  # gc/bc: [N, Hv, chunks, c]
+    gamma = gc.cumsum(-1)  # log-decay from the chunk's start through each token
+    decay = (gamma[..., :, None] - gamma[..., None, :])  # [.., i, j]: from token j to token i
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # u = T (beta v - beta e^gamma K S0), T = (I + A)^-1, A_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (j < i)
+    a = (bc[..., :, None] * (kc @ kc.transpose(-1, -2))) * decay.masked_fill(~lower, float("-inf")).exp()
+    eye = torch.eye(c, dtype=a.dtype, device=a.device)
+    system = eye + a
+    u0 = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, (bc * gamma.exp())[..., None] * kc, upper=False, unitriangular=True)
+    scores = (qc @ kc.transpose(-1, -2)) * decay.masked_fill(~causal, float("-inf")).exp()
+    q_decayed = qc * gamma.exp()[..., None]
+    k_to_end = kc * (gamma[..., -1:] - gamma).exp()[..., None]
+    s = q.new_zeros(n, hv, dk, dv) if state is None else state.float()
+    outs = []
+    for i in range(padded // c):
+        u = u0[:, :, i] - w[:, :, i] @ s
+        outs.append(q_decayed[:, :, i] @ s + scores[:, :, i] @ u)
+        s = s * gamma[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    o = torch.stack(outs, 2).permute(0, 2, 3, 1, 4).reshape(n, padded, hv, dv)[seq, pos]
+    return o.to(dtype), s

@@ -1,0 +1,96 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 and Qwen3-Next (three of each four layers), with
+transformers' parameter names.
+
+Where full attention reads every earlier key, this layer reads a state each sequence carries: the short
+convolution's last inputs and the delta rule's matrix per value head (`rlcu/kernels/gated_delta.py`). What
+differs between training, the reference rollout and the engine is only where a sequence's state comes from and
+goes, which the forward's attention context says (`Segments`): training starts every sequence from zeros and
+keeps nothing; the engine reads each sequence's state from its pool slot and writes it back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlcu.kernels.gated_delta import causal_conv, gated_delta_rule
+from rlcu.models.config import ModelConfig
+from rlcu.models.fused_linear import FusedLinear
+
+
+@dataclass
+class Segments:
+    """How the [B, T] tokens of a forward split into sequences, and the state each brings.
+    `cu` [N + 1]: where each sequence starts among the B * T tokens taken row after row; `conv` [N, C, K - 1] and
+    `state` [N, Hv, Dk, Dv]: each sequence's state before its first token here (None: zeros); `mask` [B, T]: the
+    real tokens of a padded batch (padding is zeroed before the layer reads it, so it leaves states at zero);
+    `decode`: one token a sequence."""
+
+    cu: torch.Tensor
+    conv: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    decode: bool = False
+
+
+def rows_as_sequences(batch: int, length: int, device, mask: torch.Tensor | None = None) -> Segments:
+    """Each of the B rows one sequence from zero state: training's padded batches."""
+    cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+    return Segments(cu, mask=mask)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, then times SiLU of the gate: normalised in fp32, rounded to the input's dtype
+    before the weight, the gate applied in fp32 (transformers' order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One projection of the input into q/k/v (through the convolution), the output gate z, beta's and the
+    decay's logits; the delta rule over the sequence; a gated norm per value head; the output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = cfg.linear_conv_channels
+        self.splits = (key_dim, key_dim, value_dim)
+        self.in_proj = FusedLinear(cfg.hidden_size, {"in_proj_qkv": self.conv_dim, "in_proj_z": value_dim,
+                                                     "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads},
+                                   False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = FusedLinear(value_dim, {"out_proj": cfg.hidden_size}, False)
+
+    def forward(self, x, cos, sin, attention):
+        """x [B, T, H] -> [B, T, H]; `cos`/`sin` are unused (no positions: the state orders the tokens)."""
+        b, t, _ = x.shape
+        seg: Segments = attention.segments(self.layer_idx, b, t, x.device)
+        if seg.mask is not None:
+            x = x * seg.mask[..., None].to(x.dtype)
+        mixed, z, beta_logit, a = self.in_proj.split(self.in_proj(x))
+        mixed, conv = causal_conv(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.cu, seg.conv)
+        q, k, v = mixed.split(self.splits, dim=-1)
+        q, k = (x.unflatten(-1, (self.num_k_heads, self.head_k_dim)) for x in (q, k))
+        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        beta = beta_logit.reshape(b * t, -1).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(b * t, -1).float() + self.dt_bias)
+        o, state = gated_delta_rule(q, k, v, g, beta, seg.cu, seg.state, seg.decode)
+        attention.keep(self.layer_idx, conv, state)
+        o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(b, t, -1))

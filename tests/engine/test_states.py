@@ -1,0 +1,91 @@
+"""Recurrent state in the engine's pool, on a tiny random Qwen3.5 (Gated DeltaNet layers beside full attention,
+built by transformers' own config class): prompts prefilled in chunks of 7 and 11 tokens, forks, parked and resumed
+episodes and preemption each give what an unbroken computation gives, and every sampled token's logprob equals the
+training forward's over the whole sequence, which keeps no state at all."""
+import pytest
+import torch
+
+from rlcu.contracts import SamplingParams
+from rlcu.engine import pool
+from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.models import load_model
+from tests.engine.test_multi_turn import Scripted, reference_episodes
+from tests.helpers import EOS, logprob_gaps, reference_generate, tiny_hf_folder
+
+LONG = [list(range(1, 41)), [3, 1, 4, 1, 5, 9, 2, 6] * 3, [7]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(tiny_hf_folder(tmp_path_factory.mktemp("m"), "qwen3_5_text", layers=4))[0]
+
+
+def sampled(**kw):
+    return SamplingParams(**{"max_tokens": 12, "temperature": 1.0, "seed": 5, "stop_token_ids": [EOS]} | kw)
+
+
+def close(a, b):
+    assert a.completion_ids == b.completion_ids
+    assert max(abs(x - y) for p, q in zip(a.logprobs, b.logprobs) for x, y in zip(p, q)) < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [7, 11])
+def test_prefill_in_chunks_equals_the_whole_prefill(model, chunk):
+    prompts = LONG + [LONG[0]] * 2
+    roomy = LLMEngine(model)
+    whole = roomy.generate(prompts, sampled())
+    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=chunk, max_num_seqs=4))
+    chunked = engine.generate(prompts, sampled())
+    assert engine.stats["steps"] > roomy.stats["steps"]  # the 40-token prompt took several chunks
+    close(chunked, whole)
+    assert logprob_gaps(model, chunked).max() < 1e-4
+
+
+def test_forks_equal_separate_prompts(model):
+    prompts = [LONG[1]] * 4
+    forked = LLMEngine(model).generate(prompts, sampled(temperature=0))
+    alone = LLMEngine(model).generate(prompts[:1], sampled(temperature=0))
+    for ids, lps in zip(forked.completion_ids, forked.logprobs):
+        assert ids == alone.completion_ids[0]
+        assert max(abs(x - y) for x, y in zip(lps, alone.logprobs[0])) < 1e-5
+    assert logprob_gaps(model, LLMEngine(model).generate(prompts, sampled())).max() < 1e-4  # sampled forks part
+
+
+@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(num_blocks=10, max_num_seqs=4,
+                                                                 max_num_batched_tokens=16)],
+                         ids=["roomy", "tight-pool"])
+def test_parked_and_resumed_episodes_equal_unbroken_ones(model, config):
+    prompts = LONG + [LONG[2]] * 3
+    sp = sampled(temperature=0, max_tokens=40, max_turn_tokens=6)
+    engine = LLMEngine(model, config)
+    got = engine.generate(prompts, sp, Scripted())
+    want = reference_episodes(model, prompts, sp, Scripted())  # each turn from scratch
+    assert got.completion_ids == want.completion_ids and got.tool_mask == want.tool_mask
+    sampled_episodes = LLMEngine(model, config).generate(prompts, sampled(max_tokens=40, max_turn_tokens=6),
+                                                         Scripted())
+    gaps = logprob_gaps(model, sampled_episodes)
+    mask = torch.tensor([m for ms in sampled_episodes.tool_mask for m in ms]).bool()
+    assert gaps[mask].max() < 1e-4
+    if config.num_blocks == 10:
+        assert engine.stats["preemptions"] > 0  # parked episodes gave their blocks back and were recomputed
+
+
+def test_preemption_recomputes_the_state(model):
+    prompts = LONG + [LONG[1]] * 3
+    engine = LLMEngine(model, EngineConfig(num_blocks=16, max_num_seqs=8, max_num_batched_tokens=32, block_size=4))
+    tight = engine.generate(prompts, sampled(max_tokens=20))
+    assert engine.stats["preemptions"] > 0
+    close(tight, LLMEngine(model).generate(prompts, sampled(max_tokens=20)))
+
+
+def test_the_reference_backend_keeps_state_per_row(model):
+    prompts = LONG + [[9, 8, 7]]
+    sp = sampled(temperature=0)
+    want = LLMEngine(model).generate(prompts, sp).completion_ids
+    assert reference_generate(model, prompts, sp).completion_ids == want
+
+
+def test_state_that_does_not_fit_is_a_clear_error(model, monkeypatch):
+    monkeypatch.setattr(pool, "available_memory", lambda device: 1000)
+    with pytest.raises(ValueError, match="recurrent state of 3 sequences .* raise memory_fraction"):
+        LLMEngine(model).generate(LONG, sampled())

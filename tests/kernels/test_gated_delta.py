@@ -1,0 +1,91 @@
+"""Gated DeltaNet's pieces against references: the chunked delta rule against the token-by-token recurrence in
+float64 (odd lengths around the chunk size, grouped value heads, states brought in), a sequence split into chunks
+of 7 and 11 tokens against the whole, gradients against float64 autograd of the recurrence, and the convolution
+against torch's conv1d per sequence. On the GPU, flash-linear-attention's kernels against the same float64."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcu.kernels.gated_delta import causal_conv, fla_ops, gated_delta_reference, gated_delta_rule
+
+LENGTHS = [1, 5, 63, 64, 65, 130]
+
+
+def inputs(lengths, hk=2, hv=4, dk=8, dv=6, seed=0, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    x = dict(q=torch.randn(t, hk, dk, generator=g), k=torch.randn(t, hk, dk, generator=g),
+             v=torch.randn(t, hv, dv, generator=g), g=-torch.rand(t, hv, generator=g) * 0.5,
+             beta=torch.rand(t, hv, generator=g))
+    state = torch.randn(len(lengths), hv, dk, dv, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return {k: v.to(device, dtype) for k, v in x.items()}, state.to(device), cu.to(device)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_equals_the_recurrence_in_float64(with_state):
+    x, state, cu = inputs(LENGTHS)
+    state = state if with_state else None
+    want, want_state = gated_delta_reference(**x, cu=cu, state=state, dtype=torch.float64)
+    got, got_state = gated_delta_rule(**x, cu=cu, state=state)
+    assert got.shape == want.shape and got_state.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 1e-5
+    assert (got_state.double() - want_state).abs().max() < 1e-5
+
+
+def test_a_sequence_in_chunks_of_7_and_11_continues_from_its_state():
+    x, _, cu = inputs([40])
+    whole, whole_state = gated_delta_rule(**x, cu=cu)
+    outs, state, start = [], None, 0
+    for n in [7, 11, 7, 11, 4]:
+        part = {k: v[start:start + n] for k, v in x.items()}
+        o, state = gated_delta_rule(**part, cu=torch.tensor([0, n], dtype=torch.int32), state=state, decode=n == 1)
+        outs.append(o)
+        start += n
+    assert (torch.cat(outs) - whole).abs().max() < 1e-5 and (state - whole_state).abs().max() < 1e-5
+
+
+def test_gradients_equal_float64_autograd_of_the_recurrence():
+    x, state, cu = inputs([3, 70, 20])
+    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+    s0 = state.clone().requires_grad_()
+    o, s = gated_delta_rule(**leaves, cu=cu, state=s0)
+    g = torch.Generator().manual_seed(1)
+    do, ds = torch.randn(o.shape, generator=g), torch.randn(s.shape, generator=g)
+    ((o * do).sum() + (s * ds).sum()).backward()
+    leaves64 = {k: v.double().detach().requires_grad_() for k, v in x.items()}
+    s064 = state.double().requires_grad_()
+    o64, s64 = gated_delta_reference(**leaves64, cu=cu, state=s064, dtype=torch.float64)
+    ((o64 * do.double()).sum() + (s64 * ds.double()).sum()).backward()
+    for name in leaves:
+        want = leaves64[name].grad
+        assert (leaves[name].grad.double() - want).abs().max() < 1e-4 * (1 + want.abs().max()), name
+    assert (s0.grad.double() - s064.grad).abs().max() < 1e-4
+
+
+def test_the_convolution_per_sequence_and_continued_from_a_window():
+    g = torch.Generator().manual_seed(0)
+    lengths, c, k = [1, 2, 9, 3], 10, 4
+    x, w = torch.randn(sum(lengths), c, generator=g), torch.randn(c, k, generator=g)
+    cu = torch.tensor([0, 1, 3, 12, 15])
+    got, last = causal_conv(x, w, cu, None)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        seq = F.pad(x[a:b].T[None], (k - 1, 0))
+        assert (got[a:b] - F.silu(F.conv1d(seq, w[:, None], groups=c))[0].T).abs().max() < 1e-6
+        assert torch.equal(last[i], seq[0, :, -(k - 1):])  # the window the next tokens continue from
+    first, window = causal_conv(x[3:7], w, torch.tensor([0, 4]), None)
+    rest, end = causal_conv(x[7:12], w, torch.tensor([0, 5]), window)
+    assert (torch.cat([first, rest]) - got[3:12]).abs().max() < 1e-6 and torch.equal(end[0], last[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or fla_ops() is None, reason="needs CUDA and flash-linear-attention")
+@pytest.mark.parametrize("decode", [False, True])
+def test_flash_linear_attention_against_float64(decode):
+    lengths = [1] * 33 if decode else [1, 63, 64, 65, 300]
+    x, state, cu = inputs(lengths, hk=4, hv=8, dk=128, dv=128, dtype=torch.bfloat16, device="cuda")
+    got, got_state = gated_delta_rule(**x, cu=cu, state=state, decode=decode)
+    want, want_state = gated_delta_reference(**{k: v.cpu() for k, v in x.items()}, cu=cu.cpu(), state=state.cpu(),
+                                             dtype=torch.float64)
+    assert (got.double().cpu() - want).abs().max() < 0.05 * (1 + want.abs().max())
+    assert (got_state.double().cpu() - want_state).abs().max() < 0.05 * (1 + want_state.abs().max())
