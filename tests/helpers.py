@@ -43,6 +43,8 @@ MOE_FAMILIES = {
                                                                     decoder_sparse_step=1)),
     "olmoe": dict(cls="OlmoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, intermediate_size=24,
                                                 head_dim=None, norm_topk_prob=False)),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                                                       shared_expert_intermediate_size=20, mlp_only_layers=[1])),
 }
 FAMILIES.update(MOE_FAMILIES)
 # linear-attention hybrids (Gated DeltaNet layers beside full attention): odd head sizes, a GVA group of 2
@@ -50,6 +52,14 @@ HYBRID_FAMILIES = {
     "qwen3_5_text": dict(cls="Qwen3_5TextConfig", extra=dict(
         layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, tie_word_embeddings=True)),
+    "qwen3_5_moe_text": dict(cls="Qwen3_5MoeTextConfig", extra=dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=20)),
+    "qwen3_next": dict(cls="Qwen3NextConfig", extra=dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=20, mlp_only_layers=[2])),
 }
 FAMILIES.update(HYBRID_FAMILIES)
 # architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)

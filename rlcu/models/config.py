@@ -11,7 +11,8 @@ ROPE_TYPES_OWN = ("default", "llama3")  # computed here; other types by transfor
 # sanity bounds on a config.json, checked before anything is allocated (a hostile or broken file)
 LIMITS = {"vocab_size": 10_000_000, "hidden_size": 1_000_000, "intermediate_size": 10_000_000,
           "num_hidden_layers": 10_000, "num_attention_heads": 10_000, "head_dim": 65_536, "num_experts": 100_000,
-          "num_local_experts": 100_000, "moe_intermediate_size": 10_000_000}
+          "num_local_experts": 100_000, "moe_intermediate_size": 10_000_000,
+          "shared_expert_intermediate_size": 10_000_000}
 
 
 LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -63,6 +64,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.0
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones, gated by a sigmoid (Qwen2-MoE)
     # linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet, `linear_attention.py`) and their sizes
     linear_layers: list[int] = field(default_factory=list)
     linear_num_key_heads: int = 0
@@ -136,7 +138,8 @@ class ModelConfig:
         if spec.text_config and isinstance(text, dict):
             text = dict(text, model_type=spec.export_as or model_type)
         check_sizes(text)
-        return cls(**_common_fields(text, spec), **_family_fields(text), source=dict(text),
+        fields = {**_common_fields(text, spec), **_family_fields(text), **(spec.read(text) if spec.read else {})}
+        return cls(**fields, source=dict(text),
                    model_type=spec.export_as or model_type)
 
     def to_hf(self) -> dict[str, Any]:
@@ -198,7 +201,8 @@ def _common_fields(hf: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
                                     "checkpoint of this family uses it)")
     full = _rope(hf, "full_attention")
     return dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],  # MoE-only models have none
         num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -255,5 +259,6 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                    decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
                    mlp_only_layers=list(hf.get("mlp_only_layers") or []),
-                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0))
+                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
+                   shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
     return out

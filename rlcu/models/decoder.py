@@ -134,9 +134,9 @@ def identity_rope(like: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torc
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        i = cfg.intermediate_size
+        i = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": i, "up_proj": i}, False)
         self.down_proj = FusedLinear(i, {"down_proj": cfg.hidden_size}, False)
         self.activation = cfg.spec.activation
@@ -159,7 +159,9 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
             self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        shared = cfg.shared_expert_intermediate_size
+        self.mlp = (SparseMoE(cfg, MLP(cfg, shared) if shared else None) if cfg.is_moe_layer(layer_idx)
+                    else MLP(cfg))
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
         if spec.norm != "post":
             self.input_layernorm = norm()

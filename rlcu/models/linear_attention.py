@@ -94,3 +94,35 @@ class GatedDeltaNet(nn.Module):
         attention.keep(self.layer_idx, conv, state)
         o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(b, t, -1))
+
+
+def ungroup_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's checkpoint layout -> Qwen3.5's, which this layer reads: Qwen3-Next stores q, k, v and z rows
+    (`in_proj_qkvz`) and beta's and the decay's rows (`in_proj_ba`) interleaved per key head; Qwen3.5 stores all
+    queries, then all keys, then all values (`in_proj_qkv`), then z, b and a apart. Value heads keep their order."""
+    dk, dv, hk = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_key_heads
+    r = cfg.linear_num_value_heads // hk
+    state = dict(state)
+    for key in [k for k in state if k.endswith("linear_attn.in_proj_qkvz.weight")]:
+        p = key[: -len("in_proj_qkvz.weight")]
+        q, k, v, z = state.pop(key).unflatten(0, (hk, -1)).split([dk, dk, r * dv, r * dv], dim=1)
+        state[f"{p}in_proj_qkv.weight"] = torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+        state[f"{p}in_proj_z.weight"] = z.flatten(0, 1)
+        b, a = state.pop(f"{p}in_proj_ba.weight").unflatten(0, (hk, -1)).split([r, r], dim=1)
+        state[f"{p}in_proj_b.weight"], state[f"{p}in_proj_a.weight"] = b.flatten(0, 1), a.flatten(0, 1)
+    return state
+
+
+def group_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `ungroup_projections`: Qwen3.5's layout -> Qwen3-Next's, for export."""
+    dk, dv, hk = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_key_heads
+    state = dict(state)
+    for key in [k for k in state if k.endswith("linear_attn.in_proj_qkv.weight")]:
+        p = key[: -len("in_proj_qkv.weight")]
+        q, k, v = state.pop(key).split([hk * dk, hk * dk, cfg.linear_num_value_heads * dv])
+        z = state.pop(f"{p}in_proj_z.weight")
+        per_head = [x.unflatten(0, (hk, -1)) for x in (q, k, v, z)]
+        state[f"{p}in_proj_qkvz.weight"] = torch.cat(per_head, dim=1).flatten(0, 1)
+        b, a = (state.pop(f"{p}in_proj_{n}.weight").unflatten(0, (hk, -1)) for n in "ba")
+        state[f"{p}in_proj_ba.weight"] = torch.cat([b, a], dim=1).flatten(0, 1)
+    return state

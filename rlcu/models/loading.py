@@ -133,6 +133,8 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", 
     with torch.device("meta"):
         model = CausalLM(cfg)
     state = map_weights(load_state_dict(folder), hf_config["model_type"], folder)
+    if cfg.spec.load_weights is not None:
+        state = cfg.spec.load_weights(state, cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     try:
@@ -184,6 +186,8 @@ def save_pretrained(model: CausalLM, tokenizer, folder: str | os.PathLike) -> Pa
     folder.mkdir(parents=True, exist_ok=True)
     keep = model.config.spec.hf_fused
     state = split_expert_parts(split_hf_parts(model.state_dict(), model, keep=keep), model)
+    if model.config.spec.save_weights is not None:
+        state = model.config.spec.save_weights(state, model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")

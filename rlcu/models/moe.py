@@ -92,11 +92,17 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The MLP of an MoE layer: `gate` (the router, [E, H]) and `experts`. With `keep_router_logits` set, each
-    forward leaves its router logits [T, E] in `router_logits` (the load-balancing loss reads them)."""
+    """The MLP of an MoE layer: `gate` (the router, [E, H]) and `experts`, plus, where the family has one, a
+    `shared_expert` (an MLP every token goes through) scaled by the sigmoid of `shared_expert_gate` ([1, H]).
+    With `keep_router_logits` set, each forward leaves its router logits [T, E] in `router_logits` (the
+    load-balancing loss reads them)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, shared_expert: nn.Module | None = None):
         super().__init__()
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.has_shared = shared_expert is not None
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.spec.activation)
@@ -110,7 +116,12 @@ class SparseMoE(nn.Module):
         if self.keep_router_logits:
             self.router_logits = logits
         weights, experts = route(logits, self.top_k, self.normalize)
-        return self.experts(flat, experts, weights.to(flat.dtype), batch_invariant).view(shape)
+        out = self.experts(flat, experts, weights.to(flat.dtype), batch_invariant)
+        if self.has_shared:
+            g = self.shared_expert_gate
+            gate = invariant_linear(flat, g.weight) if batch_invariant else g(flat)
+            out = out + torch.sigmoid(gate) * self.shared_expert(flat, batch_invariant)
+        return out.view(shape)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, token_mask: torch.Tensor | None = None):

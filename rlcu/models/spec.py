@@ -31,7 +31,9 @@ class ArchSpec:
     export keeps fused. `weight_prefixes`: checkpoint prefix -> rlcu prefix (the language model of a
     composite checkpoint); `ignored_prefixes`: weights of the checkpoint that the language model does not
     use (a vision tower), left out with a log line. `text_config`: the language model's config is nested
-    under this key of config.json. `read`: the family's own config.json fields -> ModelConfig fields."""
+    under this key of config.json. `read`: the family's own config.json fields -> ModelConfig fields.
+    `load_weights`/`save_weights`: the family's own tensor layout <-> rlcu's, at the folder's boundary (Qwen3-Next
+    interleaves its linear-attention projections per key head), given the state dict and the ModelConfig."""
 
     model_type: str
     architecture: str
@@ -50,6 +52,8 @@ class ArchSpec:
     text_config: str | None = None
     export_as: str | None = None
     read: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    load_weights: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    save_weights: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
 
 
 FAMILIES: dict[str, ArchSpec] = {}
