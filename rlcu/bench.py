@@ -56,6 +56,16 @@ FAMILY_SHAPES = {
     "pythia-1b-random": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048, intermediate_size=8192,
                              num_hidden_layers=16, num_attention_heads=8, max_position_embeddings=2048,
                              rotary_pct=0.25),
+    # linear-attention hybrids: Qwen3.5-2B's language model as its config.json gives it (three Gated DeltaNet layers
+    # to one full-attention layer); Qwen3.5-9B's and Qwen3-Next-80B-A3B's are transformers' config defaults
+    "qwen3.5-2b-random": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2048, intermediate_size=6144,
+                              num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                              linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+                              max_position_embeddings=262144,
+                              rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
+    "qwen3.5-9b-random": dict(model_type="qwen3_5_text", vocab_size=248320),
+    "qwen3-next-80b-a3b-random": dict(model_type="qwen3_next", vocab_size=151936),
 }
 PHASES = ("generate", "score", "train", "gather", "reshard")  # timing/* of a step; the last two under fsdp2
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
@@ -78,7 +88,11 @@ def random_native(cfg, device: str, dtype: torch.dtype):
     with torch.device(device):
         model = CausalLM(cfg)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith(("linear_attn.norm.weight", "dt_bias")):  # the gated norm scales by w, not 1 + w
+                torch.nn.init.ones_(p)
+            elif name.endswith("A_log"):  # decay rates as transformers draws them
+                p.data.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
+            elif "norm" in name:
                 torch.nn.init.constant_(p, 1.0 - cfg.spec.norm_offset)  # Gemma stores w and scales by 1 + w
             else:
                 torch.nn.init.normal_(p, std=0.02)

@@ -55,15 +55,18 @@ class DecodeGraphs:
         # exact_logprobs: every row a sequence of one query for the prefill kernel
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.tile_starts = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        # a hybrid's state slots; padding rows update the pool's scratch slot
+        self.state_slots = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def fits(self, n: int, width: int) -> bool:
         return n <= self.max_batch and width <= self.block_tables.shape[1]
 
-    def run(self, ids, positions, slots, context_lens, tables, groups=None) -> torch.Tensor:
+    def run(self, ids, positions, slots, context_lens, tables, groups=None, state_slots=None) -> torch.Tensor:
         """Inputs as CPU tensors of the n real rows -> logits [n, vocab] (the model dtype, valid until the next run).
-        `groups`: (order, starts, shared, skip) numpy arrays of `prefix_groups`, for shared-prefix decode."""
+        `groups`: (order, starts, shared, skip) numpy arrays of `prefix_groups`, for shared-prefix decode.
+        `state_slots`: the rows' recurrent-state slots (a hybrid's)."""
         n, width = len(ids), tables.shape[1]
         bucket = bucket_for(n, self.max_batch)
         self.ids[:n].copy_(ids, non_blocking=True)
@@ -72,6 +75,9 @@ class DecodeGraphs:
         self.slots[n:bucket].fill_(-1)
         self.context_lens[:n].copy_(context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        if state_slots is not None:
+            self.state_slots[:n].copy_(state_slots, non_blocking=True)
+            self.state_slots[n:bucket].fill_(self.runner.states.scratch)
         plan = None
         if groups is not None:
             order, starts, shared, skip = groups
@@ -99,8 +105,10 @@ class DecodeGraphs:
             slots, prefix_splits = plan
             groups = (self.order[:bucket], self.starts[:slots + 1], self.shared[:slots], self.skip[:bucket])
         exact_rows = (self.cu[:bucket + 1], (self.cu[:bucket], self.tile_starts[:bucket]))  # the graph's own buffers
+        states = None if runner.states is None else (self.cu[:bucket + 1], self.state_slots[:bucket], None, True)
         attention = PagedAttention.decode(runner, self.slots[:bucket], self.context_lens[:bucket],
-                                          self.block_tables[:bucket], exact_rows, splits, groups, prefix_splits)
+                                          self.block_tables[:bucket], exact_rows, splits, groups, prefix_splits,
+                                          states)
         # the autocast cache would keep casts made during capture alive outside the graph's memory
         with torch.autocast(self.runner.device.type, dtype=autocast_dtype or torch.bfloat16,
                             enabled=autocast_dtype is not None, cache_enabled=False):

@@ -64,7 +64,6 @@ class ModelRunner:
                              and not self.exact)
         # experts outside torch's grouped GEMM read their token counts on the host, which a graph cannot replay
         graph_safe = not cfg.is_moe or (not self.exact and grouped_mm_supported(self.device, model.compute_dtype()))
-        graph_safe = graph_safe and self.states is None  # state slots are gathered by host-made indices
         if (cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size)
                 and graph_safe):
             max_blocks = min(num_blocks, blocks_for(cfg.max_position_embeddings, block_size))
@@ -159,7 +158,8 @@ class ModelRunner:
             if not len(groups[2]):  # nothing shared this step: the plain kernel
                 groups = None
         if self.graphs is not None and self.graphs.fits(len(seqs), table.shape[1]):
-            return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table, groups), seqs
+            state_slots = None if self.states is None else torch.tensor([s.request_index for s in seqs])
+            return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table, groups, state_slots), seqs
         dev = self.device
         prefix_splits = None
         if groups is not None:

@@ -23,9 +23,13 @@ def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class StatePool:
+    """`num_slots` slots, and one more (`scratch`) that the padding rows of a CUDA-graph batch update."""
+
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device):
         self.index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
         n = len(cfg.linear_layers)
+        self.scratch = num_slots
+        num_slots += 1
         self.conv = torch.zeros(n, num_slots, cfg.linear_conv_channels, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
                                 device=device)
         self.matrix = torch.zeros(n, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -33,7 +37,7 @@ class StatePool:
 
     @property
     def num_slots(self) -> int:
-        return self.conv.shape[1]
+        return self.scratch
 
     @property
     def nbytes(self) -> int:
@@ -42,18 +46,23 @@ class StatePool:
     def read(self, layer_idx: int, cu: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None,
              decode: bool) -> Segments:
         """The states of the sequences at `slots` before this step; `fresh` [N] (bool, or None: none is): those
-        starting at their first token, from zeros whatever their slot holds."""
+        starting at their first token, from zeros whatever their slot holds. A decode step's delta-rule states stay in
+        the pool, which the layer updates in place."""
         i = self.index[layer_idx]
-        conv, matrix = self.conv[i][slots], self.matrix[i][slots]
+        conv = self.conv[i][slots]
+        if decode and fresh is None:
+            return Segments(cu, conv, decode=True, pool=self.matrix[i], slots=slots)
+        matrix = self.matrix[i][slots]
         if fresh is not None:
             conv = conv.masked_fill(fresh[:, None, None], 0)
             matrix = matrix.masked_fill(fresh[:, None, None, None], 0)
         return Segments(cu, conv, matrix, decode=decode)
 
-    def write(self, layer_idx: int, slots: torch.Tensor, conv: torch.Tensor, matrix: torch.Tensor) -> None:
+    def write(self, layer_idx: int, slots: torch.Tensor, conv: torch.Tensor, matrix: torch.Tensor | None) -> None:
         i = self.index[layer_idx]
         self.conv[i].index_copy_(0, slots, conv.to(self.conv.dtype))
-        self.matrix[i].index_copy_(0, slots, matrix.float())
+        if matrix is not None:  # None: updated in place already
+            self.matrix[i].index_copy_(0, slots, matrix.float())
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(source slot, destination slot): forks take their parent's state."""

@@ -7,13 +7,16 @@ The recurrence, per value head, with S [Dk, Dv] starting at the sequence's state
 with q and k L2-normalised and q scaled by Dk^-0.5. `gated_delta_reference` is that loop, token by token (the
 oracle of the tests, in float64). `gated_delta_rule` computes the same sums in chunks (the WY form: within a
 chunk the updates solve one triangular system, across chunks the state carries): flash-linear-attention's Triton
-kernels on CUDA (the `hybrid` extra), a PyTorch form of the chunked algorithm elsewhere. States are float32."""
+kernels on CUDA (the `hybrid` extra), a PyTorch form of the chunked algorithm elsewhere. States are float32.
+The engine's decode steps update each sequence's state in its pool slot (`gated_delta_step_`, our Triton kernel)."""
 from __future__ import annotations
 
 import functools
 
 import torch
 import torch.nn.functional as F
+
+from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 CHUNK = 64  # tokens per chunk of the PyTorch form: its triangular solves are CHUNK x CHUNK
 L2_EPS = 1e-6  # the eps under the L2 norm's square root (fla's and transformers')
@@ -62,6 +65,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, window:
     return y, last
 
 
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` for one token a sequence: x [N, C], weight [C, K], window [N, C, K - 1] -> (out [N, C], the
+    window shifted by x). Fixed shapes and no host reads: a CUDA graph captures it."""
+    w = weight.to(x.dtype)
+    full = torch.cat([window.to(x.dtype), x[..., None]], dim=-1)  # [N, C, K]
+    return F.silu((full * w).sum(-1)), full[..., 1:]
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
@@ -98,6 +110,10 @@ def gated_delta_rule(q, k, v, g, beta, cu: torch.Tensor, state: torch.Tensor | N
     sequence (the recurrent kernel). Returns (o [T, Hv, Dv] in v's dtype, final states [N, Hv, Dk, Dv] fp32)."""
     if q.is_cuda:
         require_fla()
+        inputs = (q, k, v, g, beta, state)
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+        if needs_grad and not fla_backward_sound(q.device):
+            return _FlaForwardTorchBackward.apply(q, k, v, g, beta, cu, state)
         chunked, recurrent = fla_ops()
         op = recurrent if decode else chunked
         init = None if state is None else state.float()
@@ -105,6 +121,46 @@ def gated_delta_rule(q, k, v, g, beta, cu: torch.Tensor, state: torch.Tensor | N
                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
         return o[0].to(v.dtype), final.float()
     return _chunked_torch(q, k, v, g, beta, cu, state)
+
+
+@functools.cache
+def fla_backward_sound(device: torch.device) -> bool:
+    """fla 0.6.0 refuses its chunked backward on Hopper under Triton 3.4 to 3.7.0 (wrong gradients there, its
+    issue #640), the Triton that torch 2.11 ships."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return True
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    return not (3, 4, 0) <= version < (3, 7, 1)
+
+
+class _FlaForwardTorchBackward(torch.autograd.Function):
+    """fla's chunked forward; the backward differentiates the PyTorch chunked form, recomputed (where fla's own
+    backward is unsound, `fla_backward_sound`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu, state):
+        chunked = fla_ops()[0]
+        init = None if state is None else state.float()
+        o, final = chunked(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), initial_state=init,
+                           output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+        ctx.save_for_backward(q, k, v, g, beta, cu, state)
+        return o[0].to(v.dtype), final.float()
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final):
+        q, k, v, g, beta, cu, state = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip((q, k, v, g, beta, state), (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6]))]
+        with torch.enable_grad():
+            o, final = _chunked_torch(*leaves[:5], cu, leaves[5])
+            outs, grads = [o], [grad_o]
+            if grad_final is not None:
+                outs.append(final)
+                grads.append(grad_final)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+        out = [next(got) if t is not None and t.requires_grad else None for t in leaves]
+        return (*out[:5], None, out[5])
 
 
 def _chunked_torch(q, k, v, g, beta, cu, state):
@@ -147,3 +203,57 @@ def _chunked_torch(q, k, v, g, beta, cu, state):
         s = s * gamma[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
     o = torch.stack(outs, 2).permute(0, 2, 3, 1, 4).reshape(n, padded, hv, dv)[seq, pos]
     return o.to(dtype), s
+
+
+def gated_delta_step_(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One decode step of N sequences whose states live in `pool` [S, Hv, Dk, Dv] (fp32) at `slots` [N]: the
+    recurrence's one token each, the states updated in place. q/k [N, Hk, Dk], v [N, Hv, Dv], g/beta [N, Hv] ->
+    o [N, Hv, Dv] in v's dtype. A decode step's state traffic is its largest: one read and one write of each state,
+    where gathering into a batch and scattering back would add a copy each way."""
+    if use_triton(pool) and q.shape[-1] <= 256:
+        return _step_triton(q, k, v, g, beta, pool, slots)
+    o, final = gated_delta_reference(q, k, v, g, beta, torch.arange(len(q) + 1, device=q.device), pool[slots])
+    pool.index_copy_(0, slots, final)
+    return o.to(v.dtype)
+
+
+def _step_triton(q, k, v, g, beta, pool, slots):
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
+    block_k = next_pow2(dk)
+    block_v = min(next_pow2(dv), max(16, 8192 // block_k))  # a [Dk, BV] tile of the state in registers
+    _step_kernel[(n, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, pool, slots, o, hv // hk, dk, dv, hk, hv, dk ** -0.5, L2_EPS,
+        BLOCK_K=block_k, BLOCK_V=block_v)
+    return o
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _step_kernel(Q, K, V, G, BETA, POOL, SLOTS, O, group, dk, dv, hk, hv, scale, eps,
+                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One (sequence, value head, block of value dims): S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q,
+        with q and k L2-normalised in fp32 and q scaled."""
+        seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        kh = h // group
+        ks = tl.arange(0, BLOCK_K)
+        vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        km, vm = ks < dk, vs < dv
+        qv = tl.load(Q + (seq * hk + kh) * dk + ks, mask=km, other=0.0).to(tl.float32)
+        kv = tl.load(K + (seq * hk + kh) * dk + ks, mask=km, other=0.0).to(tl.float32)
+        qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + eps) * scale
+        kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + eps)
+        vv = tl.load(V + (seq * hv + h) * dv + vs, mask=vm, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(G + seq * hv + h))
+        b = tl.load(BETA + seq * hv + h)
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
+        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0) * decay
+        u = b * (vv - tl.sum(s * kv[:, None], 0))
+        s = s + kv[:, None] * u[None, :]
+        tl.store(ptr, s, mask=km[:, None] & vm[None, :])
+        out = tl.sum(s * qv[:, None], 0)
+        tl.store(O + (seq * hv + h) * dv + vs, out.to(O.dtype.element_ty), mask=vm)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlcu.kernels.gated_delta import causal_conv, gated_delta_rule
+from rlcu.kernels.gated_delta import causal_conv, causal_conv_step, gated_delta_rule, gated_delta_step_
 from rlcu.models.config import ModelConfig
 from rlcu.models.fused_linear import FusedLinear
 
@@ -25,13 +25,16 @@ class Segments:
     `cu` [N + 1]: where each sequence starts among the B * T tokens taken row after row; `conv` [N, C, K - 1] and
     `state` [N, Hv, Dk, Dv]: each sequence's state before its first token here (None: zeros); `mask` [B, T]: the
     real tokens of a padded batch (padding is zeroed before the layer reads it, so it leaves states at zero);
-    `decode`: one token a sequence."""
+    `decode`: one token a sequence. `pool` and `slots`: instead of `state`, where a decode step's states live (the
+    engine's pool [S, Hv, Dk, Dv] and each sequence's slot), updated there in place."""
 
     cu: torch.Tensor
     conv: torch.Tensor | None = None
     state: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     decode: bool = False
+    pool: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
 
 def rows_as_sequences(batch: int, length: int, device, mask: torch.Tensor | None = None) -> Segments:
@@ -84,13 +87,19 @@ class GatedDeltaNet(nn.Module):
         if seg.mask is not None:
             x = x * seg.mask[..., None].to(x.dtype)
         mixed, z, beta_logit, a = self.in_proj.split(self.in_proj(x))
-        mixed, conv = causal_conv(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.cu, seg.conv)
+        if seg.decode and seg.conv is not None:  # one token a sequence, after its window
+            mixed, conv = causal_conv_step(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.conv)
+        else:
+            mixed, conv = causal_conv(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.cu, seg.conv)
         q, k, v = mixed.split(self.splits, dim=-1)
         q, k = (x.unflatten(-1, (self.num_k_heads, self.head_k_dim)) for x in (q, k))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         beta = beta_logit.reshape(b * t, -1).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(b * t, -1).float() + self.dt_bias)
-        o, state = gated_delta_rule(q, k, v, g, beta, seg.cu, seg.state, seg.decode)
+        if seg.pool is not None:
+            o, state = gated_delta_step_(q, k, v, g, beta, seg.pool, seg.slots), None
+        else:
+            o, state = gated_delta_rule(q, k, v, g, beta, seg.cu, seg.state, seg.decode)
         attention.keep(self.layer_idx, conv, state)
         o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(b, t, -1))

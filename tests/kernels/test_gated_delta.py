@@ -6,7 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlcu.kernels.gated_delta import causal_conv, fla_ops, gated_delta_reference, gated_delta_rule
+from rlcu.kernels._triton import HAS_TRITON
+from rlcu.kernels.gated_delta import (
+    causal_conv,
+    causal_conv_step,
+    fla_ops,
+    gated_delta_reference,
+    gated_delta_rule,
+    gated_delta_step_,
+)
 
 LENGTHS = [1, 5, 63, 64, 65, 130]
 
@@ -76,6 +84,8 @@ def test_the_convolution_per_sequence_and_continued_from_a_window():
     first, window = causal_conv(x[3:7], w, torch.tensor([0, 4]), None)
     rest, end = causal_conv(x[7:12], w, torch.tensor([0, 5]), window)
     assert (torch.cat([first, rest]) - got[3:12]).abs().max() < 1e-6 and torch.equal(end[0], last[2])
+    one, shifted = causal_conv_step(x[11:12], w, causal_conv(x[3:11], w, torch.tensor([0, 8]), None)[1])
+    assert (one - got[11:12]).abs().max() < 1e-6 and torch.equal(shifted[0], last[2])  # the decode step's form
 
 
 @pytest.mark.gpu
@@ -89,3 +99,40 @@ def test_flash_linear_attention_against_float64(decode):
                                              dtype=torch.float64)
     assert (got.double().cpu() - want).abs().max() < 0.05 * (1 + want.abs().max())
     assert (got_state.double().cpu() - want_state).abs().max() < 0.05 * (1 + want_state.abs().max())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dk,dv", [(24, 40), (128, 128)])
+def test_the_in_place_decode_step_against_float64(monkeypatch, dk, dv):
+    """Our Triton decode step (the interpreter on the CPU) updates only the slots it is given, in place, as the
+    float64 recurrence does; odd head sizes take masked tiles, 128 x 128 several value blocks."""
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, _, _ = inputs([1] * 5, hk=2, hv=4, dk=dk, dv=dv, device=device)
+    pool = torch.randn(9, 4, dk, dv, generator=torch.Generator().manual_seed(2)).to(device)
+    slots = torch.tensor([7, 0, 3, 8, 2], device=device)
+    want, want_state = gated_delta_reference(**x, cu=torch.arange(6, device=device), state=pool[slots],
+                                             dtype=torch.float64)
+    updated = pool.clone()
+    got = gated_delta_step_(**x, pool=updated, slots=slots)
+    assert (got.double() - want).abs().max() < 1e-5
+    assert (updated[slots].double() - want_state).abs().max() < 1e-5
+    others = [i for i in range(9) if i not in slots.tolist()]
+    assert torch.equal(updated[others], pool[others])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or fla_ops() is None, reason="needs CUDA and flash-linear-attention")
+def test_gradients_on_cuda_against_float64():
+    """Through whichever backward the GPU takes (fla's, or the PyTorch chunked form where fla's is unsound)."""
+    x, state, cu = inputs([3, 70, 20], hk=2, hv=4, dk=64, dv=64, device="cuda")
+    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+    o, s = gated_delta_rule(**leaves, cu=cu, state=state)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    (o * do).sum().backward()
+    cpu = {k: v.detach().cpu().double().requires_grad_() for k, v in x.items()}
+    o64, _ = gated_delta_reference(**cpu, cu=cu.cpu(), state=state.cpu(), dtype=torch.float64)
+    (o64 * do.cpu().double()).sum().backward()
+    for name in leaves:
+        want = cpu[name].grad
+        assert (leaves[name].grad.double().cpu() - want).abs().max() < 1e-2 * (1 + want.abs().max()), name

@@ -133,6 +133,25 @@ def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch)
 # parameters of the released checkpoints whose shapes FAMILY_SHAPES copies (from their model cards), in billions
 PUBLIC_SIZES = {"gemma3-1b-random": 1.00, "smollm3-3b-random": 3.08, "mistral-7b-random": 7.25,
                 "phi4-mini-random": 3.84, "pythia-1b-random": 1.01}
+# copied from Qwen3.5-2B's config.json, or transformers' defaults ("Qwen3.5-9B style", "Qwen3-Next-80B-A3B style"): the
+# model cards give totals with the vision tower
+HYBRID_SHAPES = {"qwen3.5-2b-random", "qwen3.5-9b-random", "qwen3-next-80b-a3b-random"}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_SHAPES))
+def test_hybrid_shapes_build_natively_as_transformers_counts_them(name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlcu.bench import family_config
+    from rlcu.models.config import ModelConfig
+    from rlcu.models.decoder import CausalLM
+
+    hf = family_config(name)
+    with torch.device("meta"):
+        ours, theirs = CausalLM(ModelConfig.from_hf(hf.to_dict())), AutoModelForCausalLM.from_config(hf)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(ours) == count(theirs) and len(ours.config.linear_layers) * 4 == 3 * hf.num_hidden_layers
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_SIZES))
@@ -145,7 +164,7 @@ def test_family_shapes_have_the_public_checkpoints_sizes(name):
     from rlcu.models.decoder import CausalLM
     from rlcu.models.spec import family
 
-    assert set(PUBLIC_SIZES) == set(FAMILY_SHAPES)
+    assert set(PUBLIC_SIZES) | HYBRID_SHAPES == set(FAMILY_SHAPES)
     hf = family_config(name)
     with torch.device("meta"):
         ours = CausalLM(ModelConfig.from_hf(hf.to_dict())) if family(hf.model_type) else None
@@ -156,13 +175,16 @@ def test_family_shapes_have_the_public_checkpoints_sizes(name):
         assert count(ours) == count(theirs)
 
 
-@pytest.mark.parametrize("name,path", [("gemma3-1b-random", "native"), ("pythia-1b-random", "fallback")])
+@pytest.mark.parametrize("name,path", [("gemma3-1b-random", "native"), ("pythia-1b-random", "fallback"),
+                                       ("qwen3.5-2b-random", "native")])
 def test_bench_runs_a_family_shape_natively_or_on_the_fallback(monkeypatch, capsys, name, path):
     import rlcu.bench as bench
 
-    tiny = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+    tiny = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
     shape = dict(bench.FAMILY_SHAPES[name], **tiny)
-    shape.update({k: v for k, v in dict(head_dim=16, sliding_window=4, num_key_value_heads=2).items() if k in shape})
+    shape.update({k: v for k, v in dict(head_dim=16, sliding_window=4, num_key_value_heads=2, linear_num_key_heads=2,
+                                        linear_num_value_heads=4, linear_key_head_dim=8,
+                                        linear_value_head_dim=8).items() if k in shape})
     monkeypatch.setitem(bench.FAMILY_SHAPES, name, shape)
     common = ["--model", name, "--device", "cpu", "--dtype", "float32", "--prompt_len", "5", "--new_tokens", "6"]
     main(["bench", "rollout", *common, "--sequences", "3", "--repeats", "1"])
