@@ -205,54 +205,69 @@ def _chunked_torch(q, k, v, g, beta, cu, state):
     return o.to(dtype), s
 
 
-def gated_delta_step_(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """The decay's log and beta from the layer's projections (transformers' rounding): g = -e^A_log softplus(a +
+    dt_bias) in fp32, beta = sigmoid(b) in b's dtype."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def gated_delta_step_(q, k, v, a, b, A_log, dt_bias, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One decode step of N sequences whose states live in `pool` [S, Hv, Dk, Dv] (fp32) at `slots` [N]: the
-    recurrence's one token each, the states updated in place. q/k [N, Hk, Dk], v [N, Hv, Dv], g/beta [N, Hv] ->
-    o [N, Hv, Dv] in v's dtype. A decode step's state traffic is its largest: one read and one write of each state,
-    where gathering into a batch and scattering back would add a copy each way."""
+    recurrence's one token each, the states updated in place. q/k [N, Hk, Dk], v [N, Hv, Dv] (views of the layer's
+    projection are read where they are), a/b [N, Hv] the decay's and beta's logits (`gates`) -> o [N, Hv, Dv] in
+    v's dtype. A decode step's state traffic is its largest: one read and one write of each state, where gathering
+    into a batch and scattering back would add a copy each way."""
     if use_triton(pool) and q.shape[-1] <= 256:
-        return _step_triton(q, k, v, g, beta, pool, slots)
+        return _step_triton(q, k, v, a, b, A_log, dt_bias, pool, slots)
+    g, beta = gates(a, b, A_log, dt_bias)
     o, final = gated_delta_reference(q, k, v, g, beta, torch.arange(len(q) + 1, device=q.device), pool[slots])
     pool.index_copy_(0, slots, final)
     return o.to(v.dtype)
 
 
-def _step_triton(q, k, v, g, beta, pool, slots):
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: rows at any stride, each row's heads packed."""
+    return x if x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1]) else x.contiguous()
+
+
+def _step_triton(q, k, v, a, b, A_log, dt_bias, pool, slots):
     n, hk, dk = q.shape
     hv, dv = v.shape[1:]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.float().contiguous(), beta.float().contiguous()
+    q, k, v, a, b = (_rows(x) for x in (q, k, v, a, b))
     o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
     block_k = next_pow2(dk)
-    block_v = min(next_pow2(dv), max(16, 8192 // block_k))  # a [Dk, BV] tile of the state in registers
+    block_v = min(next_pow2(dv), max(16, 4096 // block_k))  # a [Dk, BV] tile of the state in registers, no spills
     _step_kernel[(n, hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, pool, slots, o, hv // hk, dk, dv, hk, hv, dk ** -0.5, L2_EPS,
-        BLOCK_K=block_k, BLOCK_V=block_v)
+        q, k, v, a, b, A_log, dt_bias, pool, slots, o, q.stride(0), k.stride(0), v.stride(0), a.stride(0),
+        b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, BLOCK_K=block_k, BLOCK_V=block_v)
     return o
 
 
 if HAS_TRITON:
     @triton.jit
-    def _step_kernel(Q, K, V, G, BETA, POOL, SLOTS, O, group, dk, dv, hk, hv, scale, eps,
-                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _step_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, O, stride_q, stride_k, stride_v, stride_a, stride_b,
+                     group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         """One (sequence, value head, block of value dims): S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q,
-        with q and k L2-normalised in fp32 and q scaled."""
+        with q and k L2-normalised in fp32 and q scaled, g and beta as `gates` computes them."""
         seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kh = h // group
         ks = tl.arange(0, BLOCK_K)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         km, vm = ks < dk, vs < dv
-        qv = tl.load(Q + (seq * hk + kh) * dk + ks, mask=km, other=0.0).to(tl.float32)
-        kv = tl.load(K + (seq * hk + kh) * dk + ks, mask=km, other=0.0).to(tl.float32)
+        qv = tl.load(Q + seq * stride_q + kh * dk + ks, mask=km, other=0.0).to(tl.float32)
+        kv = tl.load(K + seq * stride_k + kh * dk + ks, mask=km, other=0.0).to(tl.float32)
         qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + eps) * scale
         kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + eps)
-        vv = tl.load(V + (seq * hv + h) * dv + vs, mask=vm, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(G + seq * hv + h))
-        b = tl.load(BETA + seq * hv + h)
+        vv = tl.load(V + seq * stride_v + h * dv + vs, mask=vm, other=0.0).to(tl.float32)
+        x = tl.load(A + seq * stride_a + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+        decay = tl.exp(-tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus)
+        bl = tl.load(B + seq * stride_b + h)
+        beta = (1.0 / (1.0 + tl.exp(-bl.to(tl.float32)))).to(bl.dtype).to(tl.float32)
         slot = tl.load(SLOTS + seq).to(tl.int64)
         ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
         s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0) * decay
-        u = b * (vv - tl.sum(s * kv[:, None], 0))
+        u = beta * (vv - tl.sum(s * kv[:, None], 0))
         s = s + kv[:, None] * u[None, :]
         tl.store(ptr, s, mask=km[:, None] & vm[None, :])
         out = tl.sum(s * qv[:, None], 0)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlcu.kernels.gated_delta import causal_conv, causal_conv_step, gated_delta_rule, gated_delta_step_
+from rlcu.kernels.gated_delta import causal_conv, causal_conv_step, gated_delta_rule, gated_delta_step_, gates
 from rlcu.models.config import ModelConfig
 from rlcu.models.fused_linear import FusedLinear
 
@@ -94,11 +94,11 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split(self.splits, dim=-1)
         q, k = (x.unflatten(-1, (self.num_k_heads, self.head_k_dim)) for x in (q, k))
         v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        beta = beta_logit.reshape(b * t, -1).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(b * t, -1).float() + self.dt_bias)
+        a, beta_logit = a.reshape(b * t, -1), beta_logit.reshape(b * t, -1)
         if seg.pool is not None:
-            o, state = gated_delta_step_(q, k, v, g, beta, seg.pool, seg.slots), None
+            o, state = gated_delta_step_(q, k, v, a, beta_logit, self.A_log, self.dt_bias, seg.pool, seg.slots), None
         else:
+            g, beta = gates(a, beta_logit, self.A_log, self.dt_bias)
             o, state = gated_delta_rule(q, k, v, g, beta, seg.cu, seg.state, seg.decode)
         attention.keep(self.layer_idx, conv, state)
         o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim))

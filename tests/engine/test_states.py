@@ -89,3 +89,19 @@ def test_state_that_does_not_fit_is_a_clear_error(model, monkeypatch):
     monkeypatch.setattr(pool, "available_memory", lambda device: 1000)
     with pytest.raises(ValueError, match="recurrent state of 3 sequences .* raise memory_fraction"):
         LLMEngine(model).generate(LONG, sampled())
+
+
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+def test_decode_through_the_triton_step_kernel_under_the_interpreter(model, monkeypatch):
+    """The engine's decode steps through our in-place Triton kernel (TRITON_INTERPRET=1 on the CPU), reading the
+    layer's projection where it lies, against the PyTorch paths."""
+    import rlcu.kernels.gated_delta as gd
+
+    prompts = LONG + [LONG[1]] * 2
+    want = LLMEngine(model).generate(prompts, sampled())
+    calls = []
+    real = gd._step_triton
+    monkeypatch.setattr(gd, "_step_triton", lambda *a: calls.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(gd, "use_triton", lambda t: True)  # the step kernel only: attention stays on PyTorch
+    close(LLMEngine(model).generate(prompts, sampled()), want)
+    assert calls and max(calls) == len(prompts)

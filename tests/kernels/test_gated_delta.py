@@ -14,6 +14,7 @@ from rlcu.kernels.gated_delta import (
     gated_delta_reference,
     gated_delta_rule,
     gated_delta_step_,
+    gates,
 )
 
 LENGTHS = [1, 5, 63, 64, 65, 130]
@@ -109,12 +110,19 @@ def test_the_in_place_decode_step_against_float64(monkeypatch, dk, dv):
     monkeypatch.setenv("RLCU_TRITON", "1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x, _, _ = inputs([1] * 5, hk=2, hv=4, dk=dk, dv=dv, device=device)
-    pool = torch.randn(9, 4, dk, dv, generator=torch.Generator().manual_seed(2)).to(device)
+    gen = torch.Generator().manual_seed(2)
+    pool = torch.randn(9, 4, dk, dv, generator=gen).to(device)
+    a, b, a_log, dt_bias = (torch.randn(*shape, generator=gen).to(device) for shape in [(5, 4), (5, 4), (4,), (4,)])
+    a[0, 0] = 30.0  # past softplus's threshold
+    x["g"], x["beta"] = gates(a, b, a_log, dt_bias)
     slots = torch.tensor([7, 0, 3, 8, 2], device=device)
     want, want_state = gated_delta_reference(**x, cu=torch.arange(6, device=device), state=pool[slots],
                                              dtype=torch.float64)
     updated = pool.clone()
-    got = gated_delta_step_(**x, pool=updated, slots=slots)
+    qkv = torch.cat([x["q"].flatten(1), x["k"].flatten(1), x["v"].flatten(1)], dim=1)  # views of one row, as the layer
+    q, k, v = qkv.split([2 * dk, 2 * dk, 4 * dv], dim=1)
+    got = gated_delta_step_(q.unflatten(1, (2, dk)), k.unflatten(1, (2, dk)), v.unflatten(1, (4, dv)), a, b, a_log,
+                            dt_bias, pool=updated, slots=slots)
     assert (got.double() - want).abs().max() < 1e-5
     assert (updated[slots].double() - want_state).abs().max() < 1e-5
     others = [i for i in range(9) if i not in slots.tolist()]
