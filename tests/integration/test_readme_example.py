@@ -55,7 +55,7 @@ def test_agents_guide_example_trains_with_a_tool(smollm2_folder):
 
 def test_models_guide_example_adds_a_family_and_matches_transformers():
     scope: dict = {}
-    exec(python_blocks(README.parent / "docs" / "models.md")[1], scope)
+    exec(python_blocks(README.parent / "docs" / "models.md")[2], scope)
     assert scope["gap"] < 1e-5 and scope["tokenizer"] is None
     assert scope["ours"].model.layers[0].self_attn.window == 5
 
@@ -64,6 +64,12 @@ def test_models_guide_moe_example_matches_transformers():
     scope: dict = {}
     exec(python_blocks(README.parent / "docs" / "models.md")[0], scope)
     assert scope["moe_gap"] < 1e-5 and scope["ours"].config.is_moe
+
+
+def test_models_guide_hybrid_example_matches_transformers_and_the_training_forward():
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "models.md")[1], scope)
+    assert scope["hybrid_gap"] < 1e-5 and scope["state_gap"] < 1e-4 and scope["ours"].config.linear_layers == [0, 1, 2]
 
 
 def test_agents_guide_program_example_trains_one_step(tmp_path):
