@@ -47,6 +47,9 @@ class SamplingParams:
     # episodes: max_tokens bounds the whole completion (every turn and every appended token); this bounds
     # each turn the model samples (None: only max_tokens)
     max_turn_tokens: int | None = None
+    # > 1 discourages every token already in the sequence, prompt included (vLLM's and transformers' meaning): its
+    # logit is divided by the penalty where positive, multiplied where negative; 1.0: off
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -57,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         if self.top_k < 0 or not 0 <= self.min_p <= 1:
             raise ValueError(f"top_k must be >= 0 and min_p in [0, 1], got top_k={self.top_k}, min_p={self.min_p}")
 

@@ -19,7 +19,7 @@ from rlcu.kernels.decode_attention import triton_supports
 from rlcu.kernels.kv_cache import as_bytes
 from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
 from rlcu.kernels.rope_store_kv import supported as rope_supported
-from rlcu.kernels.sampling import sample
+from rlcu.kernels.sampling import penalize_repeats, sample
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
 from rlcu.kernels.token_logprob import token_logprob
 from rlcu.models.decoder import CausalLM
@@ -78,6 +78,8 @@ class ModelRunner:
                           self.device)
         if rows is not None and rows != list(range(len(logits))):
             logits = logits[to_device(rows, self.device)]
+        if sp.repetition_penalty != 1.0:
+            logits = penalize_repeats(logits, [s.token_ids for s in owners], sp.repetition_penalty)
         tokens, logprobs = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, seeds=seeds)
         if self.exact and sp.temperature > 0:  # the trainer's log-softmax kernel, on the same logits
             logprobs = token_logprob(logits, tokens, sp.temperature)[0]

@@ -72,6 +72,8 @@ class SamplingOptions(OptionGroup):
     top_k: int = option(0, "sample among the k likeliest tokens (0: off)", minimum=0)
     min_p: float | None = option(None, "drop tokens below min_p times the likeliest's probability (None or 0: off)",
                                  minimum=0, maximum=1)
+    repetition_penalty: float = option(1.0, "TRL's (vLLM's meaning): > 1 discourages tokens already in the prompt or "
+                                            "completion, < 1 encourages them (1.0: off)", minimum=1e-9)
     stop: list[str] | None = option(None, "stop strings; completions also stop at every EOS id of the model and "
                                           "tokenizer")
     chat_template_kwargs: dict | None = option(None, "extra arguments of the tokenizer's chat template for chat "
@@ -84,7 +86,8 @@ class SamplingOptions(OptionGroup):
         """The sampler's settings (greedy: temperature 0, for evaluation)."""
         return SamplingParams(max_tokens=self.max_completion_length, temperature=0.0 if greedy else self.temperature,
                               top_p=self.top_p, top_k=self.top_k, min_p=self.min_p or 0.0,
-                              stop_token_ids=stop_token_ids, stop=list(self.stop or []), seed=seed)
+                              stop_token_ids=stop_token_ids, stop=list(self.stop or []), seed=seed,
+                              repetition_penalty=self.repetition_penalty)
 
 
 @dataclass(frozen=True)

@@ -181,14 +181,12 @@ def _model_init(value, t: Translation, v: Mapping) -> None:
 
 def _generation_kwargs(value, t: Translation, v: Mapping) -> None:
     kwargs = dict(value or {})
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if name in kwargs:
             t.model[name] = kwargs.pop(name)
-    if kwargs.get("repetition_penalty", 1.0) == 1.0:
-        kwargs.pop("repetition_penalty", None)
     if kwargs:
-        raise ValueError(f"generation_kwargs {sorted(kwargs)}: rlcu's sampler takes temperature, top_p, top_k and "
-                         "min_p; drop the others")
+        raise ValueError(f"generation_kwargs {sorted(kwargs)}: rlcu's sampler takes temperature, top_p, top_k, "
+                         "min_p and repetition_penalty; drop the others")
 
 
 def _vllm_cap(value, t: Translation, v: Mapping) -> None:
@@ -258,9 +256,10 @@ RULES: dict[str, Rule] = {
         "rlcu pads a micro-batch to its longest row (packing: no padding)", "auto"),
     "generation_batch_size": custom(lambda *a: None, None), "steps_per_generation": custom(lambda *a: None, None),
     "temperature": to_model(1.0), "top_p": to_model(1.0), "top_k": to_model(0), "min_p": to_model(None),
-    "generation_kwargs": custom(_generation_kwargs, None, "the sampler's temperature, top_p, top_k, min_p"),
+    "generation_kwargs": custom(_generation_kwargs, None, "the sampler's temperature, top_p, top_k, min_p, "
+                                                          "repetition_penalty"),
     "chat_template_kwargs": to_model(None),
-    "repetition_penalty": refuse("rlcu's sampler has no repetition penalty", 1.0),
+    "repetition_penalty": to_model(1.0),
     "cache_implementation": noop("the engine keeps its own paged KV cache", None),
     "use_vllm": noop(VLLM, False), "vllm_mode": noop(VLLM, "colocate"), "vllm_model_impl": noop(VLLM, "vllm"),
     "vllm_enable_sleep_mode": noop("nothing to sleep: the engine frees its KV pool after each rollout and holds no "

@@ -250,6 +250,19 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds: torch.Tensor,
     return tokens, logprobs
 
 
+def penalize_repeats(logits: torch.Tensor, seen: list[list[int]], penalty: float) -> torch.Tensor:
+    """Repetition penalty (vLLM's and transformers'): in row i, each token of `seen[i]` has its logit divided by
+    `penalty` where positive and multiplied where negative. Returns fp32 logits (a new tensor)."""
+    out = logits.float().clone()
+    rows = torch.tensor([i for i, ids in enumerate(seen) for _ in ids], dtype=torch.long)
+    cols = torch.tensor([t for ids in seen for t in ids], dtype=torch.long)
+    if len(cols):
+        rows, cols = rows.to(out.device, non_blocking=True), cols.to(out.device, non_blocking=True)
+        x = out[rows, cols]
+        out[rows, cols] = torch.where(x > 0, x / penalty, x * penalty)
+    return out
+
+
 def sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generator=None, seeds=None):
     """`seeds` (int64 [B], on the logits' device) selects per-row randomness, and the Triton kernel
     where it runs."""

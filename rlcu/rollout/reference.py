@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from rlcu.contracts import GenerationInterrupted, StopStrings
-from rlcu.kernels.sampling import sample
+from rlcu.kernels.sampling import penalize_repeats, sample
 from rlcu.rollout.base import Capabilities, RolloutBatch, SamplingParams
 
 
@@ -64,12 +64,18 @@ class ReferenceRollout:
         finished = torch.zeros(b, dtype=torch.bool, device=device)
         tokens, logprobs, lengths = [], [], torch.zeros(b, dtype=torch.long, device=device)
         pos = pos[:, -1:]
+        seen = [list(x) for x in prompts] if sp.repetition_penalty != 1.0 else None
         for step in range(sp.max_tokens):
             if should_stop is not None and step % 16 == 0 and should_stop():
                 raise GenerationInterrupted(f"the run was asked to stop while the rollout was decoding (token {step})")
+            if seen is not None:
+                logits = penalize_repeats(logits, seen, sp.repetition_penalty)
             tok, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, gen)
             tokens.append(tok)
             logprobs.append(lp)
+            if seen is not None:
+                for row, t in zip(seen, tok.tolist()):
+                    row.append(t)
             lengths += (~finished).long()
             finished |= torch.isin(tok, stop)
             if stop_strings:

@@ -307,3 +307,24 @@ def test_the_engine_reports_each_completion_once_as_it_ends(tmp_path, config):
     assert any(running > 0 for _, _, running in seen.values())  # ... some were reported while others decoded
     if config.num_blocks:
         assert engine.stats["preemptions"] > 0  # a preempted sequence is reported once, when it really ends
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_greedy_equals_transformers_generate(tmp_path, penalty):
+    """TRL's repetition_penalty with its meaning (transformers' and vLLM's: prompt tokens count too), in the engine,
+    forks and chunked prefill included, and in the reference backend."""
+    import transformers
+
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    model, _ = load_model(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    sp = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS], repetition_penalty=penalty)
+    got = LLMEngine(model, EngineConfig(max_num_batched_tokens=16, max_num_seqs=8)).generate(PROMPTS, sp)
+    assert reference(model, PROMPTS, sp).completion_ids == got.completion_ids
+    for prompt, ids in zip(PROMPTS, got.completion_ids):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=EOS,
+                            pad_token_id=62, repetition_penalty=penalty)[0, len(prompt):].tolist()
+        assert ids == (want[:want.index(EOS) + 1] if EOS in want else want)
+    if penalty > 1:  # the tiny model's greedy tokens repeat: a penalty above 1 changes them
+        plain = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS]))
+        assert plain.completion_ids != got.completion_ids

@@ -113,3 +113,18 @@ def test_the_four_uniforms_of_one_philox_counter_draw_independently():
     tokens, _ = sample_triton(torch.zeros(n, 8, device=DEVICE), 1.0, 0, 1.0, 0.0, seeds(n))
     freq = torch.bincount(tokens.cpu(), minlength=8).double() / n
     assert (freq - 1 / 8).abs().max() < 0.06, freq  # 3.6 sigma at n = 400
+
+
+def test_repetition_penalty_is_transformers_logits_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from rlcu.kernels.sampling import penalize_repeats
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    seen = [[1, 4, 4, 9], [], [0, 49, 7]]
+    for penalty in (1.3, 0.8):
+        got = penalize_repeats(logits, seen, penalty)
+        for i, ids in enumerate(seen):
+            processor = RepetitionPenaltyLogitsProcessor(penalty)
+            want = processor(torch.tensor([ids], dtype=torch.long), logits[i:i + 1].clone()) if ids else logits[i:i + 1]
+            assert torch.equal(got[i:i + 1], want)
