@@ -216,6 +216,18 @@ def _common_fields(hf: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"))
 
 
+def _linear_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid's linear-attention layers (named in `layer_types`) and their sizes; nothing for other models."""
+    layer_types = hf.get("layer_types") or []
+    if "linear_attention" not in layer_types:
+        return {}
+    out = {key: int(hf[key]) for key in LINEAR_SIZES}
+    if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+        raise ValueError(f"config.json: linear_num_value_heads={out['linear_num_value_heads']} is not a multiple "
+                         f"of linear_num_key_heads={out['linear_num_key_heads']}")
+    return dict(out, linear_layers=[i for i, kind in enumerate(layer_types) if kind == "linear_attention"])
+
+
 def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The fields only some families set; a family that lacks one reads its default."""
     out: dict[str, Any] = {}
@@ -243,12 +255,7 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         if hf.get(key) is not None:
             out[key] = float(hf[key])
-    if "linear_attention" in (layer_types or []):
-        out.update(linear_layers=[i for i, kind in enumerate(layer_types) if kind == "linear_attention"],
-                   **{key: int(hf[key]) for key in LINEAR_SIZES})
-        if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
-            raise ValueError(f"config.json: linear_num_value_heads={out['linear_num_value_heads']} is not a multiple "
-                             f"of linear_num_key_heads={out['linear_num_key_heads']}")
+    out.update(_linear_fields(hf))
     experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
     if experts:
         top_k = hf.get("num_experts_per_tok") or 0
