@@ -49,19 +49,20 @@ class StatePool:
         starting at their first token, from zeros whatever their slot holds. A decode step's delta-rule states stay in
         the pool, which the layer updates in place."""
         i = self.index[layer_idx]
-        conv = self.conv[i][slots]
         if decode and fresh is None:
-            return Segments(cu, conv, decode=True, pool=self.matrix[i], slots=slots)
-        matrix = self.matrix[i][slots]
+            return Segments(cu, decode=True, pool=self.matrix[i], conv_pool=self.conv[i], slots=slots)
+        conv, matrix = self.conv[i][slots], self.matrix[i][slots]
         if fresh is not None:
             conv = conv.masked_fill(fresh[:, None, None], 0)
             matrix = matrix.masked_fill(fresh[:, None, None, None], 0)
         return Segments(cu, conv, matrix, decode=decode)
 
-    def write(self, layer_idx: int, slots: torch.Tensor, conv: torch.Tensor, matrix: torch.Tensor | None) -> None:
+    def write(self, layer_idx: int, slots: torch.Tensor, conv: torch.Tensor | None,
+              matrix: torch.Tensor | None) -> None:
         i = self.index[layer_idx]
-        self.conv[i].index_copy_(0, slots, conv.to(self.conv.dtype))
-        if matrix is not None:  # None: updated in place already
+        if conv is not None:  # None: updated in place already
+            self.conv[i].index_copy_(0, slots, conv.to(self.conv.dtype))
+        if matrix is not None:
             self.matrix[i].index_copy_(0, slots, matrix.float())
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:

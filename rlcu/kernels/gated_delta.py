@@ -74,6 +74,27 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
     return F.silu((full * w).sum(-1)), full[..., 1:]
 
 
+def causal_conv_step_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`causal_conv_step` on windows that live in `pool` [S, C, K - 1] at `slots` [N], shifted there in place:
+    x [N, C] (rows at any stride) -> out [N, C]. The sum in fp32, rounded to x's dtype before SiLU, as the
+    convolution of the training forward rounds."""
+    if use_triton(pool):
+        n, c = x.shape
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(n, c, dtype=x.dtype, device=x.device)
+        k = weight.shape[1]
+        block_c = 256
+        _conv_step_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots, out, x.stride(0), c, k,
+                                                         BLOCK_C=block_c, BLOCK_K=next_pow2(k))
+        return out
+    window = pool[slots]
+    full = torch.cat([window.to(x.dtype), x[..., None]], dim=-1)
+    pre = (full.float() * weight.float()).sum(-1).to(x.dtype)
+    pool.index_copy_(0, slots, full[..., 1:].to(pool.dtype))
+    return F.silu(pre)
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
@@ -244,6 +265,30 @@ def _step_triton(q, k, v, a, b, A_log, dt_bias, pool, slots):
 
 
 if HAS_TRITON:
+    @triton.jit
+    def _conv_step_kernel(X, W, POOL, SLOTS, OUT, stride_x, c, k, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One (sequence, block of channels): out = silu(round(sum_j w_j [window, x]_j)); window <- [window[1:], x]."""
+        seq, cb = tl.program_id(0), tl.program_id(1)
+        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        js = tl.arange(0, BLOCK_K)
+        cm = cs < c
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        x = tl.load(X + seq * stride_x + cs, mask=cm, other=0.0)
+        base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
+        inside = cm[:, None] & (js[None, :] < k - 1)
+        window = tl.load(base + js[None, :], mask=inside, other=0.0).to(tl.float32)  # [C, K-1 padded]
+        w = tl.load(W + cs[:, None] * k + js[None, :], mask=inside, other=0.0).to(tl.float32)
+        w_last = tl.load(W + cs * k + k - 1, mask=cm, other=0.0).to(tl.float32)
+        acc = tl.sum(window * w, 1) + w_last * x.to(tl.float32)
+        pre = acc.to(X.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + seq * c + cs, (pre / (1.0 + tl.exp(-pre))).to(OUT.dtype.element_ty), mask=cm)
+        # shift: position j takes j + 1; the last takes x
+        nxt = tl.load(base + js[None, :] + 1, mask=cm[:, None] & (js[None, :] < k - 2), other=0.0)
+        last = (js[None, :] == k - 2) & cm[:, None]
+        nxt = tl.where(last, x[:, None].to(nxt.dtype), nxt)
+        tl.debug_barrier()  # every read of the window before any write
+        tl.store(base + js[None, :], nxt.to(POOL.dtype.element_ty), mask=inside)
+
     @triton.jit
     def _step_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, O, stride_q, stride_k, stride_v, stride_a, stride_b,
                      group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlcu.kernels.gated_delta import causal_conv, causal_conv_step, gated_delta_rule, gated_delta_step_, gates
+from rlcu.kernels.gated_delta import (
+    causal_conv,
+    causal_conv_step,
+    causal_conv_step_,
+    gated_delta_rule,
+    gated_delta_step_,
+    gates,
+)
 from rlcu.models.config import ModelConfig
 from rlcu.models.fused_linear import FusedLinear
 
@@ -25,8 +32,9 @@ class Segments:
     `cu` [N + 1]: where each sequence starts among the B * T tokens taken row after row; `conv` [N, C, K - 1] and
     `state` [N, Hv, Dk, Dv]: each sequence's state before its first token here (None: zeros); `mask` [B, T]: the
     real tokens of a padded batch (padding is zeroed before the layer reads it, so it leaves states at zero);
-    `decode`: one token a sequence. `pool` and `slots`: instead of `state`, where a decode step's states live (the
-    engine's pool [S, Hv, Dk, Dv] and each sequence's slot), updated there in place."""
+    `decode`: one token a sequence. `pool`, `conv_pool` and `slots`: instead of `state` and `conv`, where a decode
+    step's states live (the engine's pools, [S, Hv, Dk, Dv] and [S, C, K - 1], and each sequence's slot), updated
+    there in place."""
 
     cu: torch.Tensor
     conv: torch.Tensor | None = None
@@ -34,6 +42,7 @@ class Segments:
     mask: torch.Tensor | None = None
     decode: bool = False
     pool: torch.Tensor | None = None
+    conv_pool: torch.Tensor | None = None
     slots: torch.Tensor | None = None
 
 
@@ -87,7 +96,10 @@ class GatedDeltaNet(nn.Module):
         if seg.mask is not None:
             x = x * seg.mask[..., None].to(x.dtype)
         mixed, z, beta_logit, a = self.in_proj.split(self.in_proj(x))
-        if seg.decode and seg.conv is not None:  # one token a sequence, after its window
+        if seg.conv_pool is not None:  # a decode step: each window shifted where it lies
+            mixed, conv = causal_conv_step_(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.conv_pool,
+                                            seg.slots), None
+        elif seg.decode and seg.conv is not None:  # one token a sequence, after its window
             mixed, conv = causal_conv_step(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.conv)
         else:
             mixed, conv = causal_conv(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.cu, seg.conv)

@@ -10,6 +10,7 @@ from rlcu.kernels._triton import HAS_TRITON
 from rlcu.kernels.gated_delta import (
     causal_conv,
     causal_conv_step,
+    causal_conv_step_,
     fla_ops,
     gated_delta_reference,
     gated_delta_rule,
@@ -144,3 +145,24 @@ def test_gradients_on_cuda_against_float64():
     for name in leaves:
         want = cpu[name].grad
         assert (leaves[name].grad.double().cpu() - want).abs().max() < 1e-2 * (1 + want.abs().max()), name
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("triton_kernel", [False, True])
+def test_the_in_place_convolution_step(monkeypatch, triton_kernel):
+    """The decode step's convolution on windows in a pool (our Triton kernel under the interpreter, or PyTorch):
+    the out-of-place form's output, the windows shifted in their slots only; 300 channels cross a block edge."""
+    if triton_kernel:
+        monkeypatch.setenv("RLCU_TRITON", "1")
+    gen = torch.Generator().manual_seed(3)
+    c, k = 300, 4
+    rows = torch.randn(5, c + 7, generator=gen)
+    x, w = rows[:, 7:], torch.randn(c, k, generator=gen)  # x a strided view, as the layer's projection
+    pool = torch.randn(9, c, k - 1, generator=gen)
+    slots = torch.tensor([7, 0, 3, 8, 2])
+    want, want_windows = causal_conv_step(x, w, pool[slots])
+    updated = pool.clone()
+    got = causal_conv_step_(x, w, updated, slots)
+    assert (got - want).abs().max() < 1e-5 and torch.equal(updated[slots], want_windows)
+    others = [i for i in range(9) if i not in slots.tolist()]
+    assert torch.equal(updated[others], pool[others])
