@@ -6,6 +6,7 @@ local files with a 'prompt' column, or rows given directly (a list of dicts or a
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Sequence
 
 import lightning.pytorch as L
@@ -14,6 +15,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from rlcu.data.prompts import PROMPT, collate_rows, is_conversational
 from rlcu.hparams import not_plain
+
+log = logging.getLogger(__name__)
 
 
 class EpochSampler(DistributedSampler):
@@ -87,6 +90,14 @@ class PromptDataModule(L.LightningDataModule):
         self.val_size, self.hold_out_by, self.val_split = val_size, hold_out_by, val_split
         self.val_batch_size = val_batch_size
         self.train_set, self.val_set = None, None
+        self.trained_batch_size: int | None = None  # the batch size a resumed checkpoint trained with
+
+    def state_dict(self) -> dict:
+        """Saved in checkpoints: a run resumed with another batch_size still starts after the rows it trained on."""
+        return {"batch_size": self.batch_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.trained_batch_size = state_dict.get("batch_size")
 
     def setup(self, stage: str | None = None) -> None:
         if not self.val_size and stage == "fit" and self.trainer is not None:
@@ -179,7 +190,11 @@ class PromptDataModule(L.LightningDataModule):
         loop = trainer.fit_loop if trainer is not None else None
         if loop is not None and loop.epoch_loop.batch_progress.current.processed:  # resuming inside an epoch
             done = loop.epoch_loop.batch_progress.current.processed
-            sampler.resume_at(loop.epoch_progress.current.processed, done * self.batch_size)
+            trained = self.trained_batch_size or self.batch_size  # the batches done were of the checkpoint's size
+            if trained != self.batch_size:
+                log.info("resuming with batch_size %d after %d batches of %d: the epoch goes on after row %d",
+                         self.batch_size, done, trained, done * trained)
+            sampler.resume_at(loop.epoch_progress.current.processed, done * trained)
         return ResumableLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_rows)
 
     def val_dataloader(self) -> DataLoader:
