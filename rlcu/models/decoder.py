@@ -243,9 +243,10 @@ class CausalLM(nn.Module):
         if not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
             raise ValueError(f"exact_logprobs needs a power-of-two head_dim >= 16 (the paged attention kernel), got "
                              f"{d}: set exact_logprobs: false")
-        if any(isinstance(m, FusedLinear) and m.lora is not None for m in self.modules()):
-            raise ValueError("exact_logprobs does not cover LoRA adapters (the engine adds them with other GEMMs "
-                             "than training does): merge the adapters or set exact_logprobs: false")
+        if any(isinstance(m, FusedLinear) and m.lora is not None and not isinstance(m.lora.dropout, nn.Identity)
+               for m in self.modules()):
+            raise ValueError("exact_logprobs with lora_dropout > 0: training would drop what the sampler kept; set "
+                             "lora_dropout: 0")
 
     def compute_dtype(self) -> torch.dtype:
         """What attention's inputs and the KV cache are in: the autocast dtype under mixed precision, else the

@@ -36,7 +36,7 @@ class FusedLinear(Linear):
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         y = super().forward(x, batch_invariant)
         if self.lora is not None and self.lora.enabled:
-            y = self.lora.add_to(y, x)
+            y = self.lora.add_to(y, x, batch_invariant)
         return y
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlcu.kernels.matmul import invariant_linear
 from rlcu.models.fused_linear import FusedLinear
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -93,12 +94,15 @@ class LoraAdapter(nn.Module):
         self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
         self.enabled = True
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then the update of each
         part. A projection of one part adds B's GEMM into y directly. For several parts, with gradients
         recorded: one GEMM with a block-diagonal B (untargeted parts' rows of it are zero), assembled
         at each call; without (the engine's forward, at every decode step): one in-place GEMM per part into
-        its columns of y, which this call owns, so nothing is assembled or copied."""
+        its columns of y, which this call owns, so nothing is assembled or copied. `batch_invariant`
+        (exact_logprobs): `_add_invariant`, the same computation with and without gradients."""
+        if batch_invariant:
+            return self._add_invariant(y, x)
         h = F.linear(self.dropout(x), self.lora_A).reshape(-1, self.lora_A.shape[0])
         y2 = y.reshape(-1, y.shape[-1])
         if len(self.part_sizes) == 1:
@@ -110,6 +114,17 @@ class LoraAdapter(nn.Module):
             y2[:, start:start + size].addmm_(h[:, slot * self.r:(slot + 1) * self.r], b[row:row + size].t(),
                                              alpha=self.scaling)
         return y
+
+    def _add_invariant(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A's GEMM and each part's B GEMM batch-invariant, each update scaled and added out of place: one
+        computation, whether the engine decodes or training records gradients, so a row rounds alike in both."""
+        h = invariant_linear(x, self.lora_A)
+        pieces, done = [], 0
+        for start, size, slot, row in self._targeted_parts():
+            update = invariant_linear(h[..., slot * self.r:(slot + 1) * self.r], self.lora_B[row:row + size])
+            pieces += [y[..., done:start], y[..., start:start + size] + update * self.scaling]
+            done = start + size
+        return torch.cat(pieces + [y[..., done:]], dim=-1)
 
     def _targeted_parts(self) -> list[tuple[int, int, int, int]]:
         """(first column in the fused output, size, slot in A, first row in B) of each targeted part."""

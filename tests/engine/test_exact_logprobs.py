@@ -93,3 +93,38 @@ def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch,
         grads.append([p.grad.clone() for p in model.parameters()])
     for exact, plain in zip(*grads):
         assert torch.allclose(exact, plain, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["chunks-of-7-decode-by-3", "whole-prompts"])
+def test_lora_adapters_keep_the_logprobs_bit_for_bit(tmp_path, monkeypatch, config):
+    """LoRA in exact mode: A's and each part's B GEMM batch-invariant and the update added out of place, the same
+    computation in the engine's decode and prefill and in training (with gradients recorded); micro-batches of all
+    rows and of 3. The adapters are trained-looking (B not zero), so they change the logprobs."""
+    from rlcu.models import add_lora
+    from rlcu.models.lora import adapters
+
+    model = exact_model(tmp_path, monkeypatch, "qwen3")
+    out_base = LLMEngine(model, CONFIGS[config]).generate(PROMPTS_, SAMPLING)
+    add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, m in adapters(model):
+            m.lora.lora_B.copy_(0.2 * torch.randn(m.lora.lora_B.shape, generator=g))
+    model.check_numerics(EXACT)
+    out = LLMEngine(model, CONFIGS[config]).generate(PROMPTS_, SAMPLING)
+    assert out.logprobs != out_base.logprobs
+    ids, mask, sampler, real = padded_batch(out)
+    for micro_batch in (len(ids), 3):
+        with torch.enable_grad():  # training's forward records gradients
+            trainer = trainer_logprobs(model, ids, mask, real.shape[1], micro_batch)
+        assert trainer.requires_grad
+        assert torch.equal(trainer.detach()[real], sampler[real]), (trainer.detach() - sampler)[real].abs().max()
+
+
+def test_lora_dropout_in_exact_mode_is_refused_in_one_line(tmp_path, monkeypatch):
+    from rlcu.models import add_lora
+
+    model = exact_model(tmp_path, monkeypatch, "qwen3")
+    add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.1})
+    with pytest.raises(ValueError, match="lora_dropout > 0"):
+        model.check_numerics(EXACT)

@@ -237,16 +237,20 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.slow
-def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("peft", [None, {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}],
+                         ids=["full", "lora"])
+def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch, peft):
     """Two GRPO steps in exact mode (Triton's interpreter): the trainer's logprobs equal the sampler's at
-    both (the second after an update), so the importance-sampling correction weighs every sequence 1."""
+    both (the second after an update, which with LoRA moves the adapters off zero), so the importance-sampling
+    correction weighs every sequence 1."""
     from tests.helpers import fit, match_target, toy_rows
 
     monkeypatch.setenv("RLCU_TRITON", "1")
     model, tok = load_model(tiny_hf_folder(tmp_path, "qwen3", vocab_size=32, hidden=32, heads=2, kv_heads=1,
                                            head_dim=16))
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=3, max_completion_length=4,
-                        learning_rate=1e-2, exact_logprobs=True, micro_batch_size=4, eval_at_start=False)
+                        learning_rate=1e-2, exact_logprobs=True, micro_batch_size=4, eval_at_start=False,
+                        peft_config=peft)
     rows = fit(module, toy_rows(8), 2, tmp_path / "logs", batch_size=2)
     steps = [r for r in rows if "logprob_mismatch/max" in r]
     assert len(steps) == 2 and all(r["logprob_mismatch/max"] == 0.0 for r in steps), steps
@@ -261,8 +265,8 @@ def test_exact_logprobs_refuses_what_it_cannot_make_exact(tmp_path):
                                            head_dim=16))
     with pytest.raises(ValueError, match="rollout: native"):
         GRPOModule(model, tokenizer=tok, rollout="reference", exact_logprobs=True)
-    with pytest.raises(ValueError, match="merge the adapters or set exact_logprobs: false"):
-        GRPOModule(model, tokenizer=tok, peft_config=LoraSpec(r=2), exact_logprobs=True)
+    with pytest.raises(ValueError, match="lora_dropout > 0"):
+        GRPOModule(model, tokenizer=tok, peft_config=LoraSpec(r=2, lora_dropout=0.1), exact_logprobs=True)
     small_heads, _ = load_model(tiny_hf_folder(tmp_path / "b", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
                                                head_dim=8))
     with pytest.raises(ValueError, match="power-of-two head_dim >= 16 .*got 8"):
