@@ -110,6 +110,7 @@ class Turn:
     request: int  # the row of the request list
     completion_ids: list[int]  # the episode so far: every turn and every appended token
     finish_reason: str  # the turn's: "stop" or "length" (max_tokens or max_turn_tokens reached)
+    logprobs: list[float] | None = None  # the sampler's logprob of each completion token (0.0 where appended)
 
 
 @dataclass

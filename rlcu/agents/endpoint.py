@@ -150,7 +150,7 @@ class Endpoint:
             deltas.append({"tool_calls": [dict(c, index=i) for i, c in enumerate(message["tool_calls"])]})
         for i, delta in enumerate(deltas):
             last = i == len(deltas) - 1
-            chunk = head | {"choices": [{"index": 0, "delta": delta,
+            chunk = head | {"choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"] if i == 1 else None,
                                          "finish_reason": choice["finish_reason"] if last else None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

@@ -80,6 +80,7 @@ class ProgramEpisode:
     prompt_ids: list[int] | None = None
     consumed: int = 0  # completion tokens already served or appended
     calls: int = 0
+    wants_logprobs: bool = False  # the unanswered call asked for `logprobs`
     started: Future = field(default_factory=Future)  # the first call arrived (True), or the program ended (False)
     answer: Future | None = None  # the unanswered call's response
     waiting: Future | None = None  # the next call's (tokens, messages), or None when the program ended
@@ -164,6 +165,7 @@ class ProgramRunner:
 
     async def chat(self, episode: str, body: dict) -> dict:
         messages, tools = _messages(body), body.get("tools")
+        wants_logprobs = _logprobs_asked(body)
         if tools is not None and not isinstance(tools, list):
             raise HTTPError(400, "'tools' must be a list of OpenAI tool schemas")
         ep = self.by_id[episode]
@@ -190,6 +192,7 @@ class ProgramRunner:
                 ep.answer = Future()
                 ep.waiting.set_result((suffix, new))
             ep.calls += 1
+            ep.wants_logprobs = wants_logprobs
             answer = ep.answer
         return await asyncio.wrap_future(answer)
 
@@ -197,6 +200,7 @@ class ProgramRunner:
     def __call__(self, turn: Turn) -> Reply:
         ep = self.episodes[turn.request]
         ids = turn.completion_ids[ep.consumed:]
+        logprobs = (turn.logprobs or [])[ep.consumed:] if ep.wants_logprobs else None
         message, calls = self.format.parse(ids)
         ep.consumed = len(turn.completion_ids)
         served = _openai_message(message, ep.calls)
@@ -209,8 +213,8 @@ class ProgramRunner:
             if ep.waiting is None:
                 ep.open = False  # the episode's budget is spent: later calls get 404
             waiting = ep.waiting
-        ep.answer.set_result(self._response(ep, served, len(ids), "tool_calls" if calls else
-                                            ("stop" if turn.finish_reason == "stop" else "length")))
+        ep.answer.set_result(self._response(ep, served, ids, "tool_calls" if calls else
+                                            ("stop" if turn.finish_reason == "stop" else "length"), logprobs))
         if waiting is None:
             return Reply(None)
         remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
@@ -233,10 +237,17 @@ class ProgramRunner:
         ep.consumed += len(suffix)
         return Reply(suffix)
 
-    def _response(self, ep: ProgramEpisode, message: dict, n: int, finish_reason: str) -> dict:
+    def _response(self, ep: ProgramEpisode, message: dict, ids: list[int], finish_reason: str,
+                  logprobs: list[float] | None = None) -> dict:
+        n = len(ids)
+        served = None
+        if logprobs is not None:  # OpenAI's shape: each sampled token with its logprob (the sampler's own)
+            tokens = [self.format.tokenizer.decode([t]) for t in ids]
+            served = {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                                  for s, lp in zip(tokens, logprobs)], "refusal": None}
         return {"id": f"chatcmpl-{ep.id}-{ep.calls}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": served}],
                 "usage": {"prompt_tokens": len(ep.prompt_ids) + ep.consumed - n, "completion_tokens": n,
                           "total_tokens": len(ep.prompt_ids) + ep.consumed}}
 
@@ -279,6 +290,17 @@ class ProgramRunner:
 def agent_reward(agent_returns, **kwargs) -> list[float | None]:
     """The `agent` reward: what each episode's program returned (None: no score from it)."""
     return list(agent_returns)
+
+
+def _logprobs_asked(body: dict) -> bool:
+    """OpenAI's `logprobs` (a bool); `top_logprobs` above 0 is refused: the engine keeps the sampled token's only."""
+    wanted, top = body.get("logprobs") or False, body.get("top_logprobs")
+    if not isinstance(wanted, bool):
+        raise HTTPError(400, f"'logprobs' must be true or false, got {wanted!r}")
+    if top not in (None, 0):
+        raise HTTPError(400, f"top_logprobs={top!r}: the endpoint serves each sampled token's own logprob "
+                             "(logprobs: true), not the alternatives; drop top_logprobs")
+    return wanted
 
 
 def _messages(body: dict) -> list[dict]:

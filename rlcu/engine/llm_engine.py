@@ -56,7 +56,7 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
 
 def as_turn(seq: Sequence) -> Turn:
     """A sequence's turn as it ended: what continuations and `on_finished` are handed."""
-    return Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason)
+    return Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason, list(seq.logprobs))
 
 
 @dataclass

@@ -208,3 +208,41 @@ def test_a_grpo_step_trains_an_agent_program_through_the_endpoint(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="give agent, or tools / environment_factory, not both"):
         GRPOModule(model, tokenizer=tok, agent=echo_target, tools=[len])
+
+
+SERVED: dict[str, list] = {}
+
+
+async def asks_logprobs(endpoint, row):
+    """A plain call and a streamed one with `logprobs: true`; one with top_logprobs, which is refused."""
+    client = endpoint.client()
+    messages = [{"role": "user", "content": row["prompt"]}]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        await client.chat.completions.create(model=endpoint.model, messages=messages, logprobs=True, top_logprobs=2)
+    first = await client.chat.completions.create(model=endpoint.model, messages=messages, logprobs=True)
+    served = [(c.token, c.logprob) for c in first.choices[0].logprobs.content]
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "t20"}]
+    stream = await client.chat.completions.create(model=endpoint.model, messages=messages, stream=True, logprobs=True)
+    served += [(c.token, c.logprob) async for chunk in stream if chunk.choices[0].logprobs
+               for c in chunk.choices[0].logprobs.content]
+    SERVED[row["prompt"]] = served
+    return 1.0
+
+
+def test_logprobs_are_served_as_the_engine_sampled_them(tiny):
+    """OpenAI's `logprobs: true`, plain and streamed: each served token with the sampler's own logprob, the same
+    numbers the rollout records for training."""
+    model, tok = tiny
+    runner = runner_for(ROWS, asks_logprobs, tok)
+    try:
+        sp = SamplingParams(max_tokens=40, max_turn_tokens=5, temperature=1.0, seed=0)
+        out = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(runner.prompt_ids, sp, continuation=runner)
+        runner.record()
+    finally:
+        runner.close()
+    for i, row in enumerate(ROWS):
+        sampled = [(t, lp) for t, lp, m in zip(out.completion_ids[i], out.logprobs[i], out.tool_mask[i]) if m]
+        served = SERVED[row["prompt"]]
+        assert len(served) == len(sampled) == 10
+        assert [t for t, _ in served] == [tok.decode([t]) for t, _ in sampled]
+        assert [lp for _, lp in served] == pytest.approx([lp for _, lp in sampled], abs=1e-6)
