@@ -33,7 +33,8 @@ class AgentOptions:
     @classmethod
     def build(cls, tokenizer, tools=None, environment_factory=None, tool_format_name: str = "template",
               max_tool_calling_iterations: int | None = None, max_completion_length: int = 256,
-              tool_timeout: float | None = 60.0, max_result_chars: int = MAX_RESULT_CHARS) -> "AgentOptions | None":
+              tool_timeout: float | None = 60.0, max_result_chars: int = MAX_RESULT_CHARS,
+              template_kwargs: dict | None = None) -> "AgentOptions | None":
         """The options of a run with tools or environments (None for neither). Tools may be given as
         callables or, from YAML, as import paths ('my_pkg.tools:multiply')."""
         if not tools and environment_factory is None:
@@ -41,8 +42,8 @@ class AgentOptions:
         functions = [_tool(t) for t in tools or []]
         ToolBox(functions)  # checks names and docstrings now, not at the first rollout
         environments = Environments(environment_factory) if environment_factory is not None else None
-        return cls(tool_format(tool_format_name, tokenizer), functions, environments, max_tool_calling_iterations,
-                   max_completion_length, tool_timeout, max_result_chars)
+        return cls(tool_format(tool_format_name, tokenizer, template_kwargs), functions, environments,
+                   max_tool_calling_iterations, max_completion_length, tool_timeout, max_result_chars)
 
 
 def _tool(spec):

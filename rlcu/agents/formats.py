@@ -30,10 +30,11 @@ HERMES_SYSTEM = (
 SENTINELS = ("tool_name_a8f3", "tool_arg_key_b9d4", "tool_arg_val_d6e7", "tool_content_c4f9")
 
 
-def tool_format(name: str, tokenizer) -> "ToolFormat":
+def tool_format(name: str, tokenizer, template_kwargs: dict | None = None) -> "ToolFormat":
+    """`template_kwargs`: extra arguments of the chat template for every render (TRL's chat_template_kwargs)."""
     if name not in FORMATS:
         raise ValueError(f"tool_format must be one of {FORMATS}, got {name!r}")
-    return TemplateFormat(tokenizer) if name == "template" else HermesFormat(tokenizer)
+    return (TemplateFormat if name == "template" else HermesFormat)(tokenizer, template_kwargs)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
@@ -58,10 +59,10 @@ def openai_calls(calls: list[ToolCall]) -> list[dict]:
 
 
 class ToolFormat:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tools and environments need chat prompts, and the tokenizer has no chat template")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
 
     def render(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool) -> str:
         raise NotImplementedError
@@ -100,15 +101,15 @@ class ToolFormat:
 
 
 class TemplateFormat(ToolFormat):
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
+        super().__init__(tokenizer, template_kwargs)
         self.checked = False
 
     def render(self, messages, tools, add_generation_prompt):
         if tools and not self.checked:
             self._check_renders_tools()
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def _check_renders_tools(self) -> None:
         """TRL's test: a user -> assistant(tool call) -> tool conversation must show the call and the result."""
@@ -162,4 +163,5 @@ class HermesFormat(ToolFormat):
             else:
                 out.insert(0, {"role": "system", "content": block})
         out = [{"role": m["role"], "content": m["content"]} for m in out]
-        return self.tokenizer.apply_chat_template(out, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(out, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **self.template_kwargs)

@@ -160,7 +160,8 @@ class GRPOModule(L.LightningModule):
             if tools or environment_factory is not None:
                 raise ValueError("agent runs its own tools and environment: give agent, or tools / "
                                  "environment_factory, not both")
-            self.agent, self.program = None, (load_program(agent), tool_format(limits.tool_format, self.tokenizer))
+            fmt = tool_format(limits.tool_format, self.tokenizer, self.options.sampling.chat_template_kwargs)
+            self.agent, self.program = None, (load_program(agent), fmt)
             if isinstance(rewards, tuple) and rewards == ("math_answer",):
                 rewards = []  # left at the default: the program's returns are the reward
             return resolve_rewards(rewards, reward_weights, [BoundReward(agent_reward, "agent", 1.0)],
@@ -168,11 +169,15 @@ class GRPOModule(L.LightningModule):
         self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, limits.tool_format,
                                         limits.max_tool_calling_iterations,
                                         self.options.sampling.max_completion_length, limits.tool_timeout,
-                                        limits.tool_result_max_chars)
+                                        limits.tool_result_max_chars, self.options.sampling.chat_template_kwargs)
         environments = self.agent.environments if self.agent else None
         environment_rewards = [BoundReward(fn, name, 1.0) for name, fn in (environments.rewards() if environments
                                                                              else [])]
-        return resolve_rewards(rewards, reward_weights, environment_rewards, processing_classes)
+        bound = resolve_rewards(rewards, reward_weights, environment_rewards, processing_classes)
+        for reward in bound:  # TRL renders reward models' conversations with the run's chat_template_kwargs too
+            if isinstance(reward.fn, RewardModel):
+                reward.fn.template_kwargs = dict(self.options.sampling.chat_template_kwargs or {})
+        return bound
 
     def _rollout_backend(self, spec, lora: bool):
         """The rollout backend, checked once against what the run asks of it (its declared capabilities), and the

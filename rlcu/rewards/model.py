@@ -38,6 +38,7 @@ class RewardModel:
         model.config.pad_token_id = tokenizer.pad_token_id
         self.model, self.tokenizer, self.batch_size = model.eval().requires_grad_(False), tokenizer, batch_size
         self.name = source.rstrip("/").split("/")[-1] or type(model).__name__
+        self.template_kwargs: dict = {}  # extra chat-template arguments (a GRPO run's chat_template_kwargs)
 
     def to(self, device) -> "RewardModel":
         self.model.to(device)
@@ -45,7 +46,8 @@ class RewardModel:
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         if prompts and isinstance(prompts[0], list):  # conversations: the reward model's own template
-            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+            return [self.tokenizer.apply_chat_template(p + c, tokenize=False, **self.template_kwargs)
+                    for p, c in zip(prompts, completions)]
         return [p + c for p, c in zip(prompts, completions)]
 
     @torch.inference_mode()

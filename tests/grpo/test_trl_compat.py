@@ -94,6 +94,45 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
                        chat_template_kwargs={"enable_thinking": False}).encode(prompt, 0)
     assert quiet == plain + tok.convert_tokens_to_ids(["t9"])
 
+    # the tool format of episodes and of agent programs renders with them too, as TRL's tool loop does
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    for tools_or_agent in ({"tools": [add], "tool_format": "hermes"},
+                           {"agent": "tests.agents.test_programs:three_calls", "tool_format": "hermes"}):
+        module = GRPOModule(model, tokenizer=tok, num_generations=2, chat_template_kwargs={"enable_thinking": False},
+                            **tools_or_agent)
+        fmt = module.agent.format if module.agent is not None else module.program[1]
+        assert fmt.prompt_ids(prompt, None) == quiet
+
+
+def test_reward_models_render_with_the_runs_chat_template_kwargs(tmp_path):
+    """TRL applies chat_template_kwargs to a reward model's template as well."""
+    import transformers
+
+    from rlcu.models import load_model
+    from rlcu.rewards.model import RewardModel
+    from tests.helpers import tiny_hf_folder
+
+    template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}t9{% endif %}")
+    model, tok = load_model(tiny_hf_folder(tmp_path / "p", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8, chat_template=template))
+    scorer = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_labels=1, pad_token_id=30))
+    module = GRPOModule(model, tokenizer=tok, num_generations=2, reward_funcs=[scorer], reward_processing_classes=[tok],
+                        chat_template_kwargs={"enable_thinking": False})
+    reward = next(r.fn for r in module.rewards if isinstance(r.fn, RewardModel))
+    texts = reward.texts([[{"role": "user", "content": "t1"}]], [[{"role": "assistant", "content": "t2"}]])
+    assert texts == ["t1 t2 t9"]
+
 
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tiny, tmp_path):
     module = make(tiny, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
