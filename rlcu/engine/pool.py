@@ -63,4 +63,7 @@ def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int 
         raise ValueError(f"the recurrent state of {sum(1 + s.pending_forks for s in parents)} sequences "
                          f"({state_bytes / 2**30:.1f} GiB) does not fit in memory_fraction={config.memory_fraction} "
                          "of free memory: raise memory_fraction or generate fewer sequences at once")
-    return max(1, min(want, budget // bytes_per_block(model, bs, config.kv_cache_dtype)))
+    per_block = bytes_per_block(model, bs, config.kv_cache_dtype)
+    if per_block == 0:  # no attention layer (a hybrid of linear-attention layers only): blocks cost nothing
+        return max(1, want)
+    return max(1, min(want, budget // per_block))

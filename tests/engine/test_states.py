@@ -105,3 +105,12 @@ def test_decode_through_the_triton_step_kernel_under_the_interpreter(model, monk
     monkeypatch.setattr(gd, "use_triton", lambda t: True)  # the step kernel only: attention stays on PyTorch
     close(LLMEngine(model).generate(prompts, sampled()), want)
     assert calls and max(calls) == len(prompts)
+
+
+def test_a_model_of_linear_attention_layers_only_has_no_kv_to_hold(tmp_path):
+    """No attention layer at all: the pool's blocks cost nothing, the states carry everything."""
+    model = load_model(tiny_hf_folder(tmp_path, "qwen3_5_text", layers=3, layer_types=["linear_attention"]))[0]
+    assert model.config.attention_layers == []
+    out = LLMEngine(model, EngineConfig(max_num_batched_tokens=11, max_num_seqs=4)).generate(LONG + [LONG[0]] * 2,
+                                                                                             sampled())
+    assert logprob_gaps(model, out).max() < 1e-4
