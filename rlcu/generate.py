@@ -83,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--top_k", type=int, default=0)
     p.add_argument("--min_p", type=float, default=0.0)
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or completion (vLLM's meaning; 1.0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -115,7 +117,8 @@ def run(argv: list[str]) -> Path:
                              f"it passes the model's context of {context}; shorten it or lower --max_tokens")
     stops = eos_token_ids(model.config, tok)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, min_p=args.min_p, stop_token_ids=stops, seed=args.seed)
+                              top_k=args.top_k, min_p=args.min_p, stop_token_ids=stops, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty)
     start = time.perf_counter()
     requests = [ids for ids in prompt_ids for _ in range(args.n)]
     progress = Progress(len(requests))

@@ -29,6 +29,13 @@ def test_generate_writes_completions_matching_the_reference_backend(tmp_path, ti
     assert all(len(r["logprobs"]) == len(r["completion_ids"]) for r in rows)
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)
     assert rows[0]["completion"] == tok.decode(rows[0]["completion_ids"], skip_special_tokens=True)
+    penalized = tmp_path / "r.jsonl"
+    cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(penalized), "--max_tokens",
+              "6", "--repetition_penalty", "1.5"])
+    got = [json.loads(line)["completion_ids"] for line in penalized.read_text().splitlines()]
+    want = reference_generate(model, [rows[0]["prompt_ids"], rows[2]["prompt_ids"]],
+                              SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[63], repetition_penalty=1.5))
+    assert got == want.completion_ids
 
 
 def test_generate_bad_input_names_the_line(tmp_path, tiny, capsys):
