@@ -46,8 +46,8 @@ class StatePool:
     def read(self, layer_idx: int, cu: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor | None,
              decode: bool) -> Segments:
         """The states of the sequences at `slots` before this step; `fresh` [N] (bool, or None: none is): those
-        starting at their first token, from zeros whatever their slot holds. A decode step's delta-rule states stay in
-        the pool, which the layer updates in place."""
+        starting at their first token, from zeros whatever their slot holds. A decode step's states (windows and
+        matrices) stay in the pool, which the layer updates in place."""
         i = self.index[layer_idx]
         if decode and fresh is None:
             return Segments(cu, decode=True, pool=self.matrix[i], conv_pool=self.conv[i], slots=slots)
