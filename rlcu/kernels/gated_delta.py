@@ -68,16 +68,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, window:
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`causal_conv` for one token a sequence: x [N, C], weight [C, K], window [N, C, K - 1] -> (out [N, C], the
-    window shifted by x). Fixed shapes and no host reads: a CUDA graph captures it."""
-    w = weight.to(x.dtype)
+    window shifted by x). The sum in fp32, rounded to x's dtype before SiLU, as the training forward's convolution
+    rounds. Fixed shapes and no host reads: a CUDA graph captures it."""
     full = torch.cat([window.to(x.dtype), x[..., None]], dim=-1)  # [N, C, K]
-    return F.silu((full * w).sum(-1)), full[..., 1:]
+    return F.silu((full.float() * weight.float()).sum(-1).to(x.dtype)), full[..., 1:]
 
 
 def causal_conv_step_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`causal_conv_step` on windows that live in `pool` [S, C, K - 1] at `slots` [N], shifted there in place:
-    x [N, C] (rows at any stride) -> out [N, C]. The sum in fp32, rounded to x's dtype before SiLU, as the
-    convolution of the training forward rounds."""
+    x [N, C] (rows at any stride) -> out [N, C], rounded as `causal_conv_step` rounds."""
     if use_triton(pool):
         n, c = x.shape
         if x.stride(-1) != 1:
@@ -88,11 +87,9 @@ def causal_conv_step_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
         _conv_step_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots, out, x.stride(0), c, k,
                                                          BLOCK_C=block_c, BLOCK_K=next_pow2(k))
         return out
-    window = pool[slots]
-    full = torch.cat([window.to(x.dtype), x[..., None]], dim=-1)
-    pre = (full.float() * weight.float()).sum(-1).to(x.dtype)
-    pool.index_copy_(0, slots, full[..., 1:].to(pool.dtype))
-    return F.silu(pre)
+    out, window = causal_conv_step(x, weight, pool[slots])
+    pool.index_copy_(0, slots, window.to(pool.dtype))
+    return out
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -135,13 +132,16 @@ def gated_delta_rule(q, k, v, g, beta, cu: torch.Tensor, state: torch.Tensor | N
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
         if needs_grad and not fla_backward_sound(q.device):
             return _FlaForwardTorchBackward.apply(q, k, v, g, beta, cu, state)
-        chunked, recurrent = fla_ops()
-        op = recurrent if decode else chunked
-        init = None if state is None else state.float()
-        o, final = op(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), initial_state=init,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
-        return o[0].to(v.dtype), final.float()
+        return _fla(fla_ops()[1 if decode else 0], q, k, v, g, beta, cu, state)
     return _chunked_torch(q, k, v, g, beta, cu, state)
+
+
+def _fla(op, q, k, v, g, beta, cu, state):
+    """One of fla's gated delta rules over the flat row (its batch of one, `cu_seqlens`), q/k normalised inside."""
+    init = None if state is None else state.float()
+    o, final = op(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), initial_state=init,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+    return o[0].to(v.dtype), final.float()
 
 
 @functools.cache
@@ -160,12 +160,8 @@ class _FlaForwardTorchBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu, state):
-        chunked = fla_ops()[0]
-        init = None if state is None else state.float()
-        o, final = chunked(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), initial_state=init,
-                           output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
         ctx.save_for_backward(q, k, v, g, beta, cu, state)
-        return o[0].to(v.dtype), final.float()
+        return _fla(fla_ops()[0], q, k, v, g, beta, cu, state)
 
     @staticmethod
     def backward(ctx, grad_o, grad_final):
