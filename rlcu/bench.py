@@ -207,6 +207,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--reward_wait_ms", type=float, default=0.0,
                    help="the reward also waits this many ms a completion, not holding the interpreter (a sandbox's "
                         "subprocess, a judge behind HTTP)")
+    s.add_argument("--lengths", choices=("model", "lognormal"), default="model",
+                   help="lognormal: each sample ends at a length drawn from a log-normal of median new_tokens / 8 and "
+                        "sigma 1, capped at new_tokens (a reasoning run's long tail; the random model's token there "
+                        "becomes a stop token); model: where the model stops (see --stop_tokens)")
+    s.add_argument("--streaming", action="store_true", help="streaming GRPO (the module's streaming=True)")
+    s.add_argument("--max_staleness", type=int, default=4, help="with --streaming (the module's option)")
+    s.add_argument("--max_inflight_tasks", type=int, default=-1, help="with --streaming (the module's option)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
                    help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
@@ -342,7 +349,10 @@ def bench_step(args) -> dict:
     device = f"cuda:{rank}" if args.device == "cuda" and args.devices > 1 else args.device
     model, tok = build_model(args.model, device, args.dtype)
     total_steps = args.steps + (1 if args.profile else 0)
-    prompts = random_prompt_ids(args.prompts * total_steps, args.prompt_len, model.config.vocab_size)
+    # streaming reads ahead: the batches that fill the stream come on top of the steps
+    ahead = max(args.max_staleness, 1) if args.streaming else 1
+    ahead = max(ahead, -(-args.max_inflight_tasks // (args.prompts * args.generations))) if args.streaming else ahead
+    prompts = random_prompt_ids(args.prompts * (total_steps + ahead), args.prompt_len, model.config.vocab_size)
     rows = [{"prompt": tok.decode(p)} for p in prompts]
 
     def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
@@ -360,8 +370,12 @@ def bench_step(args) -> dict:
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
                         peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype,
                         optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs,
-                        score_during_generation=args.score_during_generation)
+                        score_during_generation=args.score_during_generation, streaming=args.streaming,
+                        max_staleness=args.max_staleness, max_inflight_tasks=args.max_inflight_tasks)
     module.stop_token_ids = list(range(args.stop_tokens))  # by default none: full length, as the peers force it
+    if args.lengths == "lognormal":
+        module.stop_token_ids = [0]
+        planned_lengths(args.new_tokens)
     steps: list[dict] = []
     profile: dict = {}
 
@@ -374,9 +388,17 @@ def bench_step(args) -> dict:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             _sync(args.device)
+            if trainer.global_step == len(steps):  # streaming's first batches fill the stream: no step yet
+                self.filling = getattr(self, "filling", 0.0) + time.perf_counter() - self.start
+                return
             m = trainer.callback_metrics
             steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"]) for k in PHASES
                                                                        if f"timing/{k}" in m}))
+            steps[-1]["tokens"] = float(m["num_tokens"])
+            if "streaming/decode_batch_mean" in m:
+                steps[-1].update(staleness=float(m["streaming/staleness_mean"]),
+                                 dropped=float(m["streaming/dropped_stale"]),
+                                 decode_batch=float(m["streaming/decode_batch_mean"]))
             steps[-1]["mean_length"] = float(m["completions/mean_length"])
             steps[-1]["clipped_ratio"] = float(m["completions/clipped_ratio"])  # the share that reached new_tokens
             if "logprob_mismatch/max" in m:
@@ -400,12 +422,13 @@ def bench_step(args) -> dict:
     trainer = L.Trainer(max_steps=total_steps, accelerator="gpu" if args.device.startswith("cuda") else "cpu",
                         devices=args.devices, strategy=args.strategy, precision="32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Timer()])
+                        callbacks=[timer := Timer()])
     trainer.fit(module, DataLoader(rows, batch_size=args.prompts // args.devices, collate_fn=collate_rows))
     if not trainer.is_global_zero:
         return None  # rank 0 reports (its memory, its timings: the ranks wait for each other at every step)
     steps = steps[:args.steps]  # without the profiled one
-    steady = steps[1:] or steps
+    # streaming's first steps train on groups the stream decoded while it filled: steady from the first step after
+    steady = steps[ahead if args.streaming else 1:] or steps
     mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", *PHASES) if k in steady[0]}
     peaks = {k: round(max(s.get(k, float("nan")) for s in steps), 1) for k in ("peak_generate_GB", "peak_train_GB")}
     return dict(bench="step", model=args.model, path="native" if module.policy.native else "fallback",
@@ -417,7 +440,15 @@ def bench_step(args) -> dict:
                 optimizer_offload=args.optimizer_offload, kv_cache_dtype=args.kv_cache_dtype,
                 exact_logprobs=args.exact_logprobs, devices=args.devices, strategy=args.strategy,
                 score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,
-                reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms,
+                reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms, lengths=args.lengths,
+                streaming=args.streaming, max_staleness=args.max_staleness,
+                max_inflight_tasks=args.max_inflight_tasks, fill_seconds=round(getattr(timer, "filling", 0.0), 2),
+                # trained completion tokens per second of the steady steps (after the first)
+                trained_tokens_per_s=round(sum(s["tokens"] for s in steady) / sum(s["total"] for s in steady), 1),
+                **({"staleness_mean": round(sum(s["staleness"] for s in steady) / len(steady), 2),
+                    "dropped_stale": sum(s["dropped"] for s in steps),
+                    "decode_batch_mean": round(sum(s["decode_batch"] for s in steady) / len(steady), 1)}
+                   if args.streaming else {}),
                 mean_length=round(sum(s["mean_length"] for s in steady) / len(steady), 1),
                 clipped_ratio=round(sum(s["clipped_ratio"] for s in steady) / len(steady), 3),
                 step_seconds=[round(s["total"], 2) for s in steps], steady=mean,
@@ -426,6 +457,24 @@ def bench_step(args) -> dict:
                 logprob_mismatch_mean=max((s.get("mismatch_mean", float("nan")) for s in steps), default=float("nan")),
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
+
+
+def planned_lengths(new_tokens: int, sigma: float = 1.0) -> None:
+    """A reasoning run's lengths on a random model, which never stops on its own: each sample ends (its token
+    becomes stop token 0) at a length drawn from a log-normal of median new_tokens / 8, capped at new_tokens, by
+    its seed and its place in its submission, the same in the synchronous and the streaming step."""
+    from rlcu.engine.scheduler import Scheduler
+
+    postprocess = Scheduler.postprocess
+
+    def planned(self, seqs, tokens, logprobs):
+        for i, seq in enumerate(seqs):
+            draw = random.Random(hash(seq.draw_key(0)[:2])).lognormvariate(math.log(new_tokens / 8), sigma)
+            if seq.num_completion_tokens + 1 >= min(new_tokens, max(1, round(draw))):
+                tokens[i] = 0
+        return postprocess(self, seqs, tokens, logprobs)
+
+    Scheduler.postprocess = planned
 
 
 def busy(seconds: float) -> None:

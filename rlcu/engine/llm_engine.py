@@ -107,6 +107,8 @@ class LLMEngine:
         self.stats: dict[str, int] = {}
         self._said_no_shared_prefix = False
         self._should_stop: Callable[[], bool] | None = None  # the generate() in progress's
+        self.stream = None  # an open EngineStream (engine/stream.py), which holds the scheduler between its runs
+        self._pausing = False  # no decode step is launched ahead: the stream is about to hand the GPU to training
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None, on_finished: Callable[[Turn], None] | None = None,
@@ -117,8 +119,10 @@ class LLMEngine:
         asked every STOP_CHECK_STEPS steps; when it says yes, GenerationInterrupted ends the rollout."""
         # never inference tensors, even when called from Lightning's validation loop: a kept pool is
         # written again by later rollouts outside inference mode
+        if self.stream is not None:
+            raise RuntimeError("a stream is open on this engine (streaming GRPO): close it before generate()")
         with torch.inference_mode(False), torch.no_grad():
-            parents = self._requests(prompt_token_ids, sampling)
+            parents = self._requests(prompt_token_ids, sampling, 0, sampling.seed)
             slots = len(prompt_token_ids) if self.model.config.linear_layers else 0
             state_bytes = slots * bytes_per_slot(self.model.config, self.model.compute_dtype()) if slots else 0
             self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held(), state_bytes),
@@ -135,6 +139,9 @@ class LLMEngine:
 
     def release(self, force: bool = False) -> None:
         """Free the KV pool and the CUDA graphs (unless release_memory is off); the next generate() takes them again."""
+        if self.stream is not None:  # its sequences are recomputed when it runs again
+            self.stream.release(force)
+            return
         if not (self.config.release_memory or force):
             return
         self.runner = None
@@ -152,7 +159,7 @@ class LLMEngine:
         owners, rows = (seqs, None) if decode_only else self.scheduler.fork_prefilled(seqs)
         tokens, logprobs = self.runner.sample(logits, owners, rows, self._sampling, self._seed)
         host_tokens, host_logprobs, ready = to_host(tokens, logprobs)  # on CUDA: written once `ready`
-        if decode_only and not self.scheduler.waiting and self.config.lookahead:
+        if decode_only and not self.scheduler.waiting and self.config.lookahead and not self._pausing:
             self._ahead = self._launch_ahead(owners, tokens)  # the GPU computes it while the host goes on
             self._lookahead_steps += self._ahead is not None
         if ready is not None:
@@ -235,9 +242,11 @@ class LLMEngine:
         bm.pending_state_copies.clear()
 
     # ---- set-up and result ---------------------------------------------------------------------------
-    def _requests(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[Sequence]:
+    def _requests(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, first: int = 0,
+                  seed: int | None = None) -> list[Sequence]:
         """One sequence per run of adjacent identical prompts: prefilled once, then forked. A family never
-        outgrows max_num_seqs, the largest batch a decode step (and its graph) holds."""
+        outgrows max_num_seqs, the largest batch a decode step (and its graph) holds. `first`: the request index
+        of the first prompt (a stream's submissions follow each other), `seed`: the submission's own."""
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         stops = frozenset(sampling.stop_token_ids)
@@ -247,8 +256,8 @@ class LLMEngine:
             if same and parents[-1].pending_forks + 1 < self.config.max_num_seqs:
                 parents[-1].pending_forks += 1
                 continue
-            parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=i,
-                                    turn_limit=sampling.max_turn_tokens or 0))
+            parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=first + i,
+                                    turn_limit=sampling.max_turn_tokens or 0, seed=seed, first_request=first))
         return parents
 
     def _pool_bytes_held(self) -> int:
@@ -279,8 +288,8 @@ class LLMEngine:
         self.runner.param_addresses = addresses
 
     def _start(self, parents: list[Sequence], sampling: SamplingParams, episodes: bool = False,
-               on_finished: Callable[[Turn], None] | None = None) -> None:
-        bm = BlockManager(self.runner.k_cache.shape[1], self.config.block_size)
+               on_finished: Callable[[Turn], None] | None = None, num_blocks: int | None = None) -> None:
+        bm = BlockManager(num_blocks or self.runner.k_cache.shape[1], self.config.block_size)
         on_end = None if on_finished is None else (lambda seq: on_finished(as_turn(seq)))
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end)

@@ -74,7 +74,7 @@ class ModelRunner:
         """Each owner's next token and its logprob. Each draw is seeded by (run seed, request, token index):
         reproducible whatever the batching. `rows`: which logits row each owner samples from, when forks share
         their parent's."""
-        seeds = to_device([hash((seed, s.request_index, s.num_completion_tokens)) & (2**62 - 1) for s in owners],
+        seeds = to_device([hash(s.draw_key(seed)) & (2**62 - 1) for s in owners],
                           self.device)
         if rows is not None and rows != list(range(len(logits))):
             logits = logits[to_device(rows, self.device)]

@@ -42,6 +42,7 @@ class Scheduler:
         self.parked: list[Sequence] = []  # turn ended, waiting for the continuation's reply
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens computed by prefill chunks (prompts, appended tokens, recomputes)
+        self.version = 0  # the policy version the next sampled tokens are drawn under (streaming GRPO's)
 
     def add(self, seq: Sequence) -> None:
         worst = blocks_for(seq.num_prompt_tokens + seq.max_tokens, self.bm.block_size)
@@ -154,7 +155,7 @@ class Scheduler:
         episodes park them. Returns the sequences parked now."""
         stops, parked = self.stop_strings, []
         for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.append(token, logprob)
+            seq.append(token, logprob, self.version)
             if seq.finish_reason is None and stops and stops.hit(seq.completion_token_ids):
                 seq.finish_reason = "stop"
             if seq.finish_reason is None:

@@ -35,6 +35,11 @@ class Sequence:
     pending_forks: int = 0  # samples still to fork from this sequence once its prompt is prefilled
     turn_limit: int = 0  # completion tokens at which the current turn ends ("length"); 0: max_tokens
     appended: list[tuple[int, int]] = field(default_factory=list)  # [start, end) completion spans not sampled
+    versions: list[int] = field(default_factory=list)  # the policy version each sampled token was drawn under
+    # a stream's requests draw from their own submission's seed, numbered from its first request, as they would
+    # in a rollout of that submission alone (None: the rollout's seed, numbered from 0)
+    seed: int | None = None
+    first_request: int = 0
 
     def __post_init__(self):
         self.turn_limit = min(self.turn_limit or self.max_tokens, self.max_tokens)
@@ -54,9 +59,10 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, token: int, logprob: float, version: int = 0) -> None:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(version)
         if token in self.stop_token_ids:
             self.finish_reason = "stop"
         elif self.num_completion_tokens >= self.turn_limit:
@@ -85,4 +91,10 @@ class Sequence:
         return Sequence(list(self.token_ids), self.num_prompt_tokens, self.max_tokens, self.stop_token_ids,
                         self.request_index, status=self.status, block_table=list(self.block_table),
                         num_computed_tokens=self.num_computed_tokens, logprobs=list(self.logprobs),
-                        turn_limit=self.turn_limit, appended=list(self.appended))
+                        turn_limit=self.turn_limit, appended=list(self.appended), versions=list(self.versions),
+                        seed=self.seed, first_request=self.first_request)
+
+    def draw_key(self, seed: int) -> tuple[int, int, int]:
+        """What the next token's random draw depends on: (seed, request within its submission, token index)."""
+        own = self.seed if self.seed is not None else seed
+        return own, self.request_index - self.first_request, self.num_completion_tokens

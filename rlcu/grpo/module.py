@@ -50,6 +50,7 @@ from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW
 from rlcu.grpo.options import Options, check_against_model, signature, trl_alias
 from rlcu.grpo.score_phase import Scoring
+from rlcu.grpo.streaming import Streamer
 from rlcu.grpo.update import Update
 from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
@@ -124,6 +125,27 @@ class GRPOModule(L.LightningModule):
         self.scoring = Scoring(opts, self.rewards, self.tokenizer, self.advantage_estimator, host=self)
         self.update_phase = Update(opts, self.policy, self.ref_model, self.loss_kind, self.numerics, self.counters,
                                    self, self.rollout.on_weights_updated, self._fault)
+        self.streamer = self._streamer() if opts.streaming.streaming else None
+
+    def _streamer(self) -> Streamer:
+        """Streaming GRPO (`streaming.py`): the rollout stream stays open across steps, on the run's sampling."""
+        s, st = self.options.sampling, self.options.streaming
+        if self.agent is not None or self.program is not None:
+            raise ValueError("streaming runs single-turn completions; episodes (tools, environment_factory, agent) "
+                             "run synchronously: set streaming=false")
+        if self.options.model.score_during_generation:
+            raise ValueError("streaming scores each step's groups when it takes them; score_during_generation is "
+                             "for the synchronous rollout: set one of them to false")
+        require(self.rollout, "streaming", "streaming", "use rollout: native, or set streaming=false")
+
+        def open_stream(max_sequences: int):
+            if is_sharded(self.policy):
+                raise ValueError("streaming keeps the rollout open across steps, which FSDP's gather per rollout does "
+                                 "not: train with DDP, or set streaming=false")
+            return self.rollout.open_stream(self.sampling_params(), max_sequences, s.max_prompt_length)
+
+        return Streamer(open_stream, self.encode_rows, s.num_generations, st.max_staleness, st.max_inflight_tasks,
+                        seed=lambda batch: s.seed * 1_000_003 + batch * 7919 + self.global_rank)
 
     @classmethod
     def from_trl(cls, config, **arguments) -> "GRPOModule":
@@ -317,10 +339,22 @@ class GRPOModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rlcu_counters"] = asdict(self.counters)
+        if self.streamer is not None:  # the prompts admitted and not trained: submitted again on resume
+            checkpoint["rlcu_stream"] = self.streamer.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         for name, value in checkpoint.get("rlcu_counters", {}).items():  # in place: the update phase holds them
             setattr(self.counters, name, value)
+        if self.streamer is not None and "rlcu_stream" in checkpoint:
+            self.streamer.load_state_dict(checkpoint["rlcu_stream"])
+
+    def on_validation_start(self) -> None:
+        if self.streamer is not None:  # evaluation generates on the engine; the pending prompts go in again after
+            self.streamer.close()
+
+    def on_train_end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
 
     def validation_step(self, batch, batch_idx):
         rows = as_rows(batch)
@@ -331,6 +365,8 @@ class GRPOModule(L.LightningModule):
     # ---- one GRPO step ---------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         rows = as_rows(batch)
+        if self.streamer is not None:
+            return self._streaming_step(rows)
         self.scoring.new_step()
         t0 = self._now()
         self._peak_memory_gb()  # starts the generate phase's window
@@ -338,15 +374,44 @@ class GRPOModule(L.LightningModule):
             with record_function("rlcu/generate"):  # the phases, for `rlcu bench step --profile`
                 rollout = self._rollout(rows, scorer)
             t1 = self._now()
-            memory = {"memory/generate_GB": self._peak_memory_gb()}
             early = {} if scorer is None else {"scored_during_generation": scorer.rows_scored / len(rollout.batch)}
-            try:
-                with record_function("rlcu/score"):
-                    scored, grpo_batch, keep, metrics = self.scoring(rows, rollout, scorer)
-            except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
-                self._log_metrics(self._fault(str(e)))
-                return None
-        metrics.update(early)
+            self._score_and_update(rows, rollout, scorer, (t0, t1), early)
+        return None
+
+    def _streaming_step(self, rows: list[dict]):
+        """Streaming GRPO: admit the rows; once the stream is full, train on the groups that finished first."""
+        t0 = self._now()
+        self._peak_memory_gb()
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with record_function("rlcu/generate"):
+                taken = self.streamer.step(rows, self.global_step, self.stop_requested)
+        except GenerationInterrupted as e:
+            log.warning("%s; stopping", e)
+            raise SIGTERMException from e
+        finally:
+            self.rollout.release()  # the sequences in flight are recomputed after the update (release_memory)
+            self.policy.train(was_training)
+        if taken is None:  # the stream fills: no optimizer step yet
+            return None
+        self.scoring.new_step()
+        self._score_and_update(taken.rows, taken.sampled, None, (t0, self._now()), taken.metrics)
+        self.streamer.updated(self.global_step)
+        return None
+
+    def _score_and_update(self, rows: list[dict], rollout: Sampled, scorer: EarlyScorer | None,
+                          times: tuple[float, float], metrics: dict[str, float]) -> None:
+        """The score and update phases of a step whose rollout took `times` (start, end)."""
+        t0, t1 = times
+        memory = {"memory/generate_GB": self._peak_memory_gb()}
+        try:
+            with record_function("rlcu/score"):
+                scored, grpo_batch, keep, step_metrics = self.scoring(rows, rollout, scorer)
+        except NonFiniteReward as e:  # a numerical fault: this batch teaches nothing trustworthy
+            self._log_metrics(self._fault(str(e)))
+            return
+        metrics = {**step_metrics, **metrics}
         t2 = self._now()
         with record_function("rlcu/train"):
             metrics.update(self.update_phase(grpo_batch, keep) if keep.any() else self._skip())
@@ -361,7 +426,6 @@ class GRPOModule(L.LightningModule):
         metrics.update({f"timing/{k}": v for k, v in self._sharding_times.items()})
         self._log_metrics(metrics)
         self.last_rollout = scored
-        return None
 
     def _sync_reference(self) -> None:
         """TRL's `sync_ref_model` (TR-DPO): every ref_model_sync_steps optimizer steps, the reference moves toward
@@ -390,9 +454,7 @@ class GRPOModule(L.LightningModule):
         if self.program is not None:
             return self._sample_programs(rows, g, sampling)
         if self.agent is None:
-            prompt_ids = [self.fit_prompt(ids, i)
-                          for i, ids in enumerate(encode_prompts(self.tokenizer, [r["prompt"] for r in rows],
-                                                                 self.options.sampling.chat_template_kwargs))]
+            prompt_ids = self.encode_rows(rows)
             return Sampled(self.generate([ids for ids in prompt_ids for _ in range(g)], sampling,
                                          on_finished=on_finished))
         trainer = self._attached_trainer()
@@ -438,6 +500,11 @@ class GRPOModule(L.LightningModule):
         finally:
             self.rollout.release()
             self.policy.train(was_training)
+
+    def encode_rows(self, rows: list[dict]) -> list[list[int]]:
+        """The rows' prompts' token ids, each fitted to max_prompt_length."""
+        return [self.fit_prompt(ids, i) for i, ids in enumerate(encode_prompts(
+            self.tokenizer, [r["prompt"] for r in rows], self.options.sampling.chat_template_kwargs))]
 
     def encode(self, prompt, index: int) -> list[int]:
         """A prompt's token ids; one over max_prompt_length is an error or keeps its end (long_prompts)."""

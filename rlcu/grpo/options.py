@@ -306,8 +306,24 @@ class AgentLimits(OptionGroup):
                                                           "is cut, with a note, before tokenizing", minimum=1)
 
 
+@dataclass(frozen=True)
+class StreamingOptions(OptionGroup):
+    title: ClassVar[str] = "streaming"
+    streaming: bool = option(False, "the rollout never drains: each step trains on the groups that finished first "
+                                    "while the others decode on, across optimizer steps (docs/streaming.md)")
+    max_staleness: int = option(4, "streaming: optimizer steps a sample's oldest token may lag the policy it trains "
+                                   "(TRL's AsyncGRPOTrainer's); groups with an older sample are dropped", minimum=0)
+    max_inflight_tasks: int = option(-1, "streaming: samples in flight, in whole steps (TRL's; -1: max(max_staleness, "
+                                         "1) steps' worth)", minimum=-1)
+
+    def check(self) -> None:
+        if self.max_inflight_tasks == 0:
+            raise ValueError("max_inflight_tasks must be -1 (auto) or at least 1, got 0")
+
+
 GROUPS: tuple[type[OptionGroup], ...] = (SamplingOptions, LossOptions, CorrectionOptions, EntropyOptions,
-                                         OptimizerOptions, ModelOptions, EvaluationOptions, FaultOptions, AgentLimits)
+                                         OptimizerOptions, ModelOptions, EvaluationOptions, FaultOptions, AgentLimits,
+                                         StreamingOptions)
 
 
 @dataclass(frozen=True)
@@ -322,6 +338,7 @@ class Options:
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
     faults: FaultOptions = field(default_factory=FaultOptions)
     agents: AgentLimits = field(default_factory=AgentLimits)
+    streaming: StreamingOptions = field(default_factory=StreamingOptions)
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any]) -> "Options":

@@ -296,6 +296,16 @@ RULES: dict[str, Rule] = {
     "use_transformers_continuous_batching": noop("rlcu's engine batches continuously over a paged cache", False),
     "transformers_continuous_batching_config": noop("rlcu's engine batches continuously", None),
     "use_transformers_paged": noop("rlcu's engine is paged", False),
+    # ---- AsyncGRPOConfig's own fields (TRL's asynchronous trainer: any of them, or that class, means streaming=True)
+    "max_staleness": to_model(4), "max_inflight_tasks": to_model(-1),
+    "queue_maxsize": noop("finished groups wait in the rollout stream, at most max_inflight_tasks samples", 1024),
+    "weight_sync_steps": noop("the sampler reads the trainer's parameters: each optimizer step reaches it at once, "
+                              "at no cost", 1),
+    "heartbeat_stale_after_s": noop("the rollout runs in the trainer's process: no worker to watch", 300.0),
+    "request_timeout": noop(VLLM, 600), "weight_sync_timeout": noop(VLLM, 1800),
+    "token_budget": noop("micro_batch_size (and packing) bound what one forward holds", None),
+    "fork_threshold_tokens": noop("episodes keep their sampled tokens as they were drawn: nothing is re-tokenized",
+                                  1024),
     # ---- transformers' TrainingArguments (TRL's defaults where GRPOConfig changes them)
     "output_dir": Rule("trainer", "default_root_dir", None), "per_device_train_batch_size": custom(_batch, 8),
     "gradient_accumulation_steps": custom(lambda *a: None, 1),
@@ -432,14 +442,31 @@ def _default_object(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type) and value == type(value)()
 
 
+ASYNC_FIELDS = {"max_staleness", "max_inflight_tasks", "queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s"}
+# where AsyncGRPOConfig's defaults differ from GRPOConfig's (a mapping with its fields takes these)
+ASYNC_DEFAULTS = {"lr_scheduler_type": "constant", "logging_steps": 1, "ignore_data_skip": True,
+                  "remove_unused_columns": True, "max_completion_length": 2048,
+                  "vllm_server_base_url": "http://localhost:8000"}
+
+
 def translate(config: Any, world_size: int = 1) -> Translation:
-    """rlcu's configuration of a TRL GRPO config (a `GRPOConfig`, or its fields as a `trl grpo` YAML gives them)."""
+    """rlcu's configuration of a TRL GRPO config (a `GRPOConfig` or `AsyncGRPOConfig`, or its fields as a `trl grpo`
+    YAML gives them)."""
+    asynchronous = type(config).__name__ == "AsyncGRPOConfig" or (isinstance(config, Mapping)
+                                                                  and bool(set(config) & ASYNC_FIELDS))
+    if asynchronous and isinstance(config, Mapping):
+        config = {**ASYNC_DEFAULTS, **config}
     values, given = values_of(config)
+    if asynchronous:  # AsyncGRPOConfig sets its own accelerate batching (split and dispatch), not the user's choice
+        given.discard("accelerator_config")
     unknown = sorted(set(values) - set(RULES))
     if unknown:
         raise ValueError(f"unknown TRL field {unknown[0]!r} (TRL 1.16's GRPOConfig and `trl grpo` arguments are "
                          "known); remove it or check its spelling")
     t, v = Translation(), dict(values, world_size=world_size)
+    if asynchronous:
+        t.model["streaming"] = True
+        t.lines.append("TRL's asynchronous trainer (AsyncGRPOConfig) -> model.streaming=True")
     for name, value in values.items():
         rule = RULES[name]
         set_here = name in given and value != rule.default and not _default_object(value)

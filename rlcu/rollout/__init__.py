@@ -2,6 +2,7 @@ from rlcu.rollout.base import (
     Capabilities,
     RolloutBackend,
     RolloutBatch,
+    RolloutStream,
     SamplingParams,
     bind,
     capabilities_of,
@@ -9,5 +10,5 @@ from rlcu.rollout.base import (
     resolve_rollout,
 )
 
-__all__ = ["bind", "Capabilities", "RolloutBackend", "RolloutBatch", "SamplingParams", "capabilities_of", "require",
-           "resolve_rollout"]
+__all__ = ["bind", "Capabilities", "RolloutBackend", "RolloutBatch", "RolloutStream", "SamplingParams",
+           "capabilities_of", "require", "resolve_rollout"]

@@ -2,14 +2,15 @@
 it can do (`Capabilities`), checked once when the module is built, never guessed from signatures."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 from rlcu import plugins
 from rlcu.contracts import Continuation, Numerics, Reply, RolloutBatch, SamplingParams, Turn
 
-__all__ = ["Capabilities", "Continuation", "Reply", "RolloutBackend", "RolloutBatch", "SamplingParams", "Turn",
-           "bind", "capabilities_of", "require", "resolve_rollout"]
+__all__ = ["Capabilities", "Continuation", "Reply", "RolloutBackend", "RolloutBatch", "RolloutStream", "SamplingParams",
+           "Turn", "bind", "capabilities_of", "require", "resolve_rollout"]
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,33 @@ class RolloutBackend(Protocol):
     def release(self) -> None:
         """Free generation memory (KV cache) before the training phase."""
 
+    # with the `streaming` capability: open_stream(sampling, max_sequences, max_prompt_tokens) -> a RolloutStream
+
     def on_weights_updated(self) -> None:
         """Called after each optimizer step; backends that share the module's parameters do nothing."""
+
+
+@runtime_checkable
+class RolloutStream(Protocol):
+    """A rollout that stays open across optimizer steps (streaming GRPO; rlcu.engine.stream.EngineStream)."""
+    version: int  # the policy version the tokens sampled from now on are drawn under
+
+    def submit(self, prompt_token_ids: list[list[int]], seed: int | None) -> int:
+        """Queue prompts, drawing from `seed`; returns the first one's request index, the others following."""
+
+    def run(self, until: Callable[[], bool], should_stop: Callable[[], bool] | None = None) -> None:
+        """Decode until `until()` or nothing is left; the parameters may change once it returns."""
+
+    def finished(self) -> Mapping[int, object]:
+        """Finished requests by index: sequences with token_ids, num_prompt_tokens, completion_token_ids,
+        logprobs, versions (one per sampled token) and finish_reason."""
+
+    def pop(self, request: int) -> object: ...
+
+    def take_stats(self) -> tuple[int, float]:
+        """(decode steps, mean sequences a step) since the last call."""
+
+    def close(self) -> None: ...
 
 
 def capabilities_of(backend) -> Capabilities:

@@ -6,12 +6,13 @@ from dataclasses import asdict, replace
 
 from rlcu.contracts import Continuation, Numerics, RolloutBatch, SamplingParams, Turn
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.engine.stream import EngineStream
 from rlcu.rollout.base import Capabilities
 
 
 class NativeRollout:
     capabilities = Capabilities(continuation=True, on_finished=True, exact_numerics=True, lora=True,
-                                interruptible=True, native_models_only=True)
+                                interruptible=True, native_models_only=True, streaming=True)
 
     def __init__(self, engine: EngineConfig | dict | None = None):
         """`engine`: the engine's settings (`EngineConfig`, or its fields as a mapping, as YAML gives them:
@@ -48,6 +49,12 @@ class NativeRollout:
         if self.engine is None:
             raise RuntimeError("NativeRollout.generate() called before setup(policy, tokenizer)")
         return self.engine.generate(prompt_token_ids, sampling, continuation, on_finished, should_stop)
+
+    def open_stream(self, sampling: SamplingParams, max_sequences: int, max_prompt_tokens: int) -> EngineStream:
+        """The `streaming` capability: a rollout that stays open between optimizer steps (engine/stream.py)."""
+        if self.engine is None:
+            raise RuntimeError("NativeRollout.open_stream() called before setup(policy, tokenizer)")
+        return EngineStream(self.engine, sampling, max_sequences, max_prompt_tokens)
 
     def release(self) -> None:
         if self.engine is not None:

@@ -193,3 +193,17 @@ def test_bench_runs_a_family_shape_natively_or_on_the_fallback(monkeypatch, caps
     main(["bench", "step", *common, "--prompts", "2", "--generations", "2", "--steps", "1", "--micro_batch_size", "4"])
     out = last_json(capsys)
     assert out["path"] == path and out["mean_length"] == 6.0 and len(out["step_seconds"]) == 1
+
+
+def test_bench_step_streams_on_long_tail_lengths_the_same_samples_as_the_synchronous_step(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "llama")
+    common = ["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+              "--generations", "4", "--prompt_len", "4", "--new_tokens", "40", "--steps", "3", "--lengths", "lognormal"]
+    main(common)
+    sync = last_json(capsys)
+    assert sync["lengths"] == "lognormal" and sync["streaming"] is False and 1 <= sync["mean_length"] < 40
+    main(common + ["--streaming", "--max_staleness", "2"])
+    stream = last_json(capsys)
+    assert stream["streaming"] is True and len(stream["step_seconds"]) == 3 and stream["fill_seconds"] >= 0
+    assert stream["trained_tokens_per_s"] > 0 and stream["decode_batch_mean"] > 0
+    assert 0 <= stream["staleness_mean"] <= 2 and stream["dropped_stale"] == 0

@@ -1,0 +1,131 @@
+"""A rollout that stays open between training steps (streaming GRPO).
+
+Requests join it at any time (`submit`), each submission with its own seed, so that a request draws the same
+tokens as in a rollout of its submission alone on the same weights. `run` decodes until the caller has what it
+waits for (say, a training batch of finished groups), then stops between two decode steps, with no step
+launched ahead: the caller may then change the parameters in place (an optimizer step), and the next decode step
+of every running sequence reads the new ones (the in-flight weight update of PipelineRL and NeMo-RL). Each sampled token records the policy
+version it was drawn under (`version`, which the caller sets after each update).
+
+Between runs the pool (and the CUDA graphs) are given back as after a rollout (`release`, with the engine's
+release_memory): the sequences in flight are preempted, and recomputed from their tokens when the stream runs
+again, so that training has the memory it has in a synchronous run. With release_memory=False the pool is kept,
+with the keys and values computed so far. A generate() on the same engine is refused until the stream is closed."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rlcu.contracts import SamplingParams
+from rlcu.engine.pool import pool_size
+from rlcu.engine.sequence import Sequence
+
+
+class EngineStream:
+    def __init__(self, engine, sampling: SamplingParams, max_sequences: int, max_prompt_tokens: int):
+        """`sampling`: every request's settings but the seed (each submission's own); `max_sequences` and
+        `max_prompt_tokens`: what the pool is sized for (the scheduler preempts and recomputes beyond it)."""
+        if engine.stream is not None:
+            raise RuntimeError("a stream is already open on this engine")
+        if engine.model.config.linear_layers:
+            raise ValueError("streaming keeps requests across rollouts, which the recurrent-state pool of a "
+                             "linear-attention hybrid (one slot per request of a rollout) does not: train "
+                             f"{engine.model.config.model_type} with streaming=false")
+        self.engine, self.sampling = engine, sampling
+        shape = Sequence([0], max_prompt_tokens, sampling.max_tokens, frozenset(), 0)
+        self.num_blocks = pool_size([shape] * max_sequences, engine.config, engine.model, engine._pool_bytes_held())
+        engine._start([], sampling, num_blocks=self.num_blocks)  # the pool itself is taken when decoding starts
+        engine.stream = self
+        self.next_request = 0
+        self.decode_steps = self.decoded_rows = 0  # since the last take_stats()
+
+    @property
+    def version(self) -> int:
+        return self.engine.scheduler.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.engine.scheduler.version = value
+
+    def submit(self, prompt_token_ids: list[list[int]], seed: int | None) -> int:
+        """Queue the prompts (adjacent identical ones share their prefill); returns the first one's request
+        index, the others following it."""
+        first = self.next_request
+        for seq in self.engine._requests(prompt_token_ids, self.sampling, first, seed):
+            self.engine.scheduler.add(seq)
+        self.next_request += len(prompt_token_ids)
+        return first
+
+    def run(self, until: Callable[[], bool], should_stop: Callable[[], bool] | None = None) -> None:
+        """Decode until `until()` (asked between decode steps) or until no request is left; `should_stop` as in
+        LLMEngine.generate. On return no decode step is in flight."""
+        engine = self.engine
+        engine._should_stop = should_stop
+        with torch.inference_mode(False), torch.no_grad():
+            engine._prepare_runner(self.num_blocks)  # after a release: a new pool, the same number of blocks
+            while not engine.scheduler.is_finished() and not until():
+                self._step()
+            engine._pausing = True  # the step launched ahead (on this version's weights) is taken, none is launched
+            try:
+                while engine._ahead is not None:
+                    self._step()
+            finally:
+                engine._pausing = False
+
+    def _step(self) -> None:
+        running = len(self.engine.scheduler.running)
+        self.engine.step()
+        self.engine._check_stop()
+        self.decode_steps += 1
+        self.decoded_rows += running
+
+    def release(self, force: bool = False) -> None:
+        """Give the pool back while the caller trains (the engine's release_memory, or `force`): every sequence in
+        flight is preempted, so that its keys and values are recomputed from its tokens, on the weights of then,
+        when the stream runs again."""
+        engine = self.engine
+        if not (engine.config.release_memory or force) or engine.scheduler is None:
+            return
+        scheduler = engine.scheduler
+        for seq in reversed(list(scheduler.running)):  # each goes to the queue's front: the order is kept
+            scheduler.preempt(seq)
+        for seq in scheduler.waiting:
+            if seq.block_table:
+                scheduler.bm.free_sequence(seq)
+        if scheduler.bm.num_free != scheduler.bm.num_blocks:
+            raise AssertionError(f"{scheduler.bm.num_blocks - scheduler.bm.num_free} KV blocks held after release")
+        engine.runner = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def finished(self) -> dict[int, Sequence]:
+        """Finished requests by index, until `pop`ped."""
+        return self.engine.scheduler.finished
+
+    def pop(self, request: int) -> Sequence:
+        return self.engine.scheduler.finished.pop(request)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        s = self.engine.scheduler
+        return len(s.running) + sum(1 + q.pending_forks for q in s.waiting)
+
+    def take_stats(self) -> tuple[int, float]:
+        """(decode steps, mean sequences per decode step) since the last call."""
+        steps, rows = self.decode_steps, self.decoded_rows
+        self.decode_steps = self.decoded_rows = 0
+        return steps, rows / steps if steps else 0.0
+
+    def close(self) -> None:
+        """Drop every request in flight (their blocks go back), end the stream; the pool is released as after a
+        rollout."""
+        engine = self.engine
+        if engine.stream is not self:
+            return
+        if engine.scheduler is not None:
+            for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+                engine.scheduler.bm.free_sequence(seq)
+        engine.scheduler, engine._ahead, engine.stream = None, None, None
+        engine.release()

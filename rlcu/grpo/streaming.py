@@ -1,0 +1,171 @@
+"""Streaming GRPO (`streaming=True`): the rollout never drains.
+
+Each training step hands its prompts to a rollout stream that stays open between steps (`EngineStream`), then
+decodes until `batch` groups (one step's worth) have finished, takes the oldest finished groups, and trains on
+them while the others stay in flight. The optimizer step updates the shared parameters in place, between two
+decode steps; the next decode step of every running sequence reads the new weights, with its keys and values
+computed so far kept as they are.
+
+How far the stream runs ahead: `max_inflight_tasks` samples (TRL's AsyncGRPOTrainer's name; -1: max(max_staleness,
+1) steps' worth), counted in whole steps. Until that many are in flight the first steps only admit their prompts
+(no optimizer step, so Lightning's step count does not move). With one step's worth (max_staleness=0) the stream
+is the synchronous rollout: each step decodes its own prompts to the end, with the same seeds.
+
+Staleness: each token records the policy version (optimizer steps) it was sampled under; a sample's staleness
+at training time is the current version minus its oldest token's. A finished group with a sample staler than
+`max_staleness` is dropped and counted, and its prompt goes into the stream again, to be sampled anew: every step
+trains on one batch of groups within the bound (so ranks stay in lockstep), and every prompt is trained once.
+The sampler correction (vllm_importance_sampling_*) weighs the rest by pi_old / pi_sampler token by token, the
+sampler being the older policies that drew them.
+
+Prompts admitted and not yet trained (in flight, or finished and queued) are the stream's state: a checkpoint
+keeps them, and a resumed run submits them again before its next batch, from their prompts, with their seeds,
+on the weights it resumes with (their partial completions are not saved). A held-out evaluation does the same:
+it closes the stream and the next step submits the pending prompts again."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlcu.contracts import RolloutBatch
+from rlcu.grpo.batch import Sampled
+
+
+def staleness(seq, version: int) -> int:
+    """Policy versions between a sample's oldest token and `version`."""
+    return version - min(seq.versions, default=version)
+
+
+@dataclass(eq=False)  # identity: two groups may hold equal rows
+class Group:
+    row: dict
+    batch: int  # which admitted batch it came with (its seed's)
+    first: int = -1  # the request index of its first sample in the open stream (-1: not submitted)
+
+
+@dataclass
+class Taken:
+    """One step's groups, oldest first, as the score phase takes them."""
+    rows: list[dict]
+    sampled: Sampled
+    staleness: list[int]  # per sample: policy versions between its oldest token and now
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Streamer:
+    def __init__(self, open_stream: Callable[[int], object], encode: Callable[[list[dict]], list[list[int]]],
+                 num_generations: int, max_staleness: int, max_inflight_tasks: int, seed: Callable[[int], int]):
+        """`open_stream(max_sequences)`: a new rollout stream (the backend's); `encode(rows)`: their prompts' token ids;
+        `seed(batch)`: the sampling seed of the batch-th admitted batch."""
+        self.open_stream, self.encode, self.seed = open_stream, encode, seed
+        self.g, self.max_staleness, self.max_inflight_tasks = num_generations, max_staleness, max_inflight_tasks
+        self.stream = None
+        self.pending: list[Group] = []  # admitted and not yet trained, oldest first
+        self.batches = 0  # batches admitted so far
+        self.dropped_stale = 0  # samples, over the run
+        self.dropped_now = 0  # samples, this step
+
+    def steps_in_flight(self, batch: int) -> int:
+        """How many steps' worth of groups the stream holds (`batch` groups a step)."""
+        if self.max_inflight_tasks < 0:
+            return max(self.max_staleness, 1)
+        return max(1, math.ceil(self.max_inflight_tasks / (batch * self.g)))
+
+    def step(self, rows: list[dict], version: int, should_stop: Callable[[], bool] | None = None) -> Taken | None:
+        """Admit `rows`; once enough is in flight, decode until `len(rows)` groups have finished within
+        max_staleness and take them (None while the stream fills)."""
+        self.pending += [Group(row, self.batches) for row in rows]
+        self.batches += 1
+        need, steps = len(rows), self.steps_in_flight(len(rows))
+        self._submit(version, steps * need * self.g)  # decoding starts with the first step
+        if len(self.pending) < steps * need:
+            return None
+        self.dropped_now = 0
+        try:
+            self.stream.run(lambda: self._ready(version) >= need, should_stop)
+        except BaseException:  # interrupted (SIGTERM): the pending prompts stay for the checkpoint
+            self.close()
+            raise
+        return self._take(need, version)
+
+    def _submit(self, version: int, max_sequences: int = 0) -> None:
+        """Open the stream if needed (its pool sized for `max_sequences`) and submit the groups not in it, each
+        batch with its own seed."""
+        if self.stream is None:
+            self.stream = self.open_stream(max_sequences)
+            self.stream.version = version
+        fresh = [gr for gr in self.pending if gr.first < 0]
+        for b in sorted({gr.batch for gr in fresh}):
+            groups = [gr for gr in fresh if gr.batch == b]
+            prompts = [ids for ids in self.encode([gr.row for gr in groups]) for _ in range(self.g)]
+            first = self.stream.submit(prompts, self.seed(b))
+            for k, gr in enumerate(groups):
+                gr.first = first + k * self.g
+
+    def _samples(self, group: Group) -> list | None:
+        """The group's finished samples, or None while one of them runs."""
+        finished = self.stream.finished()
+        samples = [finished.get(group.first + j) for j in range(self.g)]
+        return None if group.first < 0 or any(s is None for s in samples) else samples
+
+    def _ready(self, version: int) -> int:
+        """Finished groups within max_staleness. A staler one is dropped, counted, and its prompt submitted again
+        (every prompt is trained once, on samples of the policies max_staleness allows)."""
+        ready, stale = 0, False
+        for gr in self.pending:
+            samples = self._samples(gr)
+            if samples is None:
+                continue
+            if max(staleness(s, version) for s in samples) <= self.max_staleness:
+                ready += 1
+                continue
+            for j in range(self.g):
+                self.stream.pop(gr.first + j)
+            gr.first, stale = -1, True
+            self.dropped_now += self.g
+        if stale:
+            self._submit(version)
+        return ready
+
+    def _take(self, need: int, version: int) -> Taken:
+        self._ready(version)
+        groups = [gr for gr in self.pending if self._samples(gr) is not None][:need]
+        taken = {id(gr) for gr in groups}
+        self.pending = [gr for gr in self.pending if id(gr) not in taken]
+        seqs = [self.stream.pop(gr.first + j) for gr in groups for j in range(self.g)]
+        ages = [staleness(s, version) for s in seqs]
+        self.dropped_stale += self.dropped_now
+        batch = RolloutBatch(prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs],
+                             completion_ids=[s.completion_token_ids for s in seqs],
+                             logprobs=[list(s.logprobs) for s in seqs], finish_reasons=[s.finish_reason for s in seqs])
+        steps, decode_batch = self.stream.take_stats()
+        metrics = {"streaming/staleness_mean": sum(ages) / len(ages), "streaming/staleness_max": float(max(ages)),
+                   "streaming/dropped_stale": float(self.dropped_now),
+                   "streaming/dropped_stale_total": float(self.dropped_stale),
+                   "streaming/queue_groups": float(self._ready(version)),
+                   "streaming/in_flight": float(self.stream.in_flight),
+                   "streaming/decode_steps": float(steps), "streaming/decode_batch_mean": decode_batch}
+        return Taken([gr.row for gr in groups], Sampled(batch), ages, metrics)
+
+    def updated(self, version: int) -> None:
+        """The optimizer stepped: the tokens sampled from now on are drawn under `version`."""
+        if self.stream is not None:
+            self.stream.version = version
+
+    def close(self) -> None:
+        """Close the stream; what was pending is submitted again (from its prompts) when the next step opens it."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        for gr in self.pending:
+            gr.first = -1
+
+    def state_dict(self) -> dict:
+        return {"pending": [(gr.row, gr.batch) for gr in self.pending], "batches": self.batches,
+                "dropped_stale": self.dropped_stale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self.pending = [Group(row, batch) for row, batch in state["pending"]]
+        self.batches, self.dropped_stale = state["batches"], state["dropped_stale"]

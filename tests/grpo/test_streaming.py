@@ -1,0 +1,146 @@
+"""Streaming GRPO against the synchronous run: with max_staleness=0 it is the synchronous run, step for step;
+ahead of it, each token's policy version is the weights that drew it, stale groups are dropped and counted,
+and a resumed run submits the pending prompts again."""
+import lightning.pytorch as L
+import pytest
+import torch
+
+from rlcu.data.module import PromptDataModule
+from rlcu.engine.scheduler import Scheduler
+from rlcu.grpo.module import GRPOModule
+from tests.helpers import fit, match_target, toy_model, toy_rows
+
+UNEVEN = ["t7", "t9"]  # stop words the toy model samples about one token in 16: completions of uneven lengths
+
+
+def make(tiny, **kw):
+    options = dict(rewards=[match_target], num_generations=4, max_completion_length=4, learning_rate=1e-2,
+                   micro_batch_size=8)
+    options.update(kw)
+    return GRPOModule(tiny[0], tokenizer=tiny[1], **options)
+
+
+def weights(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+
+def test_max_staleness_0_is_the_synchronous_run_step_for_step(tmp_path):
+    runs = []
+    for streaming in (False, True):
+        module = make(toy_model(tmp_path / "m"), streaming=streaming, max_staleness=0, max_completion_length=6)
+        metrics = fit(module, toy_rows(12, seed=2), steps=3, log_dir=tmp_path / str(streaming))
+        runs.append((weights(module), [m["reward"] for m in metrics if "reward" in m]))
+    (sync, sync_rewards), (stream, stream_rewards) = runs
+    assert len(stream_rewards) == 3 and stream_rewards == sync_rewards
+    assert all(torch.equal(sync[k], stream[k]) for k in sync)
+
+
+def checksum(module) -> float:
+    return sum(p.double().sum().item() for p in module.policy.parameters())
+
+
+class Versions(L.Callback):
+    """The weights' checksum of each policy version, taken after each optimizer step."""
+
+    def __init__(self, module):
+        self.of = {0: checksum(module)}
+
+    def on_train_batch_end(self, trainer, module, *args):
+        self.of.setdefault(module.global_step, checksum(module))
+
+
+def test_each_token_records_the_version_of_the_weights_that_drew_it(tmp_path, monkeypatch):
+    module = make(toy_model(tmp_path / "m"), streaming=True, max_staleness=3, max_completion_length=24,
+                  max_inflight_tasks=3 * 2 * 4, stop=UNEVEN)
+    drawn = []  # (recorded version, weights' checksum) of every sampled token, as it is appended
+    postprocess = Scheduler.postprocess
+
+    def recording(self, seqs, tokens, logprobs):
+        out = postprocess(self, seqs, tokens, logprobs)
+        drawn.extend((s.seq_id, s.versions[-1], checksum(module)) for s in seqs)
+        return out
+
+    monkeypatch.setattr(Scheduler, "postprocess", recording)
+    versions = Versions(module)
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[versions])
+    trainer.fit(module, PromptDataModule(toy_rows(40, seed=1), batch_size=2, seed=1))
+    assert module.global_step == 5
+    assert all(versions.of[v] == c for _, v, c in drawn)  # each token under exactly the weights of its version
+    spans = {}
+    for seq, v, _ in drawn:
+        spans.setdefault(seq, set()).add(v)
+    assert len({v for _, v, _ in drawn}) >= 3 and any(len(s) > 1 for s in spans.values())  # samples ran across updates
+
+
+def test_stale_groups_are_dropped_counted_and_sampled_again(tmp_path):
+    # three steps in flight, no staleness allowed: whatever decodes across an update is dropped
+    rows = [{**r, "row_id": i} for i, r in enumerate(toy_rows(40, seed=1))]
+    seen = []
+    module = make(toy_model(tmp_path / "m"), rewards=[recorder(seen)], streaming=True, max_staleness=0,
+                  max_inflight_tasks=3 * 2 * 4, max_completion_length=16, stop=UNEVEN)
+    metrics = [m for m in fit(module, rows, steps=4, log_dir=tmp_path, batch_size=2) if "reward" in m]
+    assert len(metrics) == 4  # every step trains
+    assert sum(m["streaming/dropped_stale"] for m in metrics) > 0
+    assert metrics[-1]["streaming/dropped_stale_total"] == sum(m["streaming/dropped_stale"] for m in metrics)
+    assert all(m["streaming/staleness_max"] == 0 for m in metrics)  # nothing staler than allowed trains
+    assert sorted(set(seen)) == sorted(seen[::4]) and all(seen.count(i) == 4 for i in seen)  # each prompt once
+    lenient = make(toy_model(tmp_path / "m2"), streaming=True, max_staleness=100, max_inflight_tasks=3 * 2 * 4,
+                   max_completion_length=16, stop=UNEVEN)
+    kept = [m for m in fit(lenient, toy_rows(40, seed=1), steps=4, log_dir=tmp_path / "l", batch_size=2)
+            if "reward" in m]
+    assert sum(m["streaming/dropped_stale"] for m in kept) == 0 and max(m["streaming/staleness_max"] for m in kept) > 0
+    for m in kept:
+        assert {"streaming/staleness_mean", "streaming/queue_groups", "streaming/decode_batch_mean"} <= set(m)
+
+
+def recorder(seen: list):
+    def reward(prompts, completions, completion_ids, target, row_id, **kwargs):
+        seen.extend(row_id)
+        return match_target(prompts, completions, completion_ids, target)
+    return reward
+
+
+def test_a_resumed_run_submits_the_pending_prompts_again(tmp_path):
+    rows = [{**r, "row_id": i} for i, r in enumerate(toy_rows(40, seed=4))]
+    seen_a, seen_b = [], []
+    options = dict(streaming=True, max_staleness=2, max_inflight_tasks=2 * 2 * 4, max_completion_length=12, stop=UNEVEN)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    first = make(toy_model(tmp_path / "m"), rewards=[recorder(seen_a)], **options)
+    trainer.fit(first, PromptDataModule(rows, batch_size=2, seed=1))
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    state = torch.load(tmp_path / "a.ckpt", weights_only=False)["rlcu_stream"]
+    pending = [row["row_id"] for row, _ in state["pending"]]
+    assert len(pending) == 2  # one step's groups were in flight
+    second = make(toy_model(tmp_path / "m"), rewards=[recorder(seen_b)], **options)
+    resumed = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    resumed.fit(second, PromptDataModule(rows, batch_size=2, seed=1), ckpt_path=tmp_path / "a.ckpt")
+    trained_a, trained_b = set(seen_a), set(seen_b)
+    assert all(seen_b.count(i) == 4 for i in trained_b) and not trained_a & trained_b  # each group trained once
+    still = {gr.row["row_id"] for gr in second.streamer.pending}
+    admitted_b = trained_b | still
+    assert set(pending) <= admitted_b  # what was in flight at the checkpoint went in again
+    assert len(admitted_b) == len(pending) + 3 * 2  # ... beside the three batches the resumed run read
+
+
+def echo(text: str) -> str:
+    """Echo.
+
+    Args:
+        text: what to echo
+    """
+    return text
+
+
+def test_streaming_refuses_what_it_cannot_run(tmp_path):
+    tiny = toy_model(tmp_path / "m")
+    with pytest.raises(ValueError, match="streaming=false"):
+        make(tiny, streaming=True, tools=[echo], tool_format="hermes")
+    with pytest.raises(ValueError, match="score_during_generation"):
+        make(tiny, streaming=True, score_during_generation=True)
+    with pytest.raises(ValueError, match="'streaming' capability"):
+        make(tiny, streaming=True, rollout="reference")
+    with pytest.raises(ValueError, match="max_inflight_tasks"):
+        make(tiny, streaming=True, max_inflight_tasks=0)
