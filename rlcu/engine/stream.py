@@ -4,8 +4,8 @@ Requests join it at any time (`submit`), each submission with its own seed, so t
 tokens as in a rollout of its submission alone on the same weights. `run` decodes until the caller has what it
 waits for (say, a training batch of finished groups), then stops between two decode steps, with no step
 launched ahead: the caller may then change the parameters in place (an optimizer step), and the next decode step
-of every running sequence reads the new ones (the in-flight weight update of PipelineRL and NeMo-RL). Each sampled token records the policy
-version it was drawn under (`version`, which the caller sets after each update).
+of every running sequence reads the new ones (the in-flight weight update of PipelineRL and NeMo-RL). Each sampled
+token records the policy version it was drawn under (`version`, which the caller sets after each update).
 
 Between runs the pool (and the CUDA graphs) are given back as after a rollout (`release`, with the engine's
 release_memory): the sequences in flight are preempted, and recomputed from their tokens when the stream runs

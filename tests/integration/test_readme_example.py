@@ -103,3 +103,11 @@ def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():
                                 score_during_generation=True)
     finally:
         registry.LOSSES.pop("reinforce", None)
+
+
+@pytest.mark.slow
+def test_streaming_guide_example_trains_two_steps(smollm2_folder):
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "streaming.md")[0], scope)
+    assert scope["trainer"].global_step == 2  # after the batch that filled the stream
+    assert {"streaming/staleness_mean", "streaming/dropped_stale"} <= set(scope["trainer"].callback_metrics)
