@@ -64,6 +64,7 @@ class RolloutBackend(Protocol):
 class RolloutStream(Protocol):
     """A rollout that stays open across optimizer steps (streaming GRPO; rlcu.engine.stream.EngineStream)."""
     version: int  # the policy version the tokens sampled from now on are drawn under
+    in_flight: int  # requests submitted and not yet finished
 
     def submit(self, prompt_token_ids: list[list[int]], seed: int | None) -> int:
         """Queue prompts, drawing from `seed`; returns the first one's request index, the others following."""
