@@ -137,15 +137,19 @@ class GRPOModule(L.LightningModule):
             raise ValueError("streaming scores each step's groups when it takes them; score_during_generation is "
                              "for the synchronous rollout: set one of them to false")
         require(self.rollout, "streaming", "streaming", "use rollout: native, or set streaming=false")
+        return Streamer(self, s.num_generations, st.max_staleness, st.max_inflight_tasks)
 
-        def open_stream(max_sequences: int):
-            if is_sharded(self.policy):
-                raise ValueError("streaming keeps the rollout open across steps, which FSDP's gather per rollout does "
-                                 "not: train with DDP, or set streaming=false")
-            return self.rollout.open_stream(self.sampling_params(), max_sequences, s.max_prompt_length)
+    # ---- what the streamer asks of the module (streaming.Host) ----------------------------------------------
+    def open_stream(self, max_sequences: int):
+        """A rollout stream on the run's sampling, its pool sized for `max_sequences` (`streaming.py`)."""
+        if is_sharded(self.policy):
+            raise ValueError("streaming keeps the rollout open across steps, which FSDP's gather per rollout does "
+                             "not: train with DDP, or set streaming=false")
+        return self.rollout.open_stream(self.sampling_params(), max_sequences, self.options.sampling.max_prompt_length)
 
-        return Streamer(open_stream, self.encode_rows, s.num_generations, st.max_staleness, st.max_inflight_tasks,
-                        seed=lambda batch: s.seed * 1_000_003 + batch * 7919 + self.global_rank)
+    def stream_seed(self, batch: int) -> int:
+        """The sampling seed of the batch-th admitted batch: the synchronous step's for the same step."""
+        return self.options.sampling.seed * 1_000_003 + batch * 7919 + self.global_rank
 
     @classmethod
     def from_trl(cls, config, **arguments) -> "GRPOModule":

@@ -27,9 +27,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rlcu.contracts import RolloutBatch
 from rlcu.grpo.batch import Sampled
+from rlcu.rollout.base import RolloutStream
 
 
 def staleness(seq, version: int) -> int:
@@ -53,14 +55,21 @@ class Taken:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class Host(Protocol):
+    """What the streamer asks of the GRPO module (methods, so that the module pickles for ddp_spawn)."""
+
+    def open_stream(self, max_sequences: int) -> RolloutStream: ...
+
+    def encode_rows(self, rows: list[dict]) -> list[list[int]]: ...
+
+    def stream_seed(self, batch: int) -> int: ...
+
+
 class Streamer:
-    def __init__(self, open_stream: Callable[[int], object], encode: Callable[[list[dict]], list[list[int]]],
-                 num_generations: int, max_staleness: int, max_inflight_tasks: int, seed: Callable[[int], int]):
-        """`open_stream(max_sequences)`: a new rollout stream (the backend's); `encode(rows)`: their prompts' token ids;
-        `seed(batch)`: the sampling seed of the batch-th admitted batch."""
-        self.open_stream, self.encode, self.seed = open_stream, encode, seed
+    def __init__(self, host: Host, num_generations: int, max_staleness: int, max_inflight_tasks: int):
+        self.host = host
         self.g, self.max_staleness, self.max_inflight_tasks = num_generations, max_staleness, max_inflight_tasks
-        self.stream = None
+        self.stream: RolloutStream | None = None
         self.pending: list[Group] = []  # admitted and not yet trained, oldest first
         self.batches = 0  # batches admitted so far
         self.dropped_stale = 0  # samples, over the run
@@ -93,13 +102,13 @@ class Streamer:
         """Open the stream if needed (its pool sized for `max_sequences`) and submit the groups not in it, each
         batch with its own seed."""
         if self.stream is None:
-            self.stream = self.open_stream(max_sequences)
+            self.stream = self.host.open_stream(max_sequences)
             self.stream.version = version
         fresh = [gr for gr in self.pending if gr.first < 0]
         for b in sorted({gr.batch for gr in fresh}):
             groups = [gr for gr in fresh if gr.batch == b]
-            prompts = [ids for ids in self.encode([gr.row for gr in groups]) for _ in range(self.g)]
-            first = self.stream.submit(prompts, self.seed(b))
+            prompts = [ids for ids in self.host.encode_rows([gr.row for gr in groups]) for _ in range(self.g)]
+            first = self.stream.submit(prompts, self.host.stream_seed(b))
             for k, gr in enumerate(groups):
                 gr.first = first + k * self.g
 

@@ -4,6 +4,7 @@ and a resumed run submits the pending prompts again."""
 import lightning.pytorch as L
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlcu.data.module import PromptDataModule
 from rlcu.engine.scheduler import Scheduler
@@ -144,3 +145,14 @@ def test_streaming_refuses_what_it_cannot_run(tmp_path):
         make(tiny, streaming=True, rollout="reference")
     with pytest.raises(ValueError, match="max_inflight_tasks"):
         make(tiny, streaming=True, max_inflight_tasks=0)
+
+
+def test_a_stop_request_ends_the_stream_between_decode_steps_and_keeps_the_pending_prompts(tmp_path, monkeypatch):
+    module = make(toy_model(tmp_path / "m"), streaming=True, max_staleness=0, max_completion_length=48)
+    monkeypatch.setattr(module, "stop_requested", lambda: True)  # SIGTERM reached the run
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(SIGTERMException):  # Lightning's way out, which saves the checkpoint (SaveOnInterrupt)
+        trainer.fit(module, PromptDataModule(toy_rows(8, seed=1), batch_size=2, seed=1))
+    assert module.global_step == 0 and len(module.streamer.pending) == 2  # the step's groups, for the checkpoint
+    assert module.streamer.stream is None and module.rollout.engine.stream is None  # closed, its blocks back
