@@ -43,6 +43,9 @@ MOE_FAMILIES = {
                                                                     decoder_sparse_step=1)),
     "olmoe": dict(cls="OlmoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, intermediate_size=24,
                                                 head_dim=None, norm_topk_prob=False)),
+    "granitemoe": dict(cls="GraniteMoeConfig", extra=dict(
+        num_local_experts=8, num_experts_per_tok=3, intermediate_size=24, embedding_multiplier=3.0,
+        residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)),
     "qwen2_moe": dict(cls="Qwen2MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
                                                        shared_expert_intermediate_size=20, mlp_only_layers=[1])),
 }

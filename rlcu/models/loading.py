@@ -185,7 +185,9 @@ def save_pretrained(model: CausalLM, tokenizer, folder: str | os.PathLike) -> Pa
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     keep = model.config.spec.hf_fused
-    state = split_expert_parts(split_hf_parts(model.state_dict(), model, keep=keep), model)
+    state = split_hf_parts(model.state_dict(), model, keep=keep)
+    if "experts" not in keep:  # checkpoints name one module per expert, unless the family stacks them
+        state = split_expert_parts(state, model)
     if model.config.spec.save_weights is not None:
         state = model.config.spec.save_weights(state, model.config)
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}

@@ -27,11 +27,11 @@ class ArchSpec:
     rows; attention's output is multiplied by its sigmoid before o_proj.
     `sliding`: "layer_types" (sliding layers are named in the config's `layer_types`) or "all" (every layer
     uses `sliding_window` when it is set: Mistral, Phi-3).
-    `hf_fused`: projections the checkpoint stores fused already (Phi-3's `qkv_proj`, `gate_up_proj`), which
-    export keeps fused. `weight_prefixes`: checkpoint prefix -> rlcu prefix (the language model of a
-    composite checkpoint); `ignored_prefixes`: weights of the checkpoint that the language model does not
-    use (a vision tower), left out with a log line. `text_config`: the language model's config is nested
-    under this key of config.json. `read`: the family's own config.json fields -> ModelConfig fields.
+    `hf_fused`: projections the checkpoint stores fused already (Phi-3's `qkv_proj`, `gate_up_proj`; "experts":
+    the experts stacked, Granite-MoE's), which export keeps fused. `weight_prefixes`: checkpoint prefix -> rlcu
+    prefix (the language model of a composite checkpoint); `ignored_prefixes`: weights of the checkpoint that the
+    language model does not use (a vision tower), left out with a log line. `text_config`: the language model's
+    config is nested under this key of config.json. `read`: the family's own config.json fields -> ModelConfig fields.
     `load_weights`/`save_weights`: the family's own tensor layout <-> rlcu's, at the folder's boundary (Qwen3-Next
     interleaves its linear-attention projections per key head), given the state dict and the ModelConfig."""
 
