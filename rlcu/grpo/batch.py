@@ -86,6 +86,19 @@ class StagedBatch:
         kept = batch.rows(keep.nonzero()[:, 0])
         return cls(kept.to(device), kept.attention_mask, kept.loss_mask.sum().float())
 
+    def split(self, parts: int, generator: torch.Generator) -> list["StagedBatch"]:
+        """The rows shuffled, then cut into `parts` slices (TRL's steps_per_generation; sizes differ by one at
+        most)."""
+        if parts == 1:
+            return [self]
+        order = torch.randperm(len(self.rows), generator=generator)
+        out = []
+        for idx in order.tensor_split(parts):
+            part = self.rows.rows(idx.to(self.rows.input_ids.device))
+            out.append(StagedBatch(part, self.host_attention_mask[idx], self.rows.loss_mask[idx.to(
+                self.rows.loss_mask.device)].sum().float().cpu()))
+        return out
+
     def micro_batches(self, size: int) -> list[slice]:
         n = len(self.rows)
         return [slice(s, min(s + size, n)) for s in range(0, n, size)]

@@ -233,6 +233,8 @@ class OptimizerOptions(OptionGroup):
     max_grad_norm: float | None = option(1.0, "gradient clipping (None: off)")
     micro_batch_size: int = option(8, "sequences per forward/backward (gradient accumulation over the step)",
                                    minimum=1)
+    steps_per_rollout: int = option(1, "optimizer steps a rollout feeds, each on a slice of its rows, shuffled "
+                                       "(TRL's steps_per_generation / gradient_accumulation_steps)", minimum=1)
     gradient_checkpointing: bool = option(False, "recompute activations in backward")
     packing: bool = option(False, "training forward without padding: each micro-batch's tokens as one sequence")
 

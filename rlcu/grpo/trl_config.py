@@ -56,29 +56,39 @@ class Translation:
 
 # ---- the custom rules ------------------------------------------------------------------------------------------
 def _batch(_, t: Translation, v: Mapping) -> None:
-    """TRL's step: per_device_train_batch_size x gradient_accumulation_steps completions a process, in groups of
-    num_generations: that many prompts a process (data.batch_size); a micro-batch is TRL's per-device batch."""
+    """TRL's generation: per_device_train_batch_size x steps_per_generation completions a process (steps_per_generation
+    defaults to gradient_accumulation_steps), in groups of num_generations: that many prompts a process
+    (data.batch_size); each optimizer step takes gradient_accumulation_steps of TRL's per-device batches, so a
+    rollout feeds steps_per_generation / gradient_accumulation_steps optimizer steps (model.steps_per_rollout); a
+    micro-batch is TRL's per-device batch."""
     per_device, accumulation = v["per_device_train_batch_size"], v["gradient_accumulation_steps"]
-    g = v["num_generations"]
-    steps_per_generation = v.get("steps_per_generation") or accumulation
-    if steps_per_generation != accumulation:
-        raise ValueError(f"steps_per_generation={steps_per_generation} with gradient_accumulation_steps={accumulation}:"
-                         " TRL then splits one rollout over several optimizer steps; rlcu takes one step a rollout. "
-                         "Set steps_per_generation to gradient_accumulation_steps (or leave it out)")
-    completions = per_device * accumulation
-    generation = v.get("generation_batch_size")
-    if generation is not None and generation != completions * v.get("world_size", 1):
-        raise ValueError(f"generation_batch_size={generation} differs from per_device_train_batch_size x "
-                         f"gradient_accumulation_steps x processes = {completions * v.get('world_size', 1)}: rlcu "
-                         "takes one optimizer step a rollout; leave generation_batch_size out")
+    g, world = v["num_generations"], v.get("world_size", 1)
+    generation, given_steps = v.get("generation_batch_size"), v.get("steps_per_generation")
+    if generation is not None and given_steps is not None and generation != per_device * world * given_steps:
+        raise ValueError(f"generation_batch_size={generation} and steps_per_generation={given_steps} disagree: "
+                         f"per_device_train_batch_size x processes x steps_per_generation is "
+                         f"{per_device * world * given_steps}; give one of them")
+    if generation is not None and generation % (per_device * world):
+        raise ValueError(f"generation_batch_size={generation} is not a multiple of per_device_train_batch_size x "
+                         f"processes = {per_device * world} (TRL requires the same)")
+    steps_per_generation = (generation // (per_device * world) if generation is not None
+                            else v.get("steps_per_generation") or accumulation)
+    if steps_per_generation % accumulation:
+        raise ValueError(f"steps_per_generation={steps_per_generation} is not a multiple of "
+                         f"gradient_accumulation_steps={accumulation}: rlcu's optimizer steps take whole slices of a "
+                         "rollout; use a multiple")
+    completions = per_device * steps_per_generation
     if completions % g:
-        raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} completions is "
-                         f"not a multiple of num_generations={g} (TRL requires the same)")
+        raise ValueError(f"per_device_train_batch_size x steps_per_generation = {completions} completions is not a "
+                         f"multiple of num_generations={g} (TRL requires the same)")
+    steps = steps_per_generation // accumulation
     t.data["batch_size"] = completions // g
     t.model["micro_batch_size"] = per_device
-    t.lines.append(f"per_device_train_batch_size={per_device} x gradient_accumulation_steps={accumulation} / "
+    if steps > 1:
+        t.model["steps_per_rollout"] = steps
+    t.lines.append(f"per_device_train_batch_size={per_device} x steps_per_generation={steps_per_generation} / "
                    f"num_generations={g} -> data.batch_size={completions // g} prompts a process, "
-                   f"model.micro_batch_size={per_device}")
+                   f"model.micro_batch_size={per_device}" + (f", model.steps_per_rollout={steps}" if steps > 1 else ""))
 
 
 def _epochs(value, t: Translation, v: Mapping) -> None:
@@ -254,7 +264,10 @@ RULES: dict[str, Rule] = {
     "ds3_gather_for_generation": noop("DeepSpeed ZeRO-3's; rlcu's fsdp2 gathers for the rollout itself", True),
     "shuffle_dataset": Rule("data", "shuffle", True), "pad_to_multiple_of": noop(
         "rlcu pads a micro-batch to its longest row (packing: no padding)", "auto"),
-    "generation_batch_size": custom(lambda *a: None, None), "steps_per_generation": custom(lambda *a: None, None),
+    "generation_batch_size": custom(lambda *a: None, None, "the rollout's size: data.batch_size prompts, "
+                                                             "model.steps_per_rollout optimizer steps on it"),
+    "steps_per_generation": custom(lambda *a: None, None, "divided by gradient_accumulation_steps: "
+                                                          "model.steps_per_rollout (data.batch_size grows with it)"),
     "temperature": to_model(1.0), "top_p": to_model(1.0), "top_k": to_model(0), "min_p": to_model(None),
     "generation_kwargs": custom(_generation_kwargs, None, "the sampler's temperature, top_p, top_k, min_p, "
                                                           "repetition_penalty"),

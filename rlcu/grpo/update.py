@@ -1,8 +1,8 @@
-"""The update phase of a GRPO step: num_iterations x [micro-batched forward/backward, clip, optimizer step,
-LR schedule], with the entropy bonus's adaptive coefficient. `Update` is built from the run's options and what
-it trains (the policy, a frozen reference, the loss type, the numerics, the run's counters); it asks the Lightning
-module it runs in only for what `Host` lists. Input: the step's `GRPOBatch` and the rows to train on; output: the
-update's metrics."""
+"""The update phase of a GRPO step: num_iterations x steps_per_rollout slices x [micro-batched forward/backward,
+clip, optimizer step, LR schedule], with the entropy bonus's adaptive coefficient. `Update` is built from the run's
+options and what it trains (the policy, a frozen reference, the loss type, the numerics, the run's counters); it
+asks the Lightning module it runs in only for what `Host` lists. Input: the step's `GRPOBatch` and the rows to
+train on; output: the update's metrics."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +27,7 @@ class Host(Protocol):
     """What the update asks of the Lightning module it runs in (GRPOModule)."""
     device: torch.device
     world_size: int
+    global_step: int
 
     def optimizers(self) -> Any: ...
 
@@ -63,27 +64,32 @@ class Update:
         self.routers = Routers(policy, options.loss.router_aux_loss_coef)
 
     def __call__(self, batch: GRPOBatch, keep: torch.Tensor) -> dict[str, float]:
-        """num_iterations optimizer steps on the kept rows."""
+        """num_iterations x steps_per_rollout optimizer steps on the kept rows."""
         loss_opts, entropy = self.options.loss, self.options.entropy
         self.counters.consecutive_skips = 0
         staged = StagedBatch.of(batch, keep, self.host.device)
-        old, ref = self._old_logprobs(staged), self._reference_logprobs(staged)
-        loss_items = staged.num_items  # dapo's normaliser: the step's completion tokens over every rank
+        slices = self._slices(staged)
+        # every slice's old and reference logprobs before the first step moves the policy
+        old = [self._old_logprobs(part, len(slices)) for part in slices]
+        ref = [self._reference_logprobs(part) for part in slices]
+        # dapo's normaliser: the rollout's completion tokens over every rank, a share of them for each slice (TRL's)
+        loss_items = staged.num_items / len(slices)
         if self.host.world_size > 1:  # DDP averages gradients, so each rank divides by the global count / world size
-            total = self.host.reduce_sum(loss_items.to(self.host.device))
-            loss_items = total.cpu() / self.host.world_size
+            total = self.host.reduce_sum(staged.num_items.to(self.host.device))
+            loss_items = total.cpu() / self.host.world_size / len(slices)
         stats, losses, grad_norms = LossStats(), [], []
         self.routers.start()
         gap = [torch.zeros((), device=self.host.device)] * 2  # sum, max of |trainer - sampler| logprobs, device-side
         for it in range(loss_opts.num_iterations):
-            loss = self._accumulate(staged, old, ref, loss_items, stats, gap if it == 0 else None)
-            norm = self._optimizer_step()
-            if not math.isfinite(norm):  # no step was taken: the weights stay as they were
-                return self.fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
-            losses.append(float(loss))
-            grad_norms.append(norm)
-            if entropy.use_adaptive_entropy:
-                self._update_entropy_coef()
+            for j, part in enumerate(slices):
+                loss = self._accumulate(part, old[j], ref[j], loss_items, stats, gap if it == 0 else None)
+                norm = self._optimizer_step()
+                if not math.isfinite(norm):  # no step was taken: the weights stay as they were
+                    return self.fault(f"non-finite gradients (norm {norm}): NaN or Inf in the logits or loss")
+                losses.append(float(loss))
+                grad_norms.append(norm)
+                if entropy.use_adaptive_entropy:
+                    self._update_entropy_coef()
         out = stats.result()
         out.update(loss=sum(losses) / len(losses), grad_norm=sum(grad_norms) / len(grad_norms),
                    learning_rate=self.host.lr_schedulers().get_last_lr()[0])
@@ -97,10 +103,21 @@ class Update:
                                    else self._entropy_coef_now())
         return out
 
-    def _old_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
-        """The sampling-time logprobs when the policy moves between iterations (num_iterations > 1)."""
+    def _slices(self, staged: StagedBatch) -> list[StagedBatch]:
+        """steps_per_rollout slices of the rows, shuffled as TRL shuffles a generation batch (by the run's seed and
+        step, the same on every rank's own rows)."""
+        parts = self.options.optimizer.steps_per_rollout
+        if parts > len(staged.rows):
+            raise ValueError(f"steps_per_rollout={parts} is more than the {len(staged.rows)} rows this rollout trains "
+                             "on; lower it, or train on more prompts a step")
+        seed = self.options.sampling.seed * 1_000_003 + self.host.global_step
+        return staged.split(parts, torch.Generator().manual_seed(seed))
+
+    def _old_logprobs(self, staged: StagedBatch, slices: int = 1) -> torch.Tensor | None:
+        """The sampling-time logprobs when the policy moves before a row trains (num_iterations > 1, or more than
+        one slice)."""
         loss_opts = self.options.loss
-        if loss_opts.num_iterations == 1:
+        if loss_opts.num_iterations == 1 and slices == 1:
             return None
         if loss_opts.old_logprobs == "engine":
             return staged.rows.sampler_logps

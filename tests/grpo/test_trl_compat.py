@@ -162,3 +162,31 @@ def test_log_unique_prompts_keeps_one_row_a_prompt(tiny, tmp_path):
         CompletionsTable(every_n_steps=1).on_train_batch_end(trainer, module, None, None, 0)
         rows = [json.loads(line) for line in open(folder / "completions.jsonl")]
         assert len(rows) == expected
+
+
+def test_steps_per_rollout_slices_a_rollout_over_optimizer_steps_on_its_own_policy(tiny, tmp_path, monkeypatch):
+    """TRL's steps_per_generation > gradient_accumulation_steps: a rollout's rows, shuffled, split into slices,
+    one optimizer step each, num_iterations passes over them; every slice's old logprobs are the rollout's
+    policy's, taken before the first step."""
+    from rlcu.grpo.update import Update
+
+    seen = []
+    accumulate, old_logprobs = Update._accumulate, Update._old_logprobs
+
+    def recording(self, part, old, *args):
+        seen.append((sorted(map(tuple, part.rows.input_ids.tolist())), old))
+        return accumulate(self, part, old, *args)
+
+    def old_before_any_step(self, part, slices=1):
+        assert self.host.global_step == 0  # computed for every slice before the first step
+        return old_logprobs(self, part, slices)
+
+    monkeypatch.setattr(Update, "_accumulate", recording)
+    monkeypatch.setattr(Update, "_old_logprobs", old_before_any_step)
+    module = make(tiny, steps_per_rollout=2, num_iterations=2, learning_rate=0.05)
+    fit(module, toy_rows(8), steps=4, log_dir=tmp_path)
+    assert module.global_step == 4 and len(seen) == 4  # one rollout: 2 slices x 2 passes
+    (a, old_a), (b, old_b), (c, _), (d, _) = seen
+    assert len(a) == len(b) == 8 and sorted(a + b) == sorted(c + d)  # each row once a pass, the same slices again
+    assert a != b and old_a is not None and old_b is not None
+    assert [s for s, _ in seen] == [a, b, a, b]

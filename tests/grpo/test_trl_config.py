@@ -61,10 +61,10 @@ def test_a_config_object_translates_with_trls_defaults_and_builds_the_module(tmp
 def test_bad_trl_input_names_the_field_and_the_fix():
     with pytest.raises(ValueError, match="unknown TRL field 'learning_rat'"):
         translate({"learning_rat": 1e-5})
-    with pytest.raises(ValueError, match="steps_per_generation=4 with gradient_accumulation_steps=2"):
-        translate({"steps_per_generation": 4, "gradient_accumulation_steps": 2})
-    with pytest.raises(ValueError, match="generation_batch_size=64 differs from"):
-        translate({"generation_batch_size": 64, "per_device_train_batch_size": 8})
+    with pytest.raises(ValueError, match="steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"):
+        translate({"steps_per_generation": 3, "gradient_accumulation_steps": 2})
+    with pytest.raises(ValueError, match="generation_batch_size=64 and steps_per_generation=2 disagree"):
+        translate({"generation_batch_size": 64, "steps_per_generation": 2, "per_device_train_batch_size": 8})
     with pytest.raises(ValueError, match="not a multiple of num_generations=8"):
         translate({"per_device_train_batch_size": 6})
     with pytest.raises(ValueError, match=r"TRL field deepspeed='ds.json' is not supported: rlcu runs DDP"):
@@ -144,3 +144,11 @@ def test_trls_async_config_streams_with_its_own_defaults(tmp_path):
     assert (yaml_like.model["max_completion_length"], yaml_like.model["lr_scheduler"]) == (2048, "constant")
     assert any("weight_sync_steps=4: no effect here" in line for line in yaml_like.lines)
     assert "streaming" not in translate({"max_completion_length": 64}).model
+
+
+def test_steps_per_generation_feeds_several_optimizer_steps_from_one_rollout():
+    t = translate({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_generation": 6,
+                   "num_generations": 8})
+    assert (t.data["batch_size"], t.model["steps_per_rollout"], t.model["micro_batch_size"]) == (6, 3, 8)
+    assert translate({"per_device_train_batch_size": 8, "generation_batch_size": 32}).model["steps_per_rollout"] == 4
+    assert "steps_per_rollout" not in translate({"per_device_train_batch_size": 8}).model
