@@ -47,6 +47,9 @@ class SamplingParams:
     # episodes: max_tokens bounds the whole completion (every turn and every appended token); this bounds
     # each turn the model samples (None: only max_tokens)
     max_turn_tokens: int | None = None
+    # episodes: each request's own bound on its first turn, within max_turn_tokens (None, or a None entry: only
+    # max_turn_tokens); an agent program's first call with its own `max_tokens`
+    first_turn_tokens: list[int | None] | None = None
     # > 1 discourages every token already in the sequence, prompt included (vLLM's and transformers' meaning): its
     # logit is divided by the penalty where positive, multiplied where negative; 1.0: off
     repetition_penalty: float = 1.0
@@ -56,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
             raise ValueError(f"max_turn_tokens must be >= 1 or None, got {self.max_turn_tokens}")
+        if any(t is not None and t < 1 for t in self.first_turn_tokens or ()):
+            raise ValueError("first_turn_tokens entries must be >= 1 or None")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -119,6 +124,12 @@ class Reply:
     or, with `token_ids` None, the end of the episode."""
     token_ids: list[int] | None = None
     finish_reason: str | None = None  # when the episode ends: its reason (None: the last turn's)
+    max_turn_tokens: int | None = None  # the next turn's own bound, within the rollout's (None: the rollout's)
+
+
+def turn_bound(rollout: int | None, own: int | None) -> int | None:
+    """A turn's bound: the smaller of the rollout's (max_turn_tokens) and the request's own, None where neither."""
+    return own if rollout is None else rollout if own is None else min(rollout, own)
 
 
 def check_reply(reply, completion_length: int, max_tokens: int) -> None:

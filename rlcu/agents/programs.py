@@ -81,6 +81,7 @@ class ProgramEpisode:
     consumed: int = 0  # completion tokens already served or appended
     calls: int = 0
     wants_logprobs: bool = False  # the unanswered call asked for `logprobs`
+    first_limit: int | None = None  # the first call's own max_tokens
     started: Future = field(default_factory=Future)  # the first call arrived (True), or the program ended (False)
     answer: Future | None = None  # the unanswered call's response
     waiting: Future | None = None  # the next call's (tokens, messages), or None when the program ended
@@ -110,6 +111,7 @@ class ProgramRunner:
         self._thread.start()
         try:
             self.prompt_ids = [self._first_call(e, i) for i, e in enumerate(self.episodes)]
+            self.first_turn_tokens = [e.first_limit for e in self.episodes]
         except BaseException:
             self.close()
             raise
@@ -165,7 +167,7 @@ class ProgramRunner:
 
     async def chat(self, episode: str, body: dict) -> dict:
         messages, tools = _messages(body), body.get("tools")
-        wants_logprobs = _logprobs_asked(body)
+        wants_logprobs, limit = _logprobs_asked(body), _max_tokens(body)
         if tools is not None and not isinstance(tools, list):
             raise HTTPError(400, "'tools' must be a list of OpenAI tool schemas")
         ep = self.by_id[episode]
@@ -178,6 +180,7 @@ class ProgramRunner:
                 except Exception as e:  # noqa: BLE001 - a template that cannot render what was sent
                     raise HTTPError(400, f"the chat template cannot render these messages ({e})") from None
                 ep.messages, ep.tools, ep.num_prompt_messages = list(messages), tools, len(messages)
+                ep.first_limit = limit
                 ep.answer = Future()
                 ep.started.set_result(True)
             else:
@@ -190,7 +193,7 @@ class ProgramRunner:
                 except ValueError as e:
                     raise HTTPError(400, str(e)) from None
                 ep.answer = Future()
-                ep.waiting.set_result((suffix, new))
+                ep.waiting.set_result((suffix, new, limit))
             ep.calls += 1
             ep.wants_logprobs = wants_logprobs
             answer = ep.answer
@@ -226,7 +229,7 @@ class ProgramRunner:
             with self.lock:
                 ep.open = False
             return Reply(None)
-        suffix, new = nxt
+        suffix, new, limit = nxt
         if len(turn.completion_ids) + len(suffix) >= self.max_completion_length:
             with self.lock:
                 ep.open = False
@@ -235,7 +238,7 @@ class ProgramRunner:
             return Reply(None, "length")
         ep.messages += new
         ep.consumed += len(suffix)
-        return Reply(suffix)
+        return Reply(suffix, max_turn_tokens=limit)
 
     def _response(self, ep: ProgramEpisode, message: dict, ids: list[int], finish_reason: str,
                   logprobs: list[float] | None = None) -> dict:
@@ -301,6 +304,14 @@ def _logprobs_asked(body: dict) -> bool:
         raise HTTPError(400, f"top_logprobs={top!r}: the endpoint serves each sampled token's own logprob "
                              "(logprobs: true), not the alternatives; drop top_logprobs")
     return wanted
+
+
+def _max_tokens(body: dict) -> int | None:
+    """The call's own bound on what it samples: OpenAI's `max_completion_tokens`, or the older `max_tokens`."""
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise HTTPError(400, f"max_tokens must be a positive integer, got {value!r}")
+    return value
 
 
 def _messages(body: dict) -> list[dict]:

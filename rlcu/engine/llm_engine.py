@@ -27,6 +27,7 @@ from rlcu.contracts import (
     StopStrings,
     Turn,
     check_reply,
+    turn_bound,
 )
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner, to_device
@@ -226,7 +227,8 @@ class LLMEngine:
         if reply.token_ids is None:
             self.scheduler.end(seq, reply.finish_reason)
         else:
-            self.scheduler.resume(seq, list(reply.token_ids), self._sampling.max_turn_tokens)
+            self.scheduler.resume(seq, list(reply.token_ids),
+                                  turn_bound(self._sampling.max_turn_tokens, reply.max_turn_tokens))
 
     def _check_stop(self) -> None:
         if self._should_stop is not None and self._steps % STOP_CHECK_STEPS == 0 and self._should_stop():
@@ -250,14 +252,18 @@ class LLMEngine:
         if any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         stops = frozenset(sampling.stop_token_ids)
+        own = sampling.first_turn_tokens or [None] * len(prompt_token_ids)
+        if len(own) != len(prompt_token_ids):
+            raise ValueError(f"first_turn_tokens has {len(own)} entries for {len(prompt_token_ids)} prompts")
+        limits = [turn_bound(sampling.max_turn_tokens, t) or 0 for t in own]
         parents: list[Sequence] = []
         for i, prompt in enumerate(prompt_token_ids):
-            same = parents and prompt_token_ids[i - 1] == prompt
+            same = parents and prompt_token_ids[i - 1] == prompt and limits[i - 1] == limits[i]
             if same and parents[-1].pending_forks + 1 < self.config.max_num_seqs:
                 parents[-1].pending_forks += 1
                 continue
             parents.append(Sequence(list(prompt), len(prompt), sampling.max_tokens, stops, request_index=first + i,
-                                    turn_limit=sampling.max_turn_tokens or 0, seed=seed, first_request=first))
+                                    turn_limit=limits[i], seed=seed, first_request=first))
         return parents
 
     def _pool_bytes_held(self) -> int:

@@ -481,7 +481,9 @@ class GRPOModule(L.LightningModule):
         try:
             for i, ids in enumerate(runner.prompt_ids[::g]):
                 self.check_prompt_length(len(ids), i)
-            batch = self.generate(runner.prompt_ids, replace(sampling, max_turn_tokens=limits.max_call_tokens), runner)
+            # each call's own max_tokens bounds what it samples, within max_call_tokens
+            batch = self.generate(runner.prompt_ids, replace(sampling, max_turn_tokens=limits.max_call_tokens,
+                                                             first_turn_tokens=runner.first_turn_tokens), runner)
             return Sampled(batch, runner.record())
         finally:
             runner.close()

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 
-from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, check_reply
+from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, check_reply, turn_bound
 from rlcu.rollout.base import capabilities_of
 
 TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
@@ -41,10 +41,13 @@ def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: Sam
     logprobs: list[list[float]] = [[] for _ in range(n)]
     masks: list[list[int]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
+    own = list(sampling.first_turn_tokens or [None] * n)  # each episode's bound on its next turn
+    if len(own) != n:
+        raise ValueError(f"first_turn_tokens has {len(own)} entries for {n} prompts")
     active, turn = list(range(n)), 0
     with ThreadPoolExecutor(workers, thread_name_prefix="rlcu-turn") as pool:
         while active:
-            ended = _one_turn(generate, prompt_token_ids, sampling, turn, active, completions, logprobs, masks)
+            ended = _one_turn(generate, prompt_token_ids, sampling, turn, active, completions, logprobs, masks, own)
             replies = list(pool.map(continuation, [Turn(i, list(completions[i]), reason, list(logprobs[i]))
                                                         for i, reason in ended]))
             active = []
@@ -54,6 +57,7 @@ def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: Sam
                     reasons[i] = reply.finish_reason or reason
                     continue
                 completions[i] += reply.token_ids
+                own[i] = reply.max_turn_tokens
                 logprobs[i] += [0.0] * len(reply.token_ids)
                 masks[i] += [0] * len(reply.token_ids)
                 active.append(i)
@@ -61,17 +65,17 @@ def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: Sam
     return RolloutBatch([list(p) for p in prompt_token_ids], completions, logprobs, reasons, tool_mask=masks)
 
 
-def _one_turn(generate, prompts, sampling, turn, active, completions, logprobs, masks) -> list[tuple[int, str]]:
+def _one_turn(generate, prompts, sampling, turn, active, completions, logprobs, masks, own) -> list[tuple[int, str]]:
     """Sample the next turn of each active episode; requests are grouped by the tokens they may still take."""
     budgets: dict[int, list[int]] = {}
     for i in active:
         left = sampling.max_tokens - len(completions[i])
-        budgets.setdefault(min(left, sampling.max_turn_tokens or left), []).append(i)
+        budgets.setdefault(min(left, turn_bound(sampling.max_turn_tokens, own[i]) or left), []).append(i)
     ended = []
     seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
     for budget, rows in budgets.items():
         out = generate([prompts[i] + completions[i] for i in rows],
-                       replace(sampling, max_tokens=budget, max_turn_tokens=None, seed=seed))
+                       replace(sampling, max_tokens=budget, max_turn_tokens=None, first_turn_tokens=None, seed=seed))
         for i, ids, lps, reason in zip(rows, out.completion_ids, out.logprobs, out.finish_reasons):
             completions[i] += ids
             logprobs[i] += lps

@@ -246,3 +246,38 @@ def test_logprobs_are_served_as_the_engine_sampled_them(tiny):
         assert len(served) == len(sampled) == 10
         assert [t for t, _ in served] == [tok.decode([t]) for t, _ in sampled]
         assert [lp for _, lp in served] == pytest.approx([lp for _, lp in sampled], abs=1e-6)
+
+
+async def bounded_calls(endpoint, row):
+    """Three calls, each with its own max_tokens (2, none, 3); a bad one first gets 400."""
+    client = endpoint.client()
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be a positive integer"):
+        await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": "t1"}],
+                                             max_tokens=0)
+    messages, lengths = [{"role": "user", "content": row["prompt"]}], []
+    for limit in (2, None, 3):
+        extra = {} if limit is None else {"max_completion_tokens": limit} if limit == 3 else {"max_tokens": limit}
+        answer = await client.chat.completions.create(model=endpoint.model, messages=messages, **extra)
+        lengths.append((answer.usage.completion_tokens, answer.choices[0].finish_reason))
+        messages += [answer.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "t20"}]
+    return float(lengths == [(2, "length"), (5, "length"), (3, "length")])
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_a_calls_max_tokens_bounds_what_it_samples(tiny, backend):
+    from rlcu.rollout import resolve_rollout, turns
+
+    model, tok = tiny
+    runner = runner_for(ROWS, bounded_calls, tok)
+    try:
+        rollout = resolve_rollout(backend)
+        rollout.setup(model, tok)
+        sp = SamplingParams(max_tokens=40, max_turn_tokens=5, temperature=1.0, seed=0,
+                            first_turn_tokens=runner.first_turn_tokens)
+        out = turns.generate(rollout, runner.prompt_ids, sp, continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    assert runner.first_turn_tokens == [2, 2]
+    assert episodes.columns["agent_returns"] == [1.0, 1.0]  # 2, 5 (the run's max_call_tokens) and 3 tokens
+    assert [sum(m) for m in out.tool_mask] == [10, 10]
