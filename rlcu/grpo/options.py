@@ -27,6 +27,7 @@ SCHEDULES = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_wit
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ADAM_STATE_DTYPES = ("float32", "bfloat16")
 ON_REWARD_ERROR = ("raise", "none")
+REWARD_ISOLATION = ("thread", "process")
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
@@ -288,6 +289,9 @@ class FaultOptions(OptionGroup):
                                           minimum=1e-9, why=" seconds (or null: no limit)")
     on_reward_error: str = option("raise", "a reward that raises or runs over: stop the run (raise) or score those "
                                            "samples None (none)", choices=ON_REWARD_ERROR)
+    reward_isolation: str = option("thread", "where reward functions run: in a thread (a call past reward_timeout is "
+                                             "left running), or in a forked process that reward_timeout kills",
+                                   choices=REWARD_ISOLATION)
 
 
 @dataclass(frozen=True)

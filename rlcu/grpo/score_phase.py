@@ -131,6 +131,7 @@ class Scoring:
         try:
             values = score(self.rewards, prompts, completions, completion_ids, columns,
                            timeout=faults.reward_timeout, on_error=faults.on_reward_error,
+                           isolation=faults.reward_isolation,
                            stop_requested=self.host.stop_requested, trainer_state=self.host.trainer_state(),
                            log_extra=self.log.log_extra, log_metric=self.log.log_metric)
         except RewardInterrupted as e:  # SIGTERM while a reward hangs: stop as Lightning stops on SIGTERM

@@ -164,3 +164,31 @@ def test_fault_counters_are_saved_in_checkpoints(tmp_path):
     resumed = GRPOModule(model, tokenizer=tok, num_generations=2, max_completion_length=4)
     resumed.on_load_checkpoint(checkpoint)
     assert (resumed.counters.faults, resumed.counters.consecutive_faults) == (5, 2)
+
+
+def test_rewards_in_processes_train_and_a_spinning_one_is_killed(tmp_path):
+    """reward_isolation=process: each reward call runs in a forked process (a closure needs no pickling), and a
+    call past reward_timeout is killed instead of spinning on beside the run."""
+    import multiprocessing
+    import time
+
+    from tests.helpers import fit, toy_model
+
+    calls = []
+
+    def spins_on_odd_digits(prompts, completions, completion_ids, target, **kwargs):
+        calls.append(len(prompts))  # in the child: the parent's list never grows
+        if any(p.endswith(("1", "3", "5", "7")) for p in prompts):  # the batch call, then those samples alone
+            while True:
+                pass
+        return match_target(prompts, completions, completion_ids, target)
+
+    model, tok = toy_model(tmp_path / "m")
+    module = GRPOModule(model, tokenizer=tok, rewards=[spins_on_odd_digits], num_generations=4,
+                        max_completion_length=4, micro_batch_size=8, reward_isolation="process", reward_timeout=1.0,
+                        on_reward_error="none")
+    start = time.perf_counter()
+    metrics = [m for m in fit(module, toy_rows(8, seed=5), steps=2, log_dir=tmp_path) if "reward" in m]
+    assert len(metrics) == 2 and calls == [] and not multiprocessing.active_children()
+    assert 0 < sum(m["rewards/spins_on_odd_digits/mean"] >= 0 for m in metrics)  # the even samples were scored
+    assert time.perf_counter() - start < 30

@@ -105,3 +105,39 @@ def test_the_default_reward_timeout_is_finite():
 
     default = inspect.signature(GRPOModule).parameters["reward_timeout"].default
     assert default is not None and 0 < default <= 600
+
+
+def sleeps_on_every_sample(completions, **kw):
+    time.sleep(1.0)
+    return [1.0] * len(completions)
+
+
+def test_a_reward_that_hangs_on_every_sample_costs_two_timeouts_not_one_a_sample():
+    start = time.perf_counter()
+    out = score(resolve_rewards([sleeps_on_every_sample]), ["p"] * 16, ["c"] * 16, [[1]] * 16, {}, timeout=0.2,
+                on_error="none")
+    assert torch.isnan(out).all()
+    assert time.perf_counter() - start < 0.2 * 2 + 0.5  # the batch call, then all 16 samples side by side
+    with pytest.raises(RewardError, match="did not return within 0.2 s on sample 0"):
+        score(resolve_rewards([sleeps_on_every_sample]), ["p"] * 16, ["c"] * 16, [[1]] * 16, {}, timeout=0.2)
+
+
+def spins(completions, **kw):
+    if "hang" in completions:
+        while True:
+            pass
+    return [float(len(c)) for c in completions]
+
+
+def test_process_isolation_kills_a_reward_past_its_timeout():
+    import multiprocessing
+    import threading
+
+    out = run([spins], timeout=0.5, on_error="none", isolation="process")
+    assert torch.isnan(out[1, 0]) and out[0, 0] == 4.0 and out[3, 0] == 8.0  # computed in the child, sent back
+    assert not [t for t in threading.enumerate() if "spins" in t.name]  # no thread left spinning
+    assert not multiprocessing.active_children()  # and no process
+    with pytest.raises(RewardError, match="raised ZeroDivisionError: boom on sample 2"):
+        run([raises], isolation="process")  # the child's exception comes back as it was raised
+    with pytest.raises(ValueError, match="reward_isolation must be one of"):
+        run([raises], isolation="subinterpreter")
