@@ -139,7 +139,8 @@ def gated_delta_rule(q, k, v, g, beta, cu: torch.Tensor, state: torch.Tensor | N
 def _fla(op, q, k, v, g, beta, cu, state):
     """One of fla's gated delta rules over the flat row (its batch of one, `cu_seqlens`), q/k normalised inside."""
     init = None if state is None else state.float()
-    o, final = op(q[None], k[None], v[None], g[None].float(), beta[None].to(v.dtype), initial_state=init,
+    # by keyword: the recurrent op's fifth parameter is `gk` (a decay per key), not beta
+    o, final = op(q[None], k[None], v[None], g=g[None].float(), beta=beta[None].to(v.dtype), initial_state=init,
                   output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
     return o[0].to(v.dtype), final.float()
 

@@ -150,19 +150,37 @@ def test_gradients_on_cuda_against_float64():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("triton_kernel", [False, True])
 def test_the_in_place_convolution_step(monkeypatch, triton_kernel):
-    """The decode step's convolution on windows in a pool (our Triton kernel under the interpreter, or PyTorch):
+    """The decode step's convolution on windows in a pool (our Triton kernel, on a GPU or interpreted, or PyTorch):
     the out-of-place form's output, the windows shifted in their slots only; 300 channels cross a block edge."""
     if triton_kernel:
         monkeypatch.setenv("RLCU_TRITON", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton compiled for a GPU takes its tensors only
     gen = torch.Generator().manual_seed(3)
     c, k = 300, 4
-    rows = torch.randn(5, c + 7, generator=gen)
-    x, w = rows[:, 7:], torch.randn(c, k, generator=gen)  # x a strided view, as the layer's projection
-    pool = torch.randn(9, c, k - 1, generator=gen)
-    slots = torch.tensor([7, 0, 3, 8, 2])
+    rows = torch.randn(5, c + 7, generator=gen).to(device)
+    x, w = rows[:, 7:], torch.randn(c, k, generator=gen).to(device)  # x a strided view, as the layer's projection
+    pool = torch.randn(9, c, k - 1, generator=gen).to(device)
+    slots = torch.tensor([7, 0, 3, 8, 2], device=device)
     want, want_windows = causal_conv_step(x, w, pool[slots])
     updated = pool.clone()
     got = causal_conv_step_(x, w, updated, slots)
     assert (got - want).abs().max() < 1e-5 and torch.equal(updated[slots], want_windows)
     others = [i for i in range(9) if i not in slots.tolist()]
     assert torch.equal(updated[others], pool[others])
+
+
+def test_fla_is_called_with_its_gates_by_name():
+    """fla's two rules take different fifth parameters (the chunked one beta, the recurrent one `gk`, a decay per
+    key): beta passed by position turned the recurrent rule's output to NaN on the H200. A stand-in that takes
+    only q, k and v by position checks that everything else goes by name."""
+    from rlcu.kernels.gated_delta import _fla
+
+    seen = {}
+
+    def op(q, k, v, *, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        seen.update(g=g, beta=beta)
+        return v.clone(), initial_state
+
+    x, state, cu = inputs([1, 1, 1])
+    _fla(op, x["q"], x["k"], x["v"], x["g"], x["beta"], cu, state)
+    assert torch.equal(seen["beta"][0], x["beta"].to(x["v"].dtype)) and torch.equal(seen["g"][0], x["g"].float())
