@@ -3,8 +3,9 @@
 Each training step hands its prompts to a rollout stream that stays open between steps (`EngineStream`), then
 decodes until `batch` groups (one step's worth) have finished, takes the oldest finished groups, and trains on
 them while the others stay in flight. The optimizer step updates the shared parameters in place, between two
-decode steps; the next decode step of every running sequence reads the new weights, with its keys and values
-computed so far kept as they are.
+decode steps; the next decode step of every running sequence reads the new weights. While the update runs the
+KV pool is given back (release_memory), and the sequences in flight are recomputed from their tokens when
+decoding resumes (`EngineStream.release`).
 
 How far the stream runs ahead: `max_inflight_tasks` samples (TRL's AsyncGRPOTrainer's name; -1: max(max_staleness,
 1) steps' worth), counted in whole steps. Until that many are in flight the first steps only admit their prompts
