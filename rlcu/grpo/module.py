@@ -50,7 +50,7 @@ from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW
 from rlcu.grpo.options import Options, check_against_model, signature, trl_alias
 from rlcu.grpo.score_phase import Scoring
-from rlcu.grpo.streaming import Streamer
+from rlcu.grpo.streaming import Prescored, Streamer
 from rlcu.grpo.update import Update
 from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
@@ -133,11 +133,9 @@ class GRPOModule(L.LightningModule):
         if self.agent is not None or self.program is not None:
             raise ValueError("streaming runs single-turn completions; episodes (tools, environment_factory, agent) "
                              "run synchronously: set streaming=false")
-        if self.options.model.score_during_generation:
-            raise ValueError("streaming scores each step's groups when it takes them; score_during_generation is "
-                             "for the synchronous rollout: set one of them to false")
         require(self.rollout, "streaming", "streaming", "use rollout: native, or set streaming=false")
-        return Streamer(self, s.num_generations, st.max_staleness, st.max_inflight_tasks)
+        return Streamer(self, s.num_generations, st.max_staleness, st.max_inflight_tasks,
+                        self.options.model.score_during_generation)
 
     # ---- what the streamer asks of the module (streaming.Host) ----------------------------------------------
     def open_stream(self, max_sequences: int):
@@ -146,6 +144,10 @@ class GRPOModule(L.LightningModule):
             raise ValueError("streaming keeps the rollout open across steps, which FSDP's gather per rollout does "
                              "not: train with DDP, or set streaming=false")
         return self.rollout.open_stream(self.sampling_params(), max_sequences, self.options.sampling.max_prompt_length)
+
+    def score_group(self, row: dict, completion_ids: list[list[int]]) -> ScoredRollout:
+        """One group's scores (from the streamer's worker thread, score_during_generation)."""
+        return self.scoring.score_completions([row], completion_ids)
 
     def stream_seed(self, batch: int) -> int:
         """The sampling seed of the batch-th admitted batch: the synchronous step's for the same step."""
@@ -400,11 +402,11 @@ class GRPOModule(L.LightningModule):
         if taken is None:  # the stream fills: no optimizer step yet
             return None
         self.scoring.new_step()
-        self._score_and_update(taken.rows, taken.sampled, None, (t0, self._now()), taken.metrics)
+        self._score_and_update(taken.rows, taken.sampled, taken.scorer, (t0, self._now()), taken.metrics)
         self.streamer.updated(self.global_step)
         return None
 
-    def _score_and_update(self, rows: list[dict], rollout: Sampled, scorer: EarlyScorer | None,
+    def _score_and_update(self, rows: list[dict], rollout: Sampled, scorer: EarlyScorer | Prescored | None,
                           times: tuple[float, float], metrics: dict[str, float]) -> None:
         """The score and update phases of a step whose rollout took `times` (start, end)."""
         t0, t1 = times

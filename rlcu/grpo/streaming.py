@@ -19,6 +19,10 @@ trains on one batch of groups within the bound (so ranks stay in lockstep), and 
 The sampler correction (vllm_importance_sampling_*) weighs the rest by pi_old / pi_sampler token by token, the
 sampler being the older policies that drew them.
 
+With score_during_generation, a group is scored in a worker thread as soon as it has finished within
+max_staleness, while the stream decodes on (`GroupScorer`); the step then takes the scores it finds, and scores
+what it does not find (or everything again, numbered by the step's samples, when a reward failed).
+
 Prompts admitted and not yet trained (in flight, or finished and queued) are the stream's state: a checkpoint
 keeps them, and a resumed run submits them again before its next batch, from their prompts, with their seeds,
 on the weights it resumes with (their partial completions are not saved). A held-out evaluation does the same:
@@ -26,12 +30,18 @@ it closes the stream and the next step submits the pending prompts again."""
 from __future__ import annotations
 
 import math
+import queue
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from rlcu.contracts import RolloutBatch
-from rlcu.grpo.batch import Sampled
+from rlcu.grpo.batch import Sampled, ScoredRollout
+from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S
 from rlcu.rollout.base import RolloutStream
 
 
@@ -45,6 +55,8 @@ class Group:
     row: dict
     batch: int  # which admitted batch it came with (its seed's)
     first: int = -1  # the request index of its first sample in the open stream (-1: not submitted)
+    scored: ScoredRollout | None = None  # its samples' scores, from the group scorer
+    scoring: bool = False  # handed to the group scorer for the samples it has now
 
 
 @dataclass
@@ -54,6 +66,7 @@ class Taken:
     sampled: Sampled
     staleness: list[int]  # per sample: policy versions between its oldest token and now
     metrics: dict[str, float] = field(default_factory=dict)
+    scorer: Prescored | None = None  # the groups' scores from the group scorer (score_during_generation)
 
 
 class Host(Protocol):
@@ -65,10 +78,61 @@ class Host(Protocol):
 
     def stream_seed(self, batch: int) -> int: ...
 
+    def score_group(self, row: dict, completion_ids: list[list[int]]) -> ScoredRollout: ...
+
+
+class GroupScorer:
+    """A worker thread that scores groups as the stream finishes them (score_during_generation)."""
+
+    def __init__(self, score_group: Callable[[dict, list[list[int]]], ScoredRollout]):
+        self.score_group = score_group
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.worker = threading.Thread(target=self._work, name="rlcu-score-groups", daemon=True)
+        self.worker.start()
+
+    def add(self, group: Group, completion_ids: list[list[int]]) -> None:
+        group.scoring = True
+        self.queue.put((group, completion_ids))
+
+    def _work(self) -> None:
+        while (item := self.queue.get()) is not None:
+            group, ids = item
+            if self.error is not None:
+                continue
+            try:
+                group.scored = self.score_group(group.row, ids)
+            except BaseException as e:  # noqa: BLE001 - the step scores again, and raises what that raises
+                self.error = e
+
+    def wait(self, groups: list[Group]) -> None:
+        """Until the worker has scored `groups` (every one handed to it), or a reward failed."""
+        while any(gr.scored is None for gr in groups) and self.error is None and self.worker.is_alive():
+            threading.Event().wait(0.005)
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+class Prescored:
+    """The step's groups' scores from the group scorer, handed to the score phase as an early scorer is."""
+
+    def __init__(self, groups: list[Group], failed: bool):
+        self.groups, self.failed = groups, failed
+
+    def result(self, completion_ids: list[list[int]], score_all: Callable[[], ScoredRollout]) -> ScoredRollout:
+        if self.failed or any(gr.scored is None for gr in self.groups):
+            return score_all()  # a reward failed, or a group was not scored: the whole step, as after a rollout
+        parts = [gr.scored for gr in self.groups]
+        return ScoredRollout([p for s in parts for p in s.prompts], [c for s in parts for c in s.completions],
+                             torch.cat([s.rewards for s in parts]))
+
 
 class Streamer:
-    def __init__(self, host: Host, num_generations: int, max_staleness: int, max_inflight_tasks: int):
-        self.host = host
+    def __init__(self, host: Host, num_generations: int, max_staleness: int, max_inflight_tasks: int,
+                 score_during_generation: bool = False):
+        self.host, self.score_during_generation = host, score_during_generation
+        self.scorer: GroupScorer | None = None
         self.g, self.max_staleness, self.max_inflight_tasks = num_generations, max_staleness, max_inflight_tasks
         self.stream: RolloutStream | None = None
         self.pending: list[Group] = []  # admitted and not yet trained, oldest first
@@ -92,11 +156,16 @@ class Streamer:
         if len(self.pending) < steps * need:
             return None
         self.dropped_now = 0
+        interval = sys.getswitchinterval()
+        if self.scorer is not None:  # the decode loop gets the interpreter back within a fraction of a step
+            sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         try:
             self.stream.run(lambda: self._ready(version) >= need, should_stop)
         except BaseException:  # interrupted (SIGTERM): the pending prompts stay for the checkpoint
             self.close()
             raise
+        finally:
+            sys.setswitchinterval(interval)
         return self._take(need, version)
 
     def _submit(self, version: int, max_sequences: int = 0) -> None:
@@ -105,6 +174,8 @@ class Streamer:
         if self.stream is None:
             self.stream = self.host.open_stream(max_sequences)
             self.stream.version = version
+            if self.score_during_generation:
+                self.scorer = GroupScorer(self.host.score_group)
         fresh = [gr for gr in self.pending if gr.first < 0]
         for b in sorted({gr.batch for gr in fresh}):
             groups = [gr for gr in fresh if gr.batch == b]
@@ -129,10 +200,12 @@ class Streamer:
                 continue
             if max(staleness(s, version) for s in samples) <= self.max_staleness:
                 ready += 1
+                if self.scorer is not None and not gr.scoring:
+                    self.scorer.add(gr, [s.completion_token_ids for s in samples])
                 continue
             for j in range(self.g):
                 self.stream.pop(gr.first + j)
-            gr.first, stale = -1, True
+            gr.first, gr.scored, gr.scoring, stale = -1, None, False, True
             self.dropped_now += self.g
         if stale:
             self._submit(version)
@@ -144,6 +217,10 @@ class Streamer:
         taken = {id(gr) for gr in groups}
         self.pending = [gr for gr in self.pending if id(gr) not in taken]
         seqs = [self.stream.pop(gr.first + j) for gr in groups for j in range(self.g)]
+        prescored = None
+        if self.scorer is not None:
+            self.scorer.wait(groups)
+            prescored, self.scorer.error = Prescored(groups, self.scorer.error is not None), None
         ages = [staleness(s, version) for s in seqs]
         self.dropped_stale += self.dropped_now
         batch = RolloutBatch(prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs],
@@ -156,7 +233,7 @@ class Streamer:
                    "streaming/queue_groups": float(self._ready(version)),
                    "streaming/in_flight": float(self.stream.in_flight),
                    "streaming/decode_steps": float(steps), "streaming/decode_batch_mean": decode_batch}
-        return Taken([gr.row for gr in groups], Sampled(batch), ages, metrics)
+        return Taken([gr.row for gr in groups], Sampled(batch), ages, metrics, prescored)
 
     def updated(self, version: int) -> None:
         """The optimizer stepped: the tokens sampled from now on are drawn under `version`."""
@@ -168,8 +245,11 @@ class Streamer:
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
         for gr in self.pending:
-            gr.first = -1
+            gr.first, gr.scored, gr.scoring = -1, None, False
 
     def state_dict(self) -> dict:
         return {"pending": [(gr.row, gr.batch) for gr in self.pending], "batches": self.batches,

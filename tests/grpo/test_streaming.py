@@ -139,8 +139,6 @@ def test_streaming_refuses_what_it_cannot_run(tmp_path):
     tiny = toy_model(tmp_path / "m")
     with pytest.raises(ValueError, match="streaming=false"):
         make(tiny, streaming=True, tools=[echo], tool_format="hermes")
-    with pytest.raises(ValueError, match="score_during_generation"):
-        make(tiny, streaming=True, score_during_generation=True)
     with pytest.raises(ValueError, match="'streaming' capability"):
         make(tiny, streaming=True, rollout="reference")
     with pytest.raises(ValueError, match="max_inflight_tasks"):
@@ -156,3 +154,23 @@ def test_a_stop_request_ends_the_stream_between_decode_steps_and_keeps_the_pendi
         trainer.fit(module, PromptDataModule(toy_rows(8, seed=1), batch_size=2, seed=1))
     assert module.global_step == 0 and len(module.streamer.pending) == 2  # the step's groups, for the checkpoint
     assert module.streamer.stream is None and module.rollout.engine.stream is None  # closed, its blocks back
+
+
+def test_scoring_during_generation_scores_the_same_groups_in_a_worker(tmp_path):
+    """score_during_generation: each group is scored by the worker as it finishes, while the stream decodes on;
+    the run is the one that scores after taking its groups, update for update."""
+    runs, sizes = [], {False: set(), True: set()}
+
+    def reward(prompts, completions, completion_ids, target, **kwargs):
+        sizes[early].add(len(prompts))
+        return match_target(prompts, completions, completion_ids, target)
+
+    for early in (False, True):
+        module = make(toy_model(tmp_path / "m"), rewards=[reward], streaming=True, max_staleness=2,
+                      max_completion_length=16, stop=UNEVEN, score_during_generation=early)
+        metrics = fit(module, toy_rows(40, seed=1), steps=4, log_dir=tmp_path / str(early), batch_size=2)
+        runs.append((weights(module), [m["reward"] for m in metrics if "reward" in m]))
+    (plain, plain_rewards), (early, early_rewards) = runs
+    assert len(early_rewards) == 4 and early_rewards == plain_rewards
+    assert all(torch.equal(plain[k], early[k]) for k in plain)
+    assert sizes == {False: {8}, True: {4}}  # a step's two groups at once, or each group as it finished
