@@ -71,7 +71,7 @@ def call_bounded(fn: Callable, kwargs: dict, timeout: float | None, name: str,
 def call_in_process(fn: Callable, kwargs: dict, timeout: float | None, name: str,
                     stop_requested: Callable[[], bool] | None = None):
     """fn(**kwargs) in a forked process, as `call_bounded` returns it; past `timeout` (or on a stop) the process
-    is killed. Where fork is missing (Windows, macOS's spawn default aside), the thread of `call_bounded`."""
+    is killed. An `async def` function, or a platform without fork (Windows), runs as `call_bounded` runs it."""
     if is_async(fn) or "fork" not in multiprocessing.get_all_start_methods():
         return call_bounded(fn, kwargs, timeout, name, stop_requested)
     receive, send = multiprocessing.Pipe(duplex=False)

@@ -95,8 +95,7 @@ class StagedBatch:
         out = []
         for idx in order.tensor_split(parts):
             part = self.rows.rows(idx.to(self.rows.input_ids.device))
-            out.append(StagedBatch(part, self.host_attention_mask[idx], self.rows.loss_mask[idx.to(
-                self.rows.loss_mask.device)].sum().float().cpu()))
+            out.append(StagedBatch(part, self.host_attention_mask[idx], part.loss_mask.sum().float().cpu()))
         return out
 
     def micro_batches(self, size: int) -> list[slice]:

@@ -63,16 +63,19 @@ def _batch(_, t: Translation, v: Mapping) -> None:
     micro-batch is TRL's per-device batch."""
     per_device, accumulation = v["per_device_train_batch_size"], v["gradient_accumulation_steps"]
     g, world = v["num_generations"], v.get("world_size", 1)
-    generation, given_steps = v.get("generation_batch_size"), v.get("steps_per_generation")
-    if generation is not None and given_steps is not None and generation != per_device * world * given_steps:
-        raise ValueError(f"generation_batch_size={generation} and steps_per_generation={given_steps} disagree: "
-                         f"per_device_train_batch_size x processes x steps_per_generation is "
-                         f"{per_device * world * given_steps}; give one of them")
-    if generation is not None and generation % (per_device * world):
-        raise ValueError(f"generation_batch_size={generation} is not a multiple of per_device_train_batch_size x "
-                         f"processes = {per_device * world} (TRL requires the same)")
-    steps_per_generation = (generation // (per_device * world) if generation is not None
-                            else v.get("steps_per_generation") or accumulation)
+    generation, steps_per_generation = v.get("generation_batch_size"), v.get("steps_per_generation")
+    # a GRPOConfig object sets both (its __post_init__ derives one from the other, for the processes it saw)
+    if steps_per_generation is not None and generation not in (None, per_device * steps_per_generation,
+                                                               per_device * world * steps_per_generation):
+        raise ValueError(f"generation_batch_size={generation} and steps_per_generation={steps_per_generation} "
+                         f"disagree: per_device_train_batch_size x processes x steps_per_generation is "
+                         f"{per_device * world * steps_per_generation}; give one of them")
+    if steps_per_generation is None and generation is not None:
+        if generation % (per_device * world):
+            raise ValueError(f"generation_batch_size={generation} is not a multiple of per_device_train_batch_size x "
+                             f"processes = {per_device * world} (TRL requires the same)")
+        steps_per_generation = generation // (per_device * world)
+    steps_per_generation = steps_per_generation or accumulation
     if steps_per_generation % accumulation:
         raise ValueError(f"steps_per_generation={steps_per_generation} is not a multiple of "
                          f"gradient_accumulation_steps={accumulation}: rlcu's optimizer steps take whole slices of a "

@@ -152,3 +152,13 @@ def test_steps_per_generation_feeds_several_optimizer_steps_from_one_rollout():
     assert (t.data["batch_size"], t.model["steps_per_rollout"], t.model["micro_batch_size"]) == (6, 3, 8)
     assert translate({"per_device_train_batch_size": 8, "generation_batch_size": 32}).model["steps_per_rollout"] == 4
     assert "steps_per_rollout" not in translate({"per_device_train_batch_size": 8}).model
+
+
+def test_a_config_objects_derived_generation_batch_size_holds_under_ddp(tmp_path):
+    from trl import GRPOConfig
+
+    cfg = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=2, steps_per_generation=4, num_generations=4)
+    for world in (1, 2):  # the object derived generation_batch_size for one process; two translate alike
+        t = translate(cfg, world_size=world)
+        assert (t.data["batch_size"], t.model["steps_per_rollout"]) == (4, 2)
