@@ -11,6 +11,7 @@ Each prints a table and, last, one JSON line."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -375,7 +376,6 @@ def bench_step(args) -> dict:
     module.stop_token_ids = list(range(args.stop_tokens))  # by default none: full length, as the peers force it
     if args.lengths == "lognormal":
         module.stop_token_ids = [0]
-        planned_lengths(args.new_tokens)
     steps: list[dict] = []
     profile: dict = {}
 
@@ -423,7 +423,9 @@ def bench_step(args) -> dict:
                         devices=args.devices, strategy=args.strategy, precision="32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timer := Timer()])
-    trainer.fit(module, DataLoader(rows, batch_size=args.prompts // args.devices, collate_fn=collate_rows))
+    lengths = planned_lengths(args.new_tokens) if args.lengths == "lognormal" else contextlib.nullcontext()
+    with lengths:
+        trainer.fit(module, DataLoader(rows, batch_size=args.prompts // args.devices, collate_fn=collate_rows))
     if not trainer.is_global_zero:
         return None  # rank 0 reports (its memory, its timings: the ranks wait for each other at every step)
     steps = steps[:args.steps]  # without the profiled one
@@ -459,7 +461,8 @@ def bench_step(args) -> dict:
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
 
 
-def planned_lengths(new_tokens: int, sigma: float = 1.0) -> None:
+@contextlib.contextmanager
+def planned_lengths(new_tokens: int, sigma: float = 1.0):
     """A reasoning run's lengths on a random model, which never stops on its own: each sample ends (its token
     becomes stop token 0) at a length drawn from a log-normal of median new_tokens / 8, capped at new_tokens, by
     its seed and its place in its submission, the same in the synchronous and the streaming step."""
@@ -475,6 +478,10 @@ def planned_lengths(new_tokens: int, sigma: float = 1.0) -> None:
         return postprocess(self, seqs, tokens, logprobs)
 
     Scheduler.postprocess = planned
+    try:
+        yield
+    finally:  # the engine's own rule again for whatever runs next in this process
+        Scheduler.postprocess = postprocess
 
 
 def busy(seconds: float) -> None:

@@ -207,3 +207,6 @@ def test_bench_step_streams_on_long_tail_lengths_the_same_samples_as_the_synchro
     assert stream["streaming"] is True and len(stream["step_seconds"]) == 3 and stream["fill_seconds"] >= 0
     assert stream["trained_tokens_per_s"] > 0 and stream["decode_batch_mean"] > 0
     assert 0 <= stream["staleness_mean"] <= 2 and stream["dropped_stale"] == 0
+    from rlcu.engine.scheduler import Scheduler
+
+    assert Scheduler.postprocess.__name__ == "postprocess"  # the planned lengths end with the bench
