@@ -106,10 +106,9 @@ class Update:
     def _slices(self, staged: StagedBatch) -> list[StagedBatch]:
         """steps_per_rollout slices of the rows, shuffled as TRL shuffles a generation batch (by the run's seed and
         step, the same on every rank's own rows)."""
-        parts = self.options.optimizer.steps_per_rollout
-        if parts > len(staged.rows):
-            raise ValueError(f"steps_per_rollout={parts} is more than the {len(staged.rows)} rows this rollout trains "
-                             "on; lower it, or train on more prompts a step")
+        # fewer kept rows than slices (filter_zero_std_groups on one process): a slice a row; under DDP filtered rows
+        # stay masked, so every rank cuts as many slices
+        parts = min(self.options.optimizer.steps_per_rollout, len(staged.rows))
         seed = self.options.sampling.seed * 1_000_003 + self.host.global_step
         return staged.split(parts, torch.Generator().manual_seed(seed))
 
