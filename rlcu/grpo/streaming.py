@@ -33,6 +33,7 @@ import math
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -108,7 +109,7 @@ class GroupScorer:
     def wait(self, groups: list[Group]) -> None:
         """Until the worker has scored `groups` (every one handed to it), or a reward failed."""
         while any(gr.scored is None for gr in groups) and self.error is None and self.worker.is_alive():
-            threading.Event().wait(0.005)
+            time.sleep(0.005)
 
     def close(self) -> None:
         self.queue.put(None)
