@@ -339,6 +339,7 @@ def bench_step(args) -> dict:
     from rlcu.data.prompts import collate_rows
     from rlcu.engine.llm_engine import EngineConfig
     from rlcu.grpo.module import GRPOModule
+    from rlcu.grpo.streaming import Streamer
     from rlcu.profiling import phase_kernels, print_phase_kernels, profiler
     from rlcu.rollout.native import NativeRollout
 
@@ -350,9 +351,9 @@ def bench_step(args) -> dict:
     device = f"cuda:{rank}" if args.device == "cuda" and args.devices > 1 else args.device
     model, tok = build_model(args.model, device, args.dtype)
     total_steps = args.steps + (1 if args.profile else 0)
-    # streaming reads ahead: the batches that fill the stream come on top of the steps
-    ahead = max(args.max_staleness, 1) if args.streaming else 1
-    ahead = max(ahead, -(-args.max_inflight_tasks // (args.prompts * args.generations))) if args.streaming else ahead
+    # streaming reads ahead: the batches that fill the stream come on top of the steps (the streamer's own count)
+    ahead = (Streamer(None, args.generations, args.max_staleness, args.max_inflight_tasks).steps_in_flight(
+        args.prompts // args.devices) if args.streaming else 1)
     prompts = random_prompt_ids(args.prompts * (total_steps + ahead), args.prompt_len, model.config.vocab_size)
     rows = [{"prompt": tok.decode(p)} for p in prompts]
 
