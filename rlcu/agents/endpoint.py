@@ -2,8 +2,9 @@
 
 Each episode has its own base URL (`http://127.0.0.1:PORT/episodes/ID/v1`), and every request must carry the run's
 random key as its bearer token. The endpoint binds 127.0.0.1 only. It answers a wrong key (401), an unknown
-episode (404), a body that is not JSON or lacks what the route needs (400) and a body over `max_body_bytes` (413)
-with OpenAI's error shape, never a crash, and it stops with the rollout, leaving no port open.
+episode (404), a body that is not JSON or lacks what the route needs (400), a body over `max_body_bytes` (413) and
+a body that does not arrive within `body_timeout` (408) with OpenAI's error shape, never a crash. It stops with the
+rollout within about a second whatever clients still hold (stalled, half-sent), leaving no port open.
 
 The routes are `POST .../chat/completions` (with `tools`, and `stream`: server-sent events), `POST
 .../completions` and `GET .../models`. What a request means is the `Handler`'s (`programs.py`): this module is
@@ -17,6 +18,9 @@ import threading
 from typing import Any, Protocol
 
 MAX_BODY_BYTES = 1 << 20
+BODY_TIMEOUT_S = 30.0
+# a stopped endpoint's rollout has ended: what is still open then is a stalled or abandoned client, not an answer
+SHUTDOWN_TIMEOUT_S = 1.0
 
 
 class HTTPError(Exception):
@@ -40,8 +44,8 @@ class Handler(Protocol):
 class Endpoint:
     """`start()` serves `handler` on a free port of 127.0.0.1; `stop()` closes it. Also a context manager."""
 
-    def __init__(self, handler: Handler, max_body_bytes: int = MAX_BODY_BYTES):
-        self.handler, self.max_body_bytes = handler, max_body_bytes
+    def __init__(self, handler: Handler, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S):
+        self.handler, self.max_body_bytes, self.body_timeout = handler, max_body_bytes, body_timeout
         self.api_key = "rlcu-" + secrets.token_urlsafe(24)
         self.port: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -70,7 +74,7 @@ class Endpoint:
         started = threading.Event()
 
         async def serve():
-            self._runner = web.AppRunner(app, access_log=None)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", 0)
             await site.start()
@@ -90,7 +94,15 @@ class Endpoint:
     def stop(self) -> None:
         if self.loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
+        async def shutdown():
+            await self._runner.cleanup()
+            # what cleanup leaves is a connection stalled mid-request: cancelled here rather than destroyed pending
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
         self.loop.close()
@@ -108,9 +120,11 @@ class Endpoint:
 
     async def _body(self, request) -> dict:
         try:
-            body = await request.json()
+            body = await asyncio.wait_for(request.json(), self.body_timeout)
         except (ValueError, UnicodeDecodeError) as e:
             raise HTTPError(400, f"the request body is not JSON ({e})") from None
+        except TimeoutError:
+            raise HTTPError(408, f"the request body did not arrive within {self.body_timeout:g} s", "timeout") from None
         if not isinstance(body, dict):
             raise HTTPError(400, f"the request body is a JSON {type(body).__name__}, not an object")
         return body

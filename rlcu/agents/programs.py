@@ -141,7 +141,7 @@ class ProgramRunner:
                 ep.started.set_result(False)
             if ep.waiting is not None and not ep.waiting.done():
                 ep.waiting.set_result(None)
-        ep.done.set()
+            ep.done.set()  # under the lock: a turn answered after this sees it and waits for no next call
 
     def _first_call(self, ep: ProgramEpisode, index: int) -> list[int]:
         remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
@@ -212,9 +212,11 @@ class ProgramRunner:
         spent = turn.finish_reason != "stop" and len(turn.completion_ids) >= self.max_completion_length
         with self.lock:
             ep.messages.append(served)
-            ep.waiting = None if spent else Future()
+            # a spent budget ends the episode (later calls get 404); so does a program that already returned,
+            # having given up on this call (a client timeout, a dropped connection): nothing would call again
+            ep.waiting = None if spent or ep.done.is_set() else Future()
             if ep.waiting is None:
-                ep.open = False  # the episode's budget is spent: later calls get 404
+                ep.open = False
             waiting = ep.waiting
         ep.answer.set_result(self._response(ep, served, ids, "tool_calls" if calls else
                                             ("stop" if turn.finish_reason == "stop" else "length"), logprobs))
