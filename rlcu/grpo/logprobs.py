@@ -16,9 +16,13 @@ CHUNK_BYTES = 512 * 2**20  # logits per chunk: small enough to fit beside traini
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                     chunk_tokens: int | None = None,
-                    batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    batch_invariant: bool = False, fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, entropy), each [N], of `targets` [N] under softmax(hidden [N, H] @ weight.T / temperature).
-    `batch_invariant`: the logits from the batch-invariant GEMM (`exact_logprobs`)."""
+    `batch_invariant`: the logits from the batch-invariant GEMM (`exact_logprobs`). `fp32`: the GEMM in float32
+    outside autocast, as the engine's head computes it under `cast_lm_head_to_fp32` (`Linear.fp32`)."""
+    if fp32:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return linear_logprobs(hidden.float(), weight.float(), targets, temperature, chunk_tokens, batch_invariant)
     if chunk_tokens is None:  # the fused path keeps logits in the GEMM's dtype, the PyTorch one in fp32
         itemsize = weight.element_size() if use_triton(hidden) else 4
         chunk_tokens = max(64, CHUNK_BYTES // (itemsize * weight.shape[0]))
@@ -49,7 +53,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
     logps, ents = linear_logprobs(hidden.reshape(b * c, h), model.lm_head.weight, input_ids[:, -c:].reshape(b * c),
-                                  temperature, chunk_tokens)
+                                  temperature, chunk_tokens, fp32=model.lm_head.fp32)
     return logps.view(b, c), ents.view(b, c)
 
 
@@ -63,7 +67,7 @@ def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature
     real = mask[:, -c:]  # the completion slots that hold a token
     target = (cu[:-1, None] + offset[:, -c:])[real]  # where each completion token sits in the packed row
     logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens,
-                                  numerics.batch_invariant)
+                                  numerics.batch_invariant, model.lm_head.fp32)
     zeros = logps.new_zeros(real.shape)
     return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)
 

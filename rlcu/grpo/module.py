@@ -48,7 +48,7 @@ from rlcu.grpo import evaluation, registry
 from rlcu.grpo.batch import Counters, Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.optim import STATE_DTYPES, MasterWeightAdamW
-from rlcu.grpo.options import Options, check_against_model, signature, trl_alias
+from rlcu.grpo.options import ModelOptions, Options, check_against_model, signature, trl_alias
 from rlcu.grpo.score_phase import Scoring
 from rlcu.grpo.streaming import Prescored, Streamer
 from rlcu.grpo.update import Update
@@ -97,7 +97,7 @@ class GRPOModule(L.LightningModule):
                         rollout=rollout, peft_config=peft_config, tools=tools, environment_factory=environment_factory)
         self.save_hyperparameters({**{k: v for k, v in explicit.items() if plain(v)}, **opts.flat()})
         self.automatic_optimization = False
-        self.policy, self.tokenizer = self._policy(model, tokenizer, opts.model.dtype, opts.model.trust_remote_code)
+        self.policy, self.tokenizer = self._policy(model, tokenizer, opts.model)
         self.policy.gradient_checkpointing = opts.optimizer.gradient_checkpointing
         self._add_lora(peft_config)
         self.rewards = self._agents_and_rewards(tools, environment_factory, agent, rewards, reward_weights,
@@ -230,8 +230,18 @@ class GRPOModule(L.LightningModule):
             require(backend, "exact_numerics", "exact_logprobs", "use rollout: native")
         return backend
 
+    @classmethod
+    def _policy(cls, model, tokenizer, opts: ModelOptions):
+        policy, tokenizer = cls._load(model, tokenizer, opts.dtype, opts.trust_remote_code)
+        if opts.cast_lm_head_to_fp32:
+            if policy.logits_from_forward:
+                raise ValueError(f"cast_lm_head_to_fp32 needs a model rlcu runs natively; {type(policy).__name__} "
+                                 "computes its logits in its own forward: set cast_lm_head_to_fp32 false")
+            policy.cast_lm_head_to_fp32()
+        return policy, tokenizer
+
     @staticmethod
-    def _policy(model, tokenizer, dtype: str, trust_remote_code: bool = False):
+    def _load(model, tokenizer, dtype: str, trust_remote_code: bool = False):
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ValueError("a model given as a module needs its tokenizer too (tokenizer=...)")

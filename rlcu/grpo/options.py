@@ -263,6 +263,8 @@ class ModelOptions(OptionGroup):
     title: ClassVar[str] = "model"
     dtype: str = option("float32", "weights' dtype when loading by name")
     trust_remote_code: bool = option(False, "run code that a model's repository ships (transformers')")
+    cast_lm_head_to_fp32: bool = option(False, "the LM head's weight in float32 and its logits computed in float32, "
+                                               "in the sampler and the trainer (TRL's, from ScaleRL)")
     exact_logprobs: bool = option(False, "the sampler's logprobs equal the trainer's to the bit (batch-invariant "
                                          "kernels on both sides)")
     score_during_generation: bool = option(False, "score completions as they end, while the rest decode")

@@ -208,8 +208,8 @@ def _vllm_cap(value, t: Translation, v: Mapping) -> None:
 
 
 def _dtype(value, t: Translation, v: Mapping) -> None:
-    if value not in (None, "auto"):
-        t.model["dtype"] = str(value)
+    if value not in (None, "auto"):  # model_init_kwargs' dtype wins, as `trl grpo` updates its kwargs with them
+        t.model.setdefault("dtype", str(value))
 
 
 def _peft(_, t: Translation, v: Mapping) -> None:
@@ -261,8 +261,7 @@ RULES: dict[str, Rule] = {
     "trust_remote_code": to_model(False),
     "router_aux_loss_coef": to_model(None),
     "disable_dropout": noop("rlcu's models have no dropout, and the transformers fallback turns dropout off", False),
-    "cast_lm_head_to_fp32": refuse("rlcu takes the log-softmax in fp32 of logits in the weights' dtype; for logprobs "
-                                   "equal between sampler and trainer use exact_logprobs", False),
+    "cast_lm_head_to_fp32": to_model(False),
     "num_generations": to_model(8), "num_generations_eval": to_model(None), "max_completion_length": to_model(512),
     "ds3_gather_for_generation": noop("DeepSpeed ZeRO-3's; rlcu's fsdp2 gathers for the rollout itself", True),
     "shuffle_dataset": Rule("data", "shuffle", True), "pad_to_multiple_of": noop(

@@ -248,6 +248,16 @@ class CausalLM(nn.Module):
             raise ValueError("exact_logprobs with lora_dropout > 0: training would drop what the sampler kept; set "
                              "lora_dropout: 0")
 
+    def cast_lm_head_to_fp32(self) -> None:
+        """TRL's `cast_lm_head_to_fp32` (ScaleRL's recipe): the head's weight in float32 and its logits computed in
+        float32 outside autocast, in the engine and in training alike (`Linear.fp32`)."""
+        if self.config.tie_word_embeddings and self.dtype != torch.float32:
+            raise ValueError(f"cast_lm_head_to_fp32 with the LM head tied to the embeddings, loaded in {self.dtype}: "
+                             "the embeddings would turn float32 too; load with model.dtype float32 (the mixed "
+                             "precision then computes the rest in bf16), or set cast_lm_head_to_fp32 false")
+        self.lm_head.float()
+        self.lm_head.fp32 = True
+
     def compute_dtype(self) -> torch.dtype:
         """What attention's inputs and the KV cache are in: the autocast dtype under mixed precision, else the
         parameters' dtype."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rlcu.kernels.matmul import invariant_linear
 
@@ -15,9 +16,17 @@ from rlcu.kernels.matmul import invariant_linear
 class Linear(nn.Linear):
     """`nn.Linear` whose caller may ask for batch-invariant GEMMs (`Numerics.EXACT`, passed down with the forward's
     attention context), so that a row computes to the same bits in the engine's decode batches and in training
-    micro-batches."""
+    micro-batches. `fp32` (the LM head under TRL's `cast_lm_head_to_fp32`): the GEMM runs in float32 whatever the
+    autocast or the input's dtype, and gives float32."""
+
+    fp32 = False
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        if self.fp32:
+            with torch.autocast(x.device.type, enabled=False):
+                bias = None if self.bias is None else self.bias.float()
+                x, weight = x.float(), self.weight.float()
+                return invariant_linear(x, weight, bias) if batch_invariant else F.linear(x, weight, bias)
         if batch_invariant:
             return invariant_linear(x, self.weight, self.bias)
         return super().forward(x)

@@ -88,3 +88,33 @@ def test_packed_logprobs_equal_padded_with_gradients(tmp_path, family):
     assert torch.allclose(packed_ent[real], padded_ent[real], atol=1e-10)
     assert not packed_lp[~real].any() and not packed_ent[~real].any()
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(*grads))
+
+
+def test_cast_lm_head_to_fp32_computes_the_head_in_float32_beside_bf16_weights(tmp_path):
+    """TRL's cast_lm_head_to_fp32: the head's weight and its input in float32, autocast off. On bf16 weights, the
+    training logprobs then equal a float64 head on the same hidden states to float32's precision, where the bf16
+    head carries bf16's rounding; the head's gradient arrives in float32; the rest of the model stays bf16."""
+    folder = tiny_hf_folder(tmp_path, "qwen3", tie_word_embeddings=False, vocab_size=96)
+    plain, _ = load_model(folder, dtype="bfloat16")
+    cast, _ = load_model(folder, dtype="bfloat16")
+    cast.cast_lm_head_to_fp32()
+    assert cast.lm_head.weight.dtype == torch.float32 and cast.model.norm.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 94, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    c, temp = 6, 0.9
+    hidden = cast.forward_padded(ids, mask)[:, -c - 1:-1].double()
+    full = torch.log_softmax(hidden @ cast.lm_head.weight.double().T / temp, -1)
+    reference = full.gather(-1, ids[:, -c:, None])[..., 0]
+    got = completion_logprobs(cast, ids, mask, c, temp)[0]
+    bf16 = completion_logprobs(plain, ids, mask, c, temp)[0]
+    assert got.dtype == torch.float32 and (got.double() - reference).abs().max() < 1e-5
+    assert (bf16.double() - reference).abs().max() > 1e-4  # what the cast removes
+    got.sum().backward()
+    assert cast.lm_head.weight.grad.dtype == torch.float32 and cast.model.norm.weight.grad.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the engine's head, under a mixed precision's autocast
+        logits = cast.lm_head(hidden[0].to(torch.bfloat16))
+    assert logits.dtype == torch.float32
+    tied, _ = load_model(tiny_hf_folder(tmp_path / "tied", "qwen3", tie_word_embeddings=True), dtype="bfloat16")
+    with pytest.raises(ValueError, match="tied to the embeddings"):
+        tied.cast_lm_head_to_fp32()

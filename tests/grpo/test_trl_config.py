@@ -7,6 +7,7 @@ import json
 import textwrap
 
 import pytest
+import torch
 
 from rlcu import cli
 from rlcu.grpo.module import GRPOModule
@@ -162,3 +163,30 @@ def test_a_config_objects_derived_generation_batch_size_holds_under_ddp(tmp_path
     for world in (1, 2):  # the object derived generation_batch_size for one process; two translate alike
         t = translate(cfg, world_size=world)
         assert (t.data["batch_size"], t.model["steps_per_rollout"]) == (4, 2)
+
+
+def test_cast_lm_head_to_fp32_trains_a_float32_head_beside_bf16_weights(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import fit, toy_rows
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                            tie_word_embeddings=False)
+    t = translate({"cast_lm_head_to_fp32": True, "model_init_kwargs": {"dtype": "bfloat16"}})
+    assert t.model["cast_lm_head_to_fp32"] is True and t.model["dtype"] == "bfloat16"  # over ModelConfig's float32
+    module = GRPOModule.from_trl({"cast_lm_head_to_fp32": True, "model_init_kwargs": {"dtype": "bfloat16"},
+                                  "learning_rate": 1e-2, "lr_scheduler_type": "constant",
+                                  "per_device_train_batch_size": 8, "num_generations": 4},
+                                 model=str(folder), reward_funcs=[length], max_completion_length=4)
+    head = module.policy.lm_head.weight
+    assert head.dtype == torch.float32 and module.policy.model.norm.weight.dtype == torch.bfloat16
+    before = head.detach().clone()
+    fit(module, toy_rows(8), 1, tmp_path / "logs")
+    assert module.policy.lm_head.weight is head and head.dtype == torch.float32
+    assert (head.detach() - before).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32 needs a model rlcu runs natively"):
+        GRPOModule(AutoModelForCausalLM.from_pretrained(folder), tokenizer=AutoTokenizer.from_pretrained(folder),
+                   cast_lm_head_to_fp32=True)
