@@ -116,11 +116,19 @@ class DecodeGraphs:
             return runner.model.lm_head(hidden[0], runner.exact)  # the model dtype: the samplers upcast as they read
 
     def _capture(self, bucket: int, autocast_dtype, plan):
+        # the warm-up runs the step for real: it must not write the rows' KV or, worse, advance their recurrent
+        # states (a hybrid's), which the replay that follows advances again; it writes to no slot and the scratch
+        slots, state_slots = self.slots.clone(), self.state_slots.clone()
+        self.slots.fill_(-1)
+        if self.runner.states is not None:
+            self.state_slots.fill_(self.runner.states.scratch)
         stream = capture_stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(stream):  # warm-up outside the graph: Triton compiles, cuBLAS picks kernels
             self._forward(bucket, autocast_dtype, plan)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        self.slots.copy_(slots)
+        self.state_slots.copy_(state_slots)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             logits = self._forward(bucket, autocast_dtype, plan)
