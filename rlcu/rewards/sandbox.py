@@ -1,6 +1,7 @@
 """Run an untrusted Python program in isolation (Linux, as root): a private, size-limited working folder,
-an empty environment, no network, a read-only view of every other file, a fresh /proc that shows only its
-own processes, a uid of its own, and limits on time, memory, processes, file size and open files. The
+an empty environment, no network, a read-only view of the system's folders (/usr, /lib, /bin and the
+interpreter) and nothing else of the host (every other top-level folder is empty), a fresh /proc that shows only
+its own processes, a uid of its own, and limits on time, memory, processes, file size and open files. The
 whole sandbox is killed on timeout.
 
 The set-up runs in a fresh single-threaded helper process (`_ISOLATE` below, started with `python -c`):
@@ -31,6 +32,7 @@ PYTHON = f"{sys.base_prefix}|{os.path.relpath(os.path.realpath(sys.executable), 
 _ISOLATE = r"""
 import ctypes, os, resource, sys
 workdir, seconds, memory, processes, python, uid, tmpfs_mb = sys.argv[1:8]
+KEEP = {"usr", "lib", "lib32", "lib64", "libx32", "bin", "sbin", "proc", "sys", "dev", "tmp"}
 seconds, memory, processes, uid, tmpfs_mb = int(seconds), int(memory), int(processes), int(uid), int(tmpfs_mb)
 libc = ctypes.CDLL(None, use_errno=True)
 def check(ok, what):
@@ -66,6 +68,21 @@ os.mkdir(target)
 check(libc.mount(prefix.encode(), target.encode(), None, MS_BIND | MS_REC, None) == 0, "binding the interpreter")
 libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
 python = os.path.join(target, relative)
+# every other top-level folder (the host's /etc, /home, /root, /var, /run, the project's checkout...) becomes an
+# empty read-only tmpfs: their files and unix sockets are out of reach; the system's own folders stay, read-only,
+# and the interpreter's prefix is shown again at its own path, where its libraries are looked for
+for name in os.listdir("/"):
+    point = "/" + name
+    if name in KEEP or os.path.islink(point) or not os.path.isdir(point):
+        continue
+    check(libc.mount(b"tmpfs", point.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=755") == 0,
+          f"covering {point}")
+    if prefix == point or prefix.startswith(point + "/"):
+        os.makedirs(prefix, exist_ok=True)
+        check(libc.mount(target.encode(), prefix.encode(), None, MS_BIND | MS_REC, None) == 0,
+              "showing the interpreter")
+        libc.mount(None, prefix.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    libc.mount(None, point.encode(), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
 for path in [home] + [os.path.join(home, n) for n in os.listdir(home) if n != ".python"]:
     os.chown(path, uid, uid)
 child = os.fork()  # the first process of the new pid namespace: when it ends, the kernel ends all it started

@@ -48,6 +48,12 @@ HOSTILE = {
     "fill /tmp": ("def attack():\n    try:\n        with open('/tmp/fill', 'wb') as f:\n"
                   "            for _ in range(300):\n                f.write(bytes(1 << 20))\n        return True\n"
                   "    except OSError:\n        return False", "assert attack()"),
+    # every top-level folder but the system's (/usr, /lib, /bin, ...) is an empty tmpfs: the host's /etc, the checkout
+    "read host files": ("import os\ndef attack():\n    found = []\n"
+                        f"    for path in ('/etc/passwd', '{ROOT}/README.md', '{ROOT}/.git/HEAD', '/var'):\n"
+                        "        try:\n            found.append(bool(os.listdir(path)) if os.path.isdir(path) "
+                        "else bool(open(path).read()))\n        except OSError:\n            pass\n"
+                        "    return any(found)", "assert attack()"),
     "read other processes' command lines": (
         "import os\ndef attack():\n    lines = []\n    for pid in os.listdir('/proc'):\n        try:\n"
         "            lines.append(open(f'/proc/{pid}/cmdline', 'rb').read())\n"
@@ -113,3 +119,36 @@ def test_memory_is_limited_for_the_sandbox_as_a_whole():
                "    return all(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)")
     reward = CodeTests(timeout=10.0, memory_mb=512)
     assert reward(["p"], [f"```python\n{program}\n```"], [[1]], tests=["assert attack()"]) == [0.0]
+
+
+def test_a_host_unix_socket_is_out_of_reach(tmp_path):
+    """A world-writable unix socket in /var/tmp, as the hostile newcomer found one answering."""
+    import socket
+    import threading
+
+    path = f"/var/tmp/rlcu-test-{os.getpid()}.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o777)
+    server.listen()
+    server.settimeout(5)
+    reached = []
+    threading.Thread(target=lambda: reached.append(_accepted(server)), daemon=True).start()
+    program = ("import socket\ndef attack():\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
+               f"        s.connect('{path}')\n        s.sendall(b'x')\n        return True\n"
+               "    except OSError:\n        return False")
+    try:
+        assert scores([program], ["assert attack()"]) == [0.0]
+        time.sleep(0.5)
+        assert reached in ([], [False])
+    finally:
+        server.close()
+        os.unlink(path)
+
+
+def _accepted(server) -> bool:
+    try:
+        server.accept()
+        return True
+    except OSError:
+        return False
