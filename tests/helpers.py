@@ -257,7 +257,7 @@ def run_toy(tmp_path, seed=0, accelerator="cpu", **options):
 
     model, tok = toy_model(tmp_path / "m")
     options = dict(dict(num_generations=8, max_completion_length=4, learning_rate=5e-3, micro_batch_size=16,
-                        seed=seed), **options)
+                        seed=seed, lr_scheduler="constant"), **options)  # the rate the toy task was tuned at
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], **options)
     return fit(module, toy_rows(4 * TOY_STEPS, seed=seed), TOY_STEPS, tmp_path / "logs", accelerator=accelerator)
 

@@ -67,7 +67,7 @@ class SamplingOptions(OptionGroup):
                                   why=" (GRPO compares completions within a group)")
     max_prompt_length: int = option(512, "prompt tokens at most; a longer prompt is an error naming the sample "
                                          "(or keeps its end: long_prompts)", minimum=1)
-    max_completion_length: int = option(256, "completion tokens at most", minimum=1)
+    max_completion_length: int = option(512, "completion tokens at most", minimum=1)
     temperature: float = option(1.0, "sampling temperature (0: greedy)", minimum=0)
     top_p: float = option(1.0, "nucleus sampling's probability mass", minimum=1e-9, maximum=1)
     top_k: int = option(0, "sample among the k likeliest tokens (0: off)", minimum=0)
@@ -81,7 +81,7 @@ class SamplingOptions(OptionGroup):
                                                      "prompts (TRL's), e.g. {enable_thinking: false}")
     long_prompts: str = option("error", "a prompt over max_prompt_length: stop at set-up (error), or keep its end "
                                         "(truncate_left)", choices=("error", "truncate_left"))
-    seed: int = option(0, "seeds the sampler (with the step and the rank)")
+    seed: int = option(42, "seeds the sampler (with the step and the rank)")
 
     def params(self, stop_token_ids: list[int], seed: int | None = None, greedy: bool = False) -> SamplingParams:
         """The sampler's settings (greedy: temperature 0, for evaluation)."""
@@ -224,7 +224,7 @@ class OptimizerOptions(OptionGroup):
                                    choices=ADAM_STATE_DTYPES)
     optimizer_offload: bool = option(False, "AdamW's fp32 masters and moments in host memory")
     adam_epsilon: float = option(1e-8, "AdamW's epsilon", minimum=0)
-    lr_scheduler: str = option("constant", "transformers' schedule by TRL's name: linear, cosine, cosine_with_min_lr "
+    lr_scheduler: str = option("linear", "transformers' schedule by TRL's name: linear, cosine, cosine_with_min_lr "
                                            "(lr_scheduler_kwargs: min_lr or min_lr_rate), constant (no warm-up), "
                                            "constant_with_warmup", choices=SCHEDULES)
     lr_scheduler_type: str | None = option(None, "TRL's name of lr_scheduler", alias_of="lr_scheduler")

@@ -207,6 +207,11 @@ def _vllm_cap(value, t: Translation, v: Mapping) -> None:
         t.model["vllm_importance_sampling_clip_max"] = value
 
 
+def _old_prompt_length(value, t: Translation, v: Mapping) -> None:
+    if value is not None:
+        t.model["max_prompt_length"] = value
+
+
 def _dtype(value, t: Translation, v: Mapping) -> None:
     if value not in (None, "auto"):  # model_init_kwargs' dtype wins, as `trl grpo` updates its kwargs with them
         t.model.setdefault("dtype", str(value))
@@ -286,6 +291,9 @@ RULES: dict[str, Rule] = {
     "vllm_gpu_memory_utilization": custom(lambda value, t, v: t.model.setdefault("rollout", {
         "name": "native", "init_args": {"engine": {"memory_fraction": value}}}) if v.get("use_vllm") else None, 0.3,
         "with use_vllm: the share of free GPU memory the engine's KV pool may take (engine.memory_fraction)"),
+    "max_prompt_length": custom(_old_prompt_length, None, "model.max_prompt_length (TRL removed it in 0.28; rlcu "
+                                "still bounds prompts with it: a longer one is an error, or loses its start with "
+                                "long_prompts: truncate_left)"),
     "vllm_max_model_length": noop("the engine sizes each sequence by max_prompt_length + max_completion_length",
                                   None),
     "vllm_tensor_parallel_size": refuse("tensor-parallel rollouts are issue #46", 1),

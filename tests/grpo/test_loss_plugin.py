@@ -61,7 +61,7 @@ def test_a_third_party_loss_is_listed_and_trains(loss_package, tmp_path, capsys)
     model, tok = toy_model(tmp_path / "m")
     before = [p.detach().clone() for p in model.parameters()]
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
-                        learning_rate=1e-2, loss_type="reinforce_token_mean", advantage_estimator="centred")
+                        seed=0, learning_rate=1e-2, loss_type="reinforce_token_mean", advantage_estimator="centred")
     import my_rl_losses
 
     step = [m for m in fit(module, toy_rows(4), 1, tmp_path / "logs") if "reward" in m][-1]

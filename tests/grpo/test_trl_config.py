@@ -190,3 +190,10 @@ def test_cast_lm_head_to_fp32_trains_a_float32_head_beside_bf16_weights(tmp_path
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32 needs a model rlcu runs natively"):
         GRPOModule(AutoModelForCausalLM.from_pretrained(folder), tokenizer=AutoTokenizer.from_pretrained(folder),
                    cast_lm_head_to_fp32=True)
+
+
+def test_an_older_configs_max_prompt_length_is_taken_with_a_line():
+    t = translate({"max_prompt_length": 256})
+    assert t.model["max_prompt_length"] == 256
+    assert any(line.startswith("max_prompt_length=256 -> model.max_prompt_length (TRL removed it in 0.28")
+               for line in t.lines)

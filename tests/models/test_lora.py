@@ -98,7 +98,8 @@ def test_a_peft_lora_config_is_accepted_as_trl_takes_it():
 def test_a_grpo_step_trains_the_adapters_only_and_the_engine_sees_them_in_place(tmp_path):
     model, tok = load_model(tiny_hf_folder(tmp_path, "llama", chat_template=CHAT_TEMPLATE))
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
-                        learning_rate=5e-2, peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+                        seed=0, learning_rate=5e-2,
+                        peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
                         beta=0.04, rollout="native")
     base = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters() if "lora" not in n}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" in n}
