@@ -347,7 +347,8 @@ class GRPOModule(L.LightningModule):
         # a run by epochs ends where Lightning estimates (TRL's schedules know their end the same way)
         total = max_steps if max_steps and max_steps > 0 else (int(estimated) if math.isfinite(estimated) else None)
         if not hp.lr_scheduler.startswith("constant") and total is None:
-            raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps to know where it ends")
+            raise ValueError(f"lr_scheduler={hp.lr_scheduler!r} needs trainer.max_steps (or max_epochs) to know where "
+                             "it ends: set one, or lr_scheduler: constant for a run bounded by time alone")
         # transformers' own schedules, as TRL builds them
         schedule = get_scheduler(hp.lr_scheduler, opt, num_warmup_steps=hp.warmup(total), num_training_steps=total,
                                  scheduler_specific_kwargs=hp.lr_scheduler_kwargs or {})
