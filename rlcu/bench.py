@@ -66,6 +66,15 @@ FAMILY_SHAPES = {
                               max_position_embeddings=262144,
                               rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
     "qwen3.5-9b-random": dict(model_type="qwen3_5_text", vocab_size=248320),
+    # mixture of experts at the released checkpoints' shapes (their config.json files)
+    "qwen3-30b-a3b-random": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                 norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False),
+    "gpt-oss-20b-random": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                               num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                               max_position_embeddings=131072, tie_word_embeddings=False),
     "qwen3-next-80b-a3b-random": dict(model_type="qwen3_next", vocab_size=151936),
 }
 PHASES = ("generate", "score", "train", "gather", "reshard")  # timing/* of a step; the last two under fsdp2
@@ -83,11 +92,18 @@ def random_model(device: str, dtype: torch.dtype, seed: int = 0, shape: str = ST
 
 
 def random_native(cfg, device: str, dtype: torch.dtype):
-    """rlcu's decoder for `cfg`, initialised as transformers does: normal, std 0.02; norms at their identity."""
+    """rlcu's decoder for `cfg`, initialised as transformers does: normal, std 0.02; norms at their identity. Built
+    in `dtype` (a 30B model in fp32 would not fit one GPU beside its cast)."""
     from rlcu.models.decoder import CausalLM
 
-    with torch.device(device):
-        model = CausalLM(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("linear_attn.norm.weight", "dt_bias")):  # the gated norm scales by w, not 1 + w
                 torch.nn.init.ones_(p)

@@ -49,6 +49,13 @@ MOE_FAMILIES = {
     "qwen2_moe": dict(cls="Qwen2MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
                                                        shared_expert_intermediate_size=20, mlp_only_layers=[1])),
 }
+# gpt-oss: sinks, biases, alternating windows, YaRN; a SwiGLU limit that clamps at these weights' scale
+MOE_FAMILIES["gpt_oss"] = dict(cls="GptOssConfig", extra=dict(num_local_experts=8, num_experts_per_tok=3,
+                                                              intermediate_size=24, sliding_window=5,
+                                                              swiglu_limit=0.15, rope_parameters=dict(
+                                                                  rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                                                  beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                                  original_max_position_embeddings=32)))
 FAMILIES.update(MOE_FAMILIES)
 # linear-attention hybrids (Gated DeltaNet layers beside full attention): odd head sizes, a GVA group of 2
 HYBRID_FAMILIES = {
@@ -97,7 +104,7 @@ def tiny_hf_folder(path: Path, family: str = "llama", vocab_size: int = 64, hidd
     model = transformers.AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():  # default init leaves norms at 1 and biases at 0: perturb so they are tested
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "sinks")):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     tok = word_tokenizer(vocab_size)
@@ -133,6 +140,13 @@ def toy_rows(n: int, seed: int = 0, chat: bool = False) -> list[dict]:
 def match_target(prompts, completions, completion_ids, target, **kwargs):
     """A TRL-style reward: the fraction of 4 completion tokens equal to the row's target token."""
     return [sum(t == tg for t in ids) / 4 for ids, tg in zip(completion_ids, target)]
+
+
+def varied_reward(prompts, completions, completion_ids, **kwargs):
+    """A reward that differs between almost any two completions (their token ids' sum mod 7): every group has
+    advantages, so a test of a training step's mechanics gets gradients on a model too random to earn a real
+    reward."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -195,8 +209,9 @@ def paged_cache(context_lens, hkv, d, block_size, dtype, seed=0, device=KERNEL_D
     return k.to(device), v.to(device), table.to(device)
 
 
-def float64_attention(q, k, v, table, ctx, q_positions, window=None):
-    """Straight from the definition, one query at a time, in float64 (`window`: the last keys a query sees)."""
+def float64_attention(q, k, v, table, ctx, q_positions, window=None, sinks=None):
+    """Straight from the definition, one query at a time, in float64 (`window`: the last keys a query sees;
+    `sinks` [Hq]: a logit per head in the softmax whose share is dropped)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
     for i, (s, pos) in enumerate(q_positions):
@@ -205,7 +220,9 @@ def float64_attention(q, k, v, table, ctx, q_positions, window=None):
         for h in range(q.shape[1]):
             lo = 0 if window is None else max(0, pos + 1 - window)
             scores = keys[lo:pos + 1, h // group] @ q[i, h].double().cpu() / math.sqrt(q.shape[-1])
-            out[i, h] = torch.softmax(scores, 0) @ vals[lo:pos + 1, h // group]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h].double().cpu()[None]])
+            out[i, h] = torch.softmax(scores, 0)[:pos + 1 - lo] @ vals[lo:pos + 1, h // group]
     return out
 
 

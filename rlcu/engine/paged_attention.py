@@ -60,7 +60,7 @@ class PagedAttention:
     def keep(self, layer_idx: int, conv: torch.Tensor, matrix: torch.Tensor) -> None:
         self.runner.states.write(layer_idx, self.states[1], conv, matrix)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None, sinks=None):
         i = self.runner.kv_index[layer_idx]
         kc, vc = self.runner.k_cache[i], self.runner.v_cache[i]
         norm = ()
@@ -75,9 +75,11 @@ class PagedAttention:
             out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, scale,
                                               self.num_splits, self.prefix_splits)
         elif self.decode_only:
-            out = decode_attention(q, kc, vc, self.tables, self.ctx, scale, self.num_splits, window=window)
+            out = decode_attention(q, kc, vc, self.tables, self.ctx, scale, self.num_splits, window=window,
+                                   sinks=sinks)
         else:
-            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, scale, self.tiles, window=window)
+            out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, scale, self.tiles, window=window,
+                                  sinks=sinks)
         return out[None]
 
 

@@ -11,18 +11,18 @@ the tokens past its group's shared prompt, starting from the partial softmax of 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rlcu.kernels._paged_kv import attend_kv_tile, finish_split, kv_operands
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
+from rlcu.kernels.sdpa import sdpa
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               window: int | None = None) -> torch.Tensor:
+                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [S, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [S, max_blocks];
-    context_lens: [S]; `window`: only the last `window` keys (None: all). Returns [S, Hq, D]. All sequences
-    at once: their blocks gathered and padded."""
+    context_lens: [S]; `window`: only the last `window` keys (None: all); `sinks` [Hq]: attention sinks
+    (`sdpa.py`). Returns [S, Hq, D]. All sequences at once: their blocks gathered and padded."""
     tables = block_tables.long()
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [S, Hkv, max_blocks * block_size, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
@@ -35,19 +35,17 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # NaN * 0 through, so zero them
     k = k.masked_fill(~mask[:, None, :, None], 0)
     v = v.masked_fill(~mask[:, None, :, None], 0)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None], scale=scale,
-                                         enable_gqa=True)
-    return out[:, :, 0]
+    return sdpa(q[:, :, None], k, v, mask[:, None, None], scale, sinks)[:, :, 0]
 
 
 if HAS_TRITON:
     @triton.jit
-    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, SKIP, PO, PLSE, scale, window, stride_qs, stride_qh, stride_kb,
-                       stride_kt, stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls, stride_lh,
-                       stride_ps, stride_ph, stride_pp, stride_pls, stride_plh, num_splits, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-                       E4M3_PAIRS: tl.constexpr):
+    def _decode_kernel(Q, KC, VC, BT, CTX, O, LSE, SKIP, PO, PLSE, SINKS, scale, window, stride_qs, stride_qh,
+                       stride_kb, stride_kt, stride_kh, stride_bts, stride_os, stride_oh, stride_osp, stride_ls,
+                       stride_lh, stride_ps, stride_ph, stride_pp, stride_pls, stride_plh, num_splits,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
+                       PREFIX_SPLITS: tl.constexpr, E4M3_PAIRS: tl.constexpr, HAS_SINKS: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -71,6 +69,10 @@ if HAS_TRITON:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if HAS_SINKS:  # the sink as the softmax's first entry, in split 0 only: a virtual key with a zero value
+            sink = tl.load(SINKS + heads, mask=gmask, other=float("-inf")).to(tl.float32)
+            m = tl.where(split == 0, sink, m)
+            l = tl.where((split == 0) & gmask, 1.0, l)
         if PREFIX_SPLITS > 0:
             if (split == 0) & (skip > 0):  # the softmax state of the shared tokens: m = their lse, l = 1, acc = out
                 for i in tl.static_range(PREFIX_SPLITS):
@@ -121,14 +123,15 @@ NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any co
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
                             block_n: int | None = None, prefix=None, num_warps: int = 4, num_stages: int = 3,
-                            window: int | None = None):
+                            window: int | None = None, sinks: torch.Tensor | None = None):
     """`prefix`: (skip [S], out [S, Hq, P, D], lse [S, Hq, P]) from shared_prefix_decode: each sequence's first
-    `skip` tokens are already attended, in P partials, and only the rest is read here. `num_warps`,
+    `skip` tokens are already attended, in P partials, and only the rest is read here. `sinks` [Hq]: attention
+    sinks (`sdpa.py`). `num_warps`,
     `num_stages`: Triton's launch options (its defaults), for benchmarks/decode_kv_dtype.py's sweep."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
-    assert prefix is None or window is None, "shared-prefix decode does not take a sliding window"
+    assert prefix is None or (window is None and sinks is None), "shared-prefix decode takes no window or sinks"
     block_n = block_n or default_block_n(n_seq, hkv, k_cache.element_size() == 1)
     if num_splits is None:
         num_splits = default_num_splits(n_seq, hkv, block_tables.shape[1] * bs, block_n)
@@ -137,7 +140,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
     skip, po, plse = prefix if prefix is not None else (context_lens, lse[:, :, None], lse)  # unread without a prefix
     kc, vc, pairs = kv_operands(k_cache, v_cache, q.dtype)
     _decode_kernel[(n_seq, hkv, num_splits)](
-        q, kc, vc, block_tables, context_lens, partial, lse, skip, po, plse, scale, window or NO_WINDOW,
+        q, kc, vc, block_tables, context_lens, partial, lse, skip, po, plse, lse if sinks is None else sinks, scale,
+        window or NO_WINDOW,
         q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0), partial.stride(0),
         partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), po.stride(0), po.stride(1), po.stride(2),
@@ -145,7 +149,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
         WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0, E4M3_PAIRS=pairs,
-        num_warps=num_warps, num_stages=num_stages)
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     return combine_splits(partial, lse, q.dtype)
 
 
@@ -170,8 +174,8 @@ def triton_supports(head_dim: int, block_size: int) -> bool:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                     window: int | None = None):
+                     window: int | None = None, sinks: torch.Tensor | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                                       window=window)
-    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window)
+                                       window=window, sinks=sinks)
+    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window, sinks)

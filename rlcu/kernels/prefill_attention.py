@@ -8,22 +8,23 @@ in tiles of `block_n` and only up to the tile's last query position (causal skip
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rlcu.kernels._paged_kv import load_kv_tile
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 from rlcu.kernels.decode_attention import NO_WINDOW, triton_supports
+from rlcu.kernels.sdpa import sdpa
 
 BLOCK_M = 32  # queries per program
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                              scale: float, window: int | None = None) -> torch.Tensor:
+                              scale: float, window: int | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (sequences concatenated); caches: [num_blocks, block_size, Hkv, D];
     cu_seqlens_q: [S + 1]; context_lens: [S] (keys per sequence, this step's included);
-    block_tables: [S, max_blocks]; `window`: a query sees only the last `window` keys up to itself.
-    Returns [T, Hq, D]."""
+    block_tables: [S, max_blocks]; `window`: a query sees only the last `window` keys up to itself; `sinks` [Hq]:
+    attention sinks (`sdpa.py`). Returns [T, Hq, D]."""
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -40,18 +41,18 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = k_pos <= q_pos
         if window is not None:
             mask &= q_pos - k_pos < window
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype),
-                                           v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        o = sdpa(q[start:end].transpose(0, 1)[None], k.transpose(0, 1).to(q.dtype)[None],
+                 v.transpose(0, 1).to(q.dtype)[None], mask, scale, sinks)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
 if HAS_TRITON:
     @triton.jit
-    def _prefill_kernel(Q, KC, VC, BT, CU, CTX, TILE_SEQ, TILE_START, O, scale, window, stride_qt, stride_qh, stride_kb,
-                        stride_kt, stride_kh, stride_bts, stride_ot, stride_oh, GROUP: tl.constexpr,
+    def _prefill_kernel(Q, KC, VC, BT, CU, CTX, TILE_SEQ, TILE_START, O, SINKS, scale, window, stride_qt, stride_qh,
+                        stride_kb, stride_kt, stride_kh, stride_bts, stride_ot, stride_oh, GROUP: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
         tile = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // GROUP
@@ -69,6 +70,9 @@ if HAS_TRITON:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if HAS_SINKS:  # the sink as the softmax's first entry: a virtual key with a zero value
+            m = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(SINKS + h).to(tl.float32)
+            l = tl.full([BLOCK_M], 1.0, tl.float32)
         n = tl.arange(0, BLOCK_N)
         key_end = tl.minimum(ctx - n_q + first_row + BLOCK_M, ctx)  # the tile's last query sees no further
         # the tile's first query sees no key before its window; tiles stay aligned to absolute positions, and a
@@ -108,8 +112,10 @@ def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                           block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None):
-    """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync)."""
+                           block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None,
+                           sinks: torch.Tensor | None = None):
+    """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync); `sinks`
+    [Hq]: attention sinks (`sdpa.py`)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
@@ -118,17 +124,18 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
     out = torch.empty_like(q)
     if len(tiles[0]):
         _prefill_kernel[(len(tiles[0]), hq)](
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out, scale,
-            window or NO_WINDOW,
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out,
+            out if sinks is None else sinks, scale, window or NO_WINDOW,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
-            BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+            BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                    window: int | None = None):
+                    window: int | None = None, sinks: torch.Tensor | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles,
-                                      window=window)
-    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window)
+                                      window=window, sinks=sinks)
+    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window,
+                                     sinks)

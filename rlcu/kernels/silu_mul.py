@@ -112,5 +112,13 @@ def gated_mul(gate_up, activation: str = "silu"):
     return gated_mul_triton(gate_up, activation)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts: with gate and up the two halves, gate clamped above at `limit` and up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate). PyTorch (its gradients by autograd)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def silu_mul(gate_up):
     return gated_mul(gate_up, "silu")

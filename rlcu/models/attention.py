@@ -8,9 +8,9 @@ import inspect
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from rlcu.kernels.rope import rope
+from rlcu.kernels.sdpa import sdpa as sdpa_heads_first
 from rlcu.models.linear_attention import Segments, rows_as_sequences
 
 
@@ -22,7 +22,8 @@ class AttentionContext(Protocol):
         The context applies RoPE, so that the engine can fuse it with its KV-cache write. A context whose
         `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword
         `qk_norm=(q_norm, k_norm)`, with q and k unnormalised. `batch_invariant` (an attribute): the forward's
-        linear layers run batch-invariant GEMMs too (`Numerics.EXACT`)."""
+        linear layers run batch-invariant GEMMs too (`Numerics.EXACT`). A layer with attention sinks (gpt-oss)
+        passes them as the keyword `sinks` ([Hq], `rlcu/kernels/sdpa.py`)."""
 
     def segments(self, layer_idx: int, batch: int, length: int, device) -> Segments:
         """For a hybrid's linear-attention layer: how the [B, T] tokens split into sequences and the state each
@@ -55,15 +56,15 @@ def causal_key_mask(key_valid: torch.Tensor, num_queries: int, window: int | Non
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         scale: float | None = None) -> torch.Tensor:
-    if mask is not None and k.shape[2] != q.shape[2]:
+         scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]."""
+    if mask is not None and k.shape[2] != q.shape[2] and sinks is None:
         # with a mask, SDPA's GQA support falls back to the math kernel, which keeps [B, H, T, T]
         # probabilities for backward; repeated K/V heads take the memory-efficient kernel instead
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=mask is None, enable_gqa=mask is None, scale=scale)
-    return out.transpose(1, 2)
+    return sdpa_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale,
+                            sinks).transpose(1, 2)
 
 
 class PaddedAttention(Stateless):
@@ -80,7 +81,7 @@ class PaddedAttention(Stateless):
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return rows_as_sequences(batch, length, device, self.attention_mask)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
         t = q.shape[1]
         if window is not None and window >= t:
             window = None  # every key is inside the window
@@ -89,7 +90,7 @@ class PaddedAttention(Stateless):
             if valid is None and window is not None:
                 valid = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
             self.masks[window] = None if valid is None else causal_key_mask(valid, t, window)
-        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale)
+        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale, sinks)
 
 
 class PackedAttention(Stateless):
@@ -107,12 +108,12 @@ class PackedAttention(Stateless):
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return Segments(self.cu)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if window is not None and window >= self.max_len:
             window = None
         varlen = _varlen()
-        if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen is not None
+        if (sinks is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen is not None
                 and (window is None or varlen.windows)):
             return varlen(q[0], k[0], v[0], self.cu, self.max_len, scale, window)[None]
         if window not in self.masks:
@@ -124,7 +125,7 @@ class PackedAttention(Stateless):
             if window is not None:
                 mask &= pos[:, None] - pos[None, :] < window
             self.masks[window] = mask[None, None]
-        return sdpa(q, k, v, self.masks[window], scale)
+        return sdpa(q, k, v, self.masks[window], scale, sinks)
 
 
 @functools.cache
@@ -196,11 +197,11 @@ class DenseCacheAttention:
     def keep(self, layer_idx, conv, state) -> None:
         self.cache.states[layer_idx] = (conv, state)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
         c = self.cache
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         c.k[layer_idx][:, self.start:self.end] = k
         c.v[layer_idx][:, self.start:self.end] = v
         if window not in self.masks:
             self.masks[window] = causal_key_mask(c.key_valid[:, :self.end], self.t, window)
-        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.masks[window], scale)
+        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.masks[window], scale, sinks)

@@ -65,6 +65,8 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.0
     shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones, gated by a sigmoid (Qwen2-MoE)
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU: gate * sigmoid(alpha * gate), gate and up clamped
+    swiglu_limit: float = 7.0
     # linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet, `linear_attention.py`) and their sizes
     linear_layers: list[int] = field(default_factory=list)
     linear_num_key_heads: int = 0
@@ -159,6 +161,7 @@ class ModelConfig:
                        hidden_act="silu")
             if self.model_type != "llama":
                 out["use_sliding_window"] = False
+        out.pop("quantization_config", None)  # the weights are written unquantised (gpt-oss: MXFP4 on load)
         out["model_type"] = self.model_type
         out["architectures"] = [spec.architecture]
         return out
@@ -268,4 +271,7 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
                    mlp_only_layers=list(hf.get("mlp_only_layers") or []),
                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
                    shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
+    for key in ("swiglu_alpha", "swiglu_limit"):
+        if hf.get(key) is not None:
+            out[key] = float(hf[key])
     return out

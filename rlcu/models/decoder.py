@@ -86,6 +86,7 @@ class Attention(nn.Module):
         q_rows = self.num_heads * d * (2 if self.output_gate else 1)
         self.qkv_proj = FusedLinear(h, {"q_proj": q_rows, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
         self.o_proj = FusedLinear(self.num_heads * d, {"o_proj": h}, cfg.o_bias)
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(self.num_heads)) if spec.attention_sinks else None)
         self.qk_norm = (spec.qk_norm or "head") if cfg.qk_norm else None
         if self.qk_norm:
             q_dim, k_dim = (d, d) if self.qk_norm == "head" else (self.num_heads * d, kv)
@@ -104,11 +105,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        norms = {}
+        norms = {} if self.sinks is None else {"sinks": self.sinks}
         if self.qk_norm == "head":  # Qwen3, Gemma 3: handed to a context that fuses them, else applied here
             # (not under partial RoPE, which is applied here, after the norms)
             if getattr(attention, "applies_qk_norm", False) and self.rotary_dim == self.head_dim:
-                norms = {"qk_norm": (self.q_norm, self.k_norm)}
+                norms["qk_norm"] = (self.q_norm, self.k_norm)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_dim < self.head_dim:  # partial RoPE here; the context's own RoPE then gets identity tables

@@ -40,30 +40,35 @@ class ExactPackedAttention:
         self.tiles = query_tiles(cu, BLOCK_M, dev)
         self.reference = PackedAttention(cu_seqlens, max_len)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None):
-        return _ExactAttention.apply(q, k, v, cos, sin, self, layer_idx, scale, window)
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
+        return _ExactAttention.apply(q, k, v, cos, sin, sinks, self, layer_idx, scale, window)
 
 
 class _ExactAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cos, sin, plan: ExactPackedAttention, layer_idx: int, scale, window):
-        """q: [1, T, Hq, D], k/v: [1, T, Hkv, D] before RoPE; cos/sin: [1, T, 1, D] -> [1, T, Hq, D]."""
+    def forward(ctx, q, k, v, cos, sin, sinks, plan: ExactPackedAttention, layer_idx: int, scale, window):
+        """q: [1, T, Hq, D], k/v: [1, T, Hkv, D] before RoPE; cos/sin: [1, T, 1, D]; sinks [Hq] or None
+        -> [1, T, Hq, D]."""
         _, _, hkv, d = k.shape
         cache = torch.zeros(2, plan.num_blocks, BLOCK, hkv, d, dtype=plan.cache_dtype, device=q.device)
         roped = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], cache[0], cache[1], plan.slots)
         scale = d ** -0.5 if scale is None else scale
         out = paged_attention(roped, cache[0], cache[1], plan.cu, plan.context_lens, plan.tables, scale,
-                              plan.tiles, window=window)
-        ctx.save_for_backward(q, k, v, cos, sin)
+                              plan.tiles, window=window, sinks=sinks)
+        ctx.save_for_backward(q, k, v, cos, sin, sinks)
         ctx.plan, ctx.layer_idx, ctx.scale, ctx.window = plan, layer_idx, scale, window
         return out[None]
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, cos, sin = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(needed) for t, needed in zip((q, k, v), ctx.needs_input_grad)]
+        q, k, v, cos, sin, sinks = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        inputs = [t.detach().requires_grad_(needs[i]) if t is not None else None
+                  for i, t in zip((0, 1, 2, 5), (q, k, v, sinks))]
         with torch.enable_grad():
-            out = ctx.plan.reference(ctx.layer_idx, *inputs, cos, sin, ctx.scale, ctx.window)
-            wanted = [t for t in inputs if t.requires_grad]
+            q, k, v, sinks = inputs
+            out = ctx.plan.reference(ctx.layer_idx, q, k, v, cos, sin, ctx.scale, ctx.window, sinks=sinks)
+            wanted = [t for t in inputs if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None, None, None)
+        dq, dk, dv, dsinks = (next(grads) if t is not None and t.requires_grad else None for t in inputs)
+        return dq, dk, dv, None, None, dsinks, None, None, None, None

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlcu.kernels.matmul import invariant_linear
-from rlcu.kernels.silu_mul import gated_mul
+from rlcu.kernels.silu_mul import clamped_swiglu, gated_mul
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -65,11 +65,25 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str):
+    """`bias`: each projection adds its expert's bias (gpt-oss: `gate_up_proj_bias` [E, 2I], `down_proj_bias`
+    [E, H]). `activation`: "silu" or "gelu_tanh" (the fused kernel), or "clamped_swiglu" with `swiglu` =
+    (alpha, limit)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str, bias: bool = False,
+                 swiglu: tuple[float, float] = (1.702, 7.0)):
         super().__init__()
-        self.num_experts, self.activation = num_experts, activation
+        self.num_experts, self.activation, self.swiglu = num_experts, activation, swiglu
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.bias = bias
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "clamped_swiglu":
+            return clamped_swiglu(gate_up, *self.swiglu)
+        return gated_mul(gate_up, self.activation)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 batch_invariant: bool = False) -> torch.Tensor:
@@ -82,8 +96,13 @@ class Experts(nn.Module):
         if not grouped(x, batch_invariant):
             counts = counts.tolist()  # one host read for both projections
         rows = x[order // k]
-        h = gated_mul(grouped_linear(rows, self.gate_up_proj, counts, batch_invariant), self.activation)
-        y = grouped_linear(h, self.down_proj, counts, batch_invariant)
+        gate_up = grouped_linear(rows, self.gate_up_proj, counts, batch_invariant)
+        if self.bias:
+            by_row = flat[order]  # each sorted row's expert
+            gate_up = gate_up + self.gate_up_proj_bias[by_row].to(gate_up.dtype)
+        y = grouped_linear(self.act(gate_up), self.down_proj, counts, batch_invariant)
+        if self.bias:
+            y = y + self.down_proj_bias[by_row].to(y.dtype)
         per_slot = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
         out = per_slot[:, 0] * weights[:, :1]
         for j in range(1, k):  # a fixed order of the k terms (a batch-invariant sum)
@@ -104,15 +123,18 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.has_shared = shared_expert is not None
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.spec.activation)
+        spec = cfg.spec
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=spec.moe_bias)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               spec.expert_activation or spec.activation, spec.moe_bias,
+                               (cfg.swiglu_alpha, cfg.swiglu_limit))
         self.keep_router_logits = False
         self.router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = invariant_linear(flat, self.gate.weight) if batch_invariant else self.gate(flat)
+        logits = invariant_linear(flat, self.gate.weight, self.gate.bias) if batch_invariant else self.gate(flat)
         if self.keep_router_logits:
             self.router_logits = logits
         weights, experts = route(logits, self.top_k, self.normalize)

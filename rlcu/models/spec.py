@@ -25,6 +25,10 @@ class ArchSpec:
     or None (the config's `embedding_multiplier`, 1 by default: Granite).
     `attn_output_gate`: q_proj also projects a gate per head (Qwen3.5, Qwen3-Next), the second half of each head's
     rows; attention's output is multiplied by its sigmoid before o_proj.
+    `attention_sinks`: a learned logit per query head in each attention's softmax (gpt-oss, `rlcu/kernels/sdpa.py`).
+    `moe_bias`: the router and the experts' projections carry biases (gpt-oss). `expert_activation`: the experts'
+    gated activation where it differs from the dense MLPs' ("clamped_swiglu": gpt-oss's, with the config's
+    `swiglu_alpha` and `swiglu_limit`).
     `sliding`: "layer_types" (sliding layers are named in the config's `layer_types`) or "all" (every layer
     uses `sliding_window` when it is set: Mistral, Phi-3).
     `hf_fused`: projections the checkpoint stores fused already (Phi-3's `qkv_proj`, `gate_up_proj`; "experts":
@@ -45,6 +49,9 @@ class ArchSpec:
     qk_norm: Literal["head", "full"] | None = None
     embed_scale: Literal["sqrt_hidden"] | None = None
     attn_output_gate: bool = False
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    expert_activation: Literal["clamped_swiglu"] | None = None
     sliding: Literal["layer_types", "all"] = "layer_types"
     hf_fused: tuple[str, ...] = ()
     weight_prefixes: dict[str, str] = field(default_factory=dict)

@@ -155,9 +155,10 @@ def test_fp8_kv_cache_in_graphs_with_shared_prefix(tmp_path):
     assert gaps.mean() < 0.25
 
 
-@pytest.mark.parametrize("family", sorted(DENSE_FAMILIES))
+@pytest.mark.parametrize("family", [*sorted(DENSE_FAMILIES), "gpt_oss"])
 def test_families_greedy_on_cuda_equal_transformers(tmp_path, family):
-    """The engine's Triton kernels (sliding windows, CUDA graphs) on each family, fp32, against transformers."""
+    """The engine's Triton kernels (sliding windows, attention sinks, CUDA graphs) on each family, fp32, against
+    transformers."""
     import transformers
 
     folder = tiny_hf_folder(tmp_path, family, hidden=128, heads=4, kv_heads=2, head_dim=64)

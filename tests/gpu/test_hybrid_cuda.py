@@ -66,10 +66,10 @@ def test_cuda_graphs_advance_the_states_once(tmp_path):
 
 def test_a_bf16_training_step_through_fla(tmp_path):
     from rlcu.grpo.module import GRPOModule
-    from tests.helpers import fit, match_target, toy_rows
+    from tests.helpers import fit, toy_rows, varied_reward
 
     model, tok = load_model(tiny_hf_folder(tmp_path / "m", "qwen3_next", **SIZES))
-    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=8,
+    module = GRPOModule(model, tokenizer=tok, rewards=[varied_reward], num_generations=4, max_completion_length=8,
                         learning_rate=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".linear_attn." in n}
     metrics = fit(module, toy_rows(4), steps=1, log_dir=tmp_path, accelerator="gpu", precision="bf16-mixed")

@@ -25,25 +25,27 @@ def test_grouped_gemm_against_float64(counts):
     assert got.shape == want.shape and (got.double().cpu() - want).abs().max() < 0.1
 
 
-def test_decode_runs_as_cuda_graphs_and_matches_the_training_forward(tmp_path):
-    model = load_model(tiny_hf_folder(tmp_path, "qwen3_moe", vocab_size=512, hidden=256, layers=3, heads=4,
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_decode_runs_as_cuda_graphs_and_matches_the_training_forward(tmp_path, family):
+    model = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, layers=3, heads=4,
                                       kv_heads=2, head_dim=64), dtype="bfloat16")[0].cuda()
     engine = LLMEngine(model, EngineConfig(release_memory=False))
     out = engine.generate([p for p in PROMPTS for _ in range(4)],
                           SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[EOS], seed=0))
     assert engine.runner.graphs is not None
     gaps = logprob_gaps(model, out)
-    print(f"qwen3_moe bf16, graphs: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
+    print(f"{family} bf16, graphs: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
     assert gaps.mean() < 0.05
 
 
-def test_a_bf16_training_step_through_the_grouped_gemm(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_bf16_training_step_through_the_grouped_gemm(tmp_path, family):
     from rlcu.grpo.module import GRPOModule
-    from tests.helpers import fit, match_target, toy_rows
+    from tests.helpers import fit, toy_rows, varied_reward
 
-    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "qwen3_moe", vocab_size=512, hidden=256, layers=3,
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", family, vocab_size=512, hidden=256, layers=3,
                                            heads=4, kv_heads=2, head_dim=64))
-    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=8,
+    module = GRPOModule(model, tokenizer=tok, rewards=[varied_reward], num_generations=4, max_completion_length=8,
                         learning_rate=1e-3, router_aux_loss_coef=0.01)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
     metrics = fit(module, toy_rows(4), steps=1, log_dir=tmp_path, accelerator="gpu", precision="bf16-mixed")

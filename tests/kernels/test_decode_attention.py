@@ -71,3 +71,26 @@ def test_sliding_window_decode(dtype, window, num_splits):
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5, 37])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_sinks_in_decode(dtype, window, num_splits):
+    """gpt-oss's sinks (a logit per head, its share dropped), counted once over the splits, with and without a
+    window; sinks of either sign and one far above every score (the head then attends to almost nothing)."""
+    context_lens = [1, 17, 40, 130]
+    k, v, table = paged_cache(context_lens, 3, 64, 12, dtype, seed=13)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(context_lens), 9, 64, generator=torch.Generator().manual_seed(14)).to(dtype).to(DEVICE)
+    sinks = torch.tensor([-2.0, 0.0, 1.5, 3.0, -0.5, 0.7, 30.0, -30.0, 2.2], device=DEVICE)
+    got = decode_attention_triton(q, k, v, table, ctx, 0.125, num_splits=num_splits, block_n=32, window=window,
+                                  sinks=sinks)
+    ref = decode_attention_reference(q, k, v, table, ctx, 0.125, window=window, sinks=sinks)
+    exact = float64_attention(q, k, v, table, context_lens, [(s, n - 1) for s, n in enumerate(context_lens)], window,
+                              sinks)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+    plain = float64_attention(q, k, v, table, context_lens, [(s, n - 1) for s, n in enumerate(context_lens)], window)
+    assert (plain - exact).abs().max() > 0.1  # the sinks change the output

@@ -66,6 +66,25 @@ def test_sliding_window_prefill(dtype, window):
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 33])
+def test_attention_sinks_in_prefill(dtype, window):
+    """gpt-oss's sinks in prefill chunks after a cached prefix, with and without a window."""
+    context_lens, q_lens = [70, 5, 133], [70, 5, 45]
+    k, v, table = paged_cache(context_lens, 3, 64, 12, dtype, seed=15)
+    q = torch.randn(sum(q_lens), 9, 64, generator=torch.Generator().manual_seed(16)).to(dtype).to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    sinks = torch.tensor([-2.0, 0.0, 1.5, 3.0, -0.5, 0.7, 30.0, -30.0, 2.2], device=DEVICE)
+    got = paged_attention_triton(q, k, v, cu, ctx, table, 0.125, window=window, sinks=sinks)
+    ref = paged_attention_reference(q, k, v, cu, ctx, table, 0.125, window=window, sinks=sinks)
+    positions = [(s, n - ql + i) for s, (n, ql) in enumerate(zip(context_lens, q_lens)) for i in range(ql)]
+    exact = float64_attention(q, k, v, table, context_lens, positions, window, sinks)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
 def test_a_window_keeps_the_sums_of_a_decode_query_and_a_prefill_tile_equal():
     """exact_logprobs decodes through the prefill kernel one query at a time and trains on tiles of 32 queries;
     with a window, a row's first tile must not depend on the other rows of its query tile."""

@@ -96,3 +96,91 @@ def test_moe_config_is_read_and_checked(tmp_path):
     bad = dict(cfg.source, num_experts_per_tok=9)
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be in 1..8"):
         ModelConfig.from_hf(bad)
+
+
+def test_gpt_oss_experts_equal_transformers_and_float64():
+    """Biases, the clamped SwiGLU (a limit that clamps here) and the checkpoint's interleaved, transposed layout
+    (converted by the family's weight map) against transformers' GptOssExperts."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss
+
+    from rlcu.models.families.gpt_oss import _load
+
+    cfg = transformers.GptOssConfig(hidden_size=40, intermediate_size=24, num_local_experts=6, num_experts_per_tok=2,
+                                    swiglu_limit=0.5)
+    torch.manual_seed(0)
+    theirs = hf_oss.GptOssExperts(cfg)
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    state = _load({f"mlp.experts.{k}": v for k, v in theirs.state_dict().items()}, None)
+    ours = Experts(6, 40, 24, "clamped_swiglu", bias=True, swiglu=(cfg.swiglu_alpha, 0.5))
+    ours.load_state_dict({k.removeprefix("mlp.experts."): v for k, v in state.items()})
+    x = 3 * torch.randn(11, 40)
+    experts = torch.tensor([[e % 6, (e + 2) % 6] for e in range(11)])
+    experts[:4] = torch.tensor([5, 0])
+    weights = torch.rand(11, 2)
+    got = ours(x, experts, weights)
+    assert (got - theirs(x, experts, weights)).abs().max() < 1e-5
+    x64, want, clamped = x.double(), torch.zeros(11, 40, dtype=torch.float64), 0
+    for t in range(11):
+        for j in range(2):
+            e = experts[t, j]
+            gate_up = x64[t] @ ours.gate_up_proj[e].double().T + ours.gate_up_proj_bias[e].double()
+            gate, up = gate_up.chunk(2)
+            clamped += int((gate > 0.5).sum() + (up.abs() > 0.5).sum())
+            gate, up = gate.clamp(max=0.5), up.clamp(-0.5, 0.5)
+            h = (up + 1) * gate * torch.sigmoid(cfg.swiglu_alpha * gate)
+            want[t] += weights[t, j].double() * (h @ ours.down_proj[e].double().T + ours.down_proj_bias[e].double())
+    assert clamped > 0 and (got.double() - want).abs().max() < 1e-5
+
+
+def test_gpt_oss_routing_equals_transformers_router():
+    """Softmax over the top-k logits (gpt-oss) is the renormalised top-k of the softmax."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss
+
+    router = hf_oss.GptOssTopKRouter(transformers.GptOssConfig(hidden_size=16, num_local_experts=8,
+                                                                num_experts_per_tok=3))
+    torch.nn.init.normal_(router.weight)
+    torch.nn.init.normal_(router.bias)
+    logits, their_weights, their_experts = router(torch.randn(9, 16))
+    weights, experts = route(logits, 3, normalize=True)
+    assert torch.equal(experts, their_experts) and torch.allclose(weights, their_weights, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_equals_gpt_oss_transformers(masked):
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss
+
+    g = torch.Generator().manual_seed(3)
+    layers = [torch.randn(2 * 7, 8, generator=g) for _ in range(2)]
+    mask = torch.ones(2, 7, dtype=torch.long)
+    if masked:
+        mask[1, 5:] = 0
+    want = hf_oss.load_balancing_loss_func(tuple(layers), 8, 4, mask if masked else None)
+    assert torch.allclose(load_balancing_loss(layers, 4, mask.reshape(-1).bool() if masked else None), want, atol=1e-6)
+
+
+def test_mxfp4_dequantisation_equals_transformers_and_the_definition():
+    """Every e2m1 code and scales from 2^-127 to 2^8 (bf16 holds them), against transformers' converter and
+    value = e2m1(code) * 2^(scale - 127) written out."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from rlcu.models.mxfp4 import E2M1, dequantize, dequantize_experts
+
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), generator=g, dtype=torch.uint8)  # [E, N, G, 16]: K = 64
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code, both nibbles
+    scales = torch.randint(100, 136, (3, 5, 2), generator=g, dtype=torch.uint8)
+    scales[0, 0] = torch.tensor([0, 127])
+    got = dequantize(blocks, scales)
+    assert got.shape == (3, 5, 64) and got.dtype == torch.bfloat16
+    b = blocks.long()
+    codes = torch.stack([b & 15, b >> 4], -1).flatten(-2)  # [E, N, G, 32]
+    want = torch.tensor(E2M1, dtype=torch.float64)[codes] * 2.0 ** (scales.double() - 127)[..., None]
+    assert torch.equal(got.double(), want.flatten(-2).to(torch.bfloat16).double())
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, K, N]
+    state = dequantize_experts({"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales, "x.bias": got})
+    assert set(state) == {"x.gate_up_proj", "x.bias"} and torch.equal(state["x.gate_up_proj"], theirs)
+    with pytest.raises(ValueError, match="x.down_proj_blocks has no x.down_proj_scales"):
+        dequantize_experts({"x.down_proj_blocks": blocks})
+    with pytest.raises(ValueError, match="do not pair"):
+        dequantize(blocks, scales[..., :1])

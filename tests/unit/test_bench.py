@@ -132,7 +132,8 @@ def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch)
 
 # parameters of the released checkpoints whose shapes FAMILY_SHAPES copies (from their model cards), in billions
 PUBLIC_SIZES = {"gemma3-1b-random": 1.00, "smollm3-3b-random": 3.08, "mistral-7b-random": 7.25,
-                "phi4-mini-random": 3.84, "pythia-1b-random": 1.01}
+                "phi4-mini-random": 3.84, "pythia-1b-random": 1.01, "qwen3-30b-a3b-random": 30.5,
+                "gpt-oss-20b-random": 20.9}
 # copied from Qwen3.5-2B's config.json, or transformers' defaults ("Qwen3.5-9B style", "Qwen3-Next-80B-A3B style"): the
 # model cards give totals with the vision tower
 HYBRID_SHAPES = {"qwen3.5-2b-random", "qwen3.5-9b-random", "qwen3-next-80b-a3b-random"}
@@ -176,7 +177,7 @@ def test_family_shapes_have_the_public_checkpoints_sizes(name):
 
 
 @pytest.mark.parametrize("name,path", [("gemma3-1b-random", "native"), ("pythia-1b-random", "fallback"),
-                                       ("qwen3.5-2b-random", "native")])
+                                       ("qwen3.5-2b-random", "native"), ("gpt-oss-20b-random", "native")])
 def test_bench_runs_a_family_shape_natively_or_on_the_fallback(monkeypatch, capsys, name, path):
     import rlcu.bench as bench
 

@@ -2,6 +2,7 @@
 registers them; a model_type that none claims runs on the transformers fallback (`rlcu/models/hf.py`)."""
 from rlcu.models.families import (  # noqa: F401
     gemma,
+    gpt_oss,
     granite,
     llama,
     mistral,
