@@ -220,16 +220,17 @@ def _dtype(value, t: Translation, v: Mapping) -> None:
 def _peft(_, t: Translation, v: Mapping) -> None:
     if not v.get("use_peft"):
         return
-    for name, why in (("use_rslora", "rsLoRA"), ("use_dora", "DoRA"), ("load_in_8bit", "8-bit bases"),
-                      ("load_in_4bit", "4-bit bases")):
+    for name, why in (("use_dora", "DoRA"), ("load_in_8bit", "8-bit bases"), ("load_in_4bit", "4-bit bases")):
         if v.get(name):
             raise ValueError(f"{name}=true: rlcu's LoRA has no {why}; set it false")
-    for name in ("lora_target_parameters", "lora_modules_to_save"):
-        if v.get(name):
-            raise ValueError(f"{name}: rlcu's LoRA adapts linear projections only (lora_target_modules)")
+    if v.get("lora_modules_to_save"):
+        raise ValueError("lora_modules_to_save: rlcu trains adapters only (lora_target_modules, and "
+                         "lora_target_parameters for experts); leave it unset")
     t.model["peft_config"] = {"r": v.get("lora_r", 16), "lora_alpha": v.get("lora_alpha", 32),
                               "lora_dropout": v.get("lora_dropout", 0.05),
-                              "target_modules": v.get("lora_target_modules") or "all-linear"}
+                              "target_modules": v.get("lora_target_modules") or "all-linear",
+                              "use_rslora": bool(v.get("use_rslora")),
+                              "target_parameters": v.get("lora_target_parameters")}
 
 
 def _reward_funcs(value, t: Translation, v: Mapping) -> None:
@@ -418,7 +419,8 @@ RULES: dict[str, Rule] = {
         "rlcu loads a hub id's main revision; download the revision to a folder and give its path", "main"),
     "dtype": custom(_dtype, "float32", "model.dtype"),
     "attn_implementation": noop("rlcu's own attention kernels", None),
-    "use_peft": custom(_peft, False, "model.peft_config from lora_r, lora_alpha, lora_dropout, lora_target_modules"),
+    "use_peft": custom(_peft, False, "model.peft_config from lora_r, lora_alpha, lora_dropout, lora_target_modules, "
+                                     "lora_target_parameters, use_rslora"),
     "lora_r": noop("with use_peft", 16), "lora_alpha": noop("with use_peft", 32),
     "lora_dropout": noop("with use_peft", 0.05), "lora_target_modules": noop("with use_peft", None),
     "lora_target_parameters": noop("with use_peft", None), "lora_modules_to_save": noop("with use_peft", None),

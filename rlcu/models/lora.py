@@ -9,7 +9,11 @@ PEFT's format (`adapter_config.json`, `adapter_model.safetensors`), which `PeftM
 loads onto the transformers model.
 
 A fused projection (q/k/v, gate/up) holds one adapter per targeted part: A stacked as [parts * r, in]
-(one GEMM), B as [sum of the parts' outputs, r] whose row block i multiplies part i's slice of A x."""
+(one GEMM), B as [sum of the parts' outputs, r] whose row block i multiplies part i's slice of A x.
+
+A mixture of experts' stacked projections take PEFT's `target_parameters` ("mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"): one adapter per expert, A [E, r, in] and B [E, out, r], run as grouped GEMMs over the
+tokens sorted by expert, as the base weights are (`ExpertAdapter`); saved as PEFT's ParamWrapper saves them."""
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +28,10 @@ from torch import nn
 
 from rlcu.kernels.matmul import invariant_linear
 from rlcu.models.fused_linear import FusedLinear
+from rlcu.models.moe import Experts, grouped_linear
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # Experts' stacked projections, PEFT's target_parameters
 
 
 @dataclass
@@ -36,6 +42,7 @@ class LoraSpec:
     target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
     bias: str = "none"
     use_rslora: bool = False
+    target_parameters: list[str] | None = None
 
     def __post_init__(self):
         if self.r < 1:
@@ -52,6 +59,22 @@ class LoraSpec:
             raise ValueError(f"unknown LoRA target_modules {unknown}; rlcu's models have {list(ALL_LINEAR)} "
                              "(or 'all-linear')")
         self.target_modules = [t for t in ALL_LINEAR if t in targets]
+        if self.target_parameters:
+            params = [self.target_parameters] if isinstance(self.target_parameters, str) else self.target_parameters
+            unknown = [t for t in params if not t.endswith(tuple(f"experts.{p}" for p in EXPERT_PARAMETERS))]
+            if unknown:
+                raise ValueError(f"unknown LoRA target_parameters {unknown}; rlcu adapts the experts' stacked "
+                                 "projections: 'mlp.experts.gate_up_proj', 'mlp.experts.down_proj'")
+            if self.lora_dropout:
+                raise ValueError("LoRA on experts (target_parameters) takes no lora_dropout (nor does PEFT's): set "
+                                 "lora_dropout: 0")
+            self.target_parameters = [f"mlp.experts.{p}" for p in EXPERT_PARAMETERS
+                                      if any(t.endswith(f"experts.{p}") for t in params)]
+
+    @property
+    def expert_parts(self) -> list[str]:
+        """The Experts parameters that carry an adapter ("gate_up_proj", "down_proj")."""
+        return [t.rpartition(".")[2] for t in self.target_parameters or []]
 
     @property
     def scaling(self) -> float:
@@ -151,6 +174,33 @@ class LoraAdapter(nn.Module):
         return delta * self.scaling
 
 
+class ExpertAdapter(nn.Module):
+    """LoRA on one stacked expert projection (weight [E, out, in]): expert e computes x (W_e + B_e A_e scaling)^T,
+    A [E, r, in], B [E, out, r], initialised as PEFT's ParamWrapper initialises its [r E, in] and [out, r E]."""
+
+    def __init__(self, weight: torch.Tensor, spec: LoraSpec):
+        super().__init__()
+        e, out, inp = weight.shape
+        kw = dict(device=weight.device, dtype=weight.dtype)
+        self.r, self.scaling, self.enabled = spec.r, spec.scaling, True
+        self.lora_A = nn.Parameter(torch.empty(e, spec.r, inp, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(e, out, spec.r, **kw))
+        nn.init.kaiming_uniform_(self.lora_A.view(e * spec.r, inp), a=math.sqrt(5))
+
+    def add_to(self, y: torch.Tensor, rows: torch.Tensor, counts, batch_invariant: bool = False) -> torch.Tensor:
+        """y [M, out] + the update of `rows` [M, in], sorted by expert (`counts` rows each), as `grouped_linear`."""
+        h = grouped_linear(rows, self.lora_A, counts, batch_invariant)
+        return y + grouped_linear(h, self.lora_B, counts, batch_invariant) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        return torch.bmm(self.lora_B, self.lora_A) * self.scaling
+
+
+def expert_adapters(model: nn.Module) -> list[tuple[str, Experts]]:
+    """(module name, Experts) of every experts module that carries adapters."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Experts) and m.lora is not None]
+
+
 def adapters(model: nn.Module) -> list[tuple[str, FusedLinear]]:
     """(module name, projection) of every projection that carries an adapter."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, FusedLinear) and m.lora is not None]
@@ -167,6 +217,11 @@ def add_lora(model: nn.Module, config) -> LoraSpec:
             targets = [p for p in m.parts if p in spec.target_modules]
             if targets:
                 m.lora = LoraAdapter(m, spec, targets)
+        elif isinstance(m, Experts) and spec.expert_parts:
+            m.lora = nn.ModuleDict({p: ExpertAdapter(getattr(m, p), spec) for p in spec.expert_parts})
+    if spec.expert_parts and not expert_adapters(model):
+        raise ValueError(f"LoRA target_parameters {spec.target_parameters}: this model has no experts; leave "
+                         "target_parameters unset")
     model.lora_spec = spec
     return spec
 
@@ -174,7 +229,7 @@ def add_lora(model: nn.Module, config) -> LoraSpec:
 @contextlib.contextmanager
 def lora_disabled(model: nn.Module):
     """The base model: every adapter off while the block runs (a KL reference without a second copy)."""
-    found = [m.lora for _, m in adapters(model)]
+    found = [m.lora for _, m in adapters(model)] + [a for _, m in expert_adapters(model) for a in m.lora.values()]
     for lora in found:
         lora.enabled = False
     try:
@@ -189,6 +244,10 @@ def merge_lora(model: nn.Module) -> None:
     with torch.no_grad():
         for _, m in adapters(model):
             m.weight += m.lora.delta_weight().to(m.weight.dtype)
+            m.lora = None
+        for _, m in expert_adapters(model):
+            for part, lora in m.lora.items():
+                getattr(m, part).add_(lora.delta_weight().to(getattr(m, part).dtype))
             m.lora = None
     if hasattr(model, "lora_spec"):
         del model.lora_spec
@@ -206,6 +265,31 @@ def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state[f"{hf}.lora_A.weight"] = lora.lora_A[slot * lora.r:(slot + 1) * lora.r].detach().contiguous().cpu()
             state[f"{hf}.lora_B.weight"] = lora.lora_B[row:row + size].detach().contiguous().cpu()
             row += size
+    return state | _peft_expert_state(model)
+
+
+def _peft_expert_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT's ParamWrapper names: with both projections targeted, gate_up_proj's wrapper is the inner one
+    (`experts.base_layer.lora_A.weight`) and down_proj's the outer (`experts.lora_A.weight`). lora_A [r E, in]
+    expert-major; lora_B [out, r E] expert-minor (PEFT reshapes it [out, r, E]). Out rows in the checkpoint's order
+    (gpt-oss interleaves gate and up: the spec's `experts_interleaved`)."""
+    state = {}
+    spec = model.config.spec if expert_adapters(model) else None
+    for name, m in expert_adapters(model):
+        parts = list(m.lora)
+        for part, lora in m.lora.items():
+            key = f"{name}.{part}"
+            if spec.save_weights is not None and key not in spec.save_weights({key: getattr(m, part)}, model.config):
+                raise ValueError(f"{model.config.model_type}'s checkpoints name the experts' {part} otherwise, so PEFT "
+                                 "would not find these adapters: merge them into the weights instead "
+                                 "(`rlcu export CKPT DIR --merge`)")
+            inner = ".base_layer" if len(parts) == 2 and part == "gate_up_proj" else ""
+            prefix = f"base_model.model.{name}{inner}"
+            a, b = lora.lora_A.detach(), lora.lora_B.detach()
+            if spec.experts_interleaved and part == "gate_up_proj":
+                b = torch.stack(b.chunk(2, dim=1), dim=2).flatten(1, 2)  # gate half, up half -> alternating rows
+            state[f"{prefix}.lora_A.weight"] = a.flatten(0, 1).contiguous().cpu()
+            state[f"{prefix}.lora_B.weight"] = b.permute(1, 2, 0).flatten(1).contiguous().cpu()
     return state
 
 

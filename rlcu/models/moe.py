@@ -76,6 +76,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.bias = bias
+        self.lora: nn.ModuleDict | None = None  # ExpertAdapter per targeted projection (`rlcu/models/lora.py`)
         if bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
@@ -96,11 +97,11 @@ class Experts(nn.Module):
         if not grouped(x, batch_invariant):
             counts = counts.tolist()  # one host read for both projections
         rows = x[order // k]
-        gate_up = grouped_linear(rows, self.gate_up_proj, counts, batch_invariant)
+        gate_up = self._project("gate_up_proj", rows, counts, batch_invariant)
         if self.bias:
             by_row = flat[order]  # each sorted row's expert
             gate_up = gate_up + self.gate_up_proj_bias[by_row].to(gate_up.dtype)
-        y = grouped_linear(self.act(gate_up), self.down_proj, counts, batch_invariant)
+        y = self._project("down_proj", self.act(gate_up), counts, batch_invariant)
         if self.bias:
             y = y + self.down_proj_bias[by_row].to(y.dtype)
         per_slot = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
@@ -108,6 +109,12 @@ class Experts(nn.Module):
         for j in range(1, k):  # a fixed order of the k terms (a batch-invariant sum)
             out = out + per_slot[:, j] * weights[:, j:j + 1]
         return out
+
+
+    def _project(self, name: str, rows: torch.Tensor, counts, batch_invariant: bool) -> torch.Tensor:
+        y = grouped_linear(rows, getattr(self, name), counts, batch_invariant)
+        lora = self.lora[name] if self.lora is not None and name in self.lora else None
+        return y if lora is None or not lora.enabled else lora.add_to(y, rows, counts, batch_invariant)
 
 
 class SparseMoE(nn.Module):

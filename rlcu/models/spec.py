@@ -28,7 +28,8 @@ class ArchSpec:
     `attention_sinks`: a learned logit per query head in each attention's softmax (gpt-oss, `rlcu/kernels/sdpa.py`).
     `moe_bias`: the router and the experts' projections carry biases (gpt-oss). `expert_activation`: the experts'
     gated activation where it differs from the dense MLPs' ("clamped_swiglu": gpt-oss's, with the config's
-    `swiglu_alpha` and `swiglu_limit`).
+    `swiglu_alpha` and `swiglu_limit`). `experts_interleaved`: the checkpoint interleaves the gate and up columns of
+    its experts' gate_up_proj (gpt-oss); rlcu keeps the gate half first, and LoRA's export follows the checkpoint.
     `sliding`: "layer_types" (sliding layers are named in the config's `layer_types`) or "all" (every layer
     uses `sliding_window` when it is set: Mistral, Phi-3).
     `hf_fused`: projections the checkpoint stores fused already (Phi-3's `qkv_proj`, `gate_up_proj`; "experts":
@@ -52,6 +53,7 @@ class ArchSpec:
     attention_sinks: bool = False
     moe_bias: bool = False
     expert_activation: Literal["clamped_swiglu"] | None = None
+    experts_interleaved: bool = False
     sliding: Literal["layer_types", "all"] = "layer_types"
     hf_fused: tuple[str, ...] = ()
     weight_prefixes: dict[str, str] = field(default_factory=dict)

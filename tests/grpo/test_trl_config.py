@@ -197,3 +197,22 @@ def test_an_older_configs_max_prompt_length_is_taken_with_a_line():
     assert t.model["max_prompt_length"] == 256
     assert any(line.startswith("max_prompt_length=256 -> model.max_prompt_length (TRL removed it in 0.28")
                for line in t.lines)
+
+
+def test_the_trl_scripts_peft_fields_translate_with_expert_targets(tmp_path):
+    """`trl grpo --use_peft` with TRL's ModelConfig fields: lora_target_parameters (a mixture of experts' stacked
+    projections) and use_rslora reach rlcu's LoRA; the module builds on an MoE model with adapters on its experts."""
+    from rlcu.models.lora import expert_adapters
+
+    fields = {"use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": True,
+              "lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    t = translate(fields)
+    assert t.model["peft_config"] == {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear",
+                                      "use_rslora": True,
+                                      "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    folder = tiny_hf_folder(tmp_path, "qwen3_moe")
+    module = GRPOModule.from_trl(fields, model=str(folder), reward_funcs=[lambda completions, **kw: [0.0] * len(
+        completions)], max_completion_length=8)
+    assert module.policy.lora_spec.scaling == 8 / 4 ** 0.5 and len(expert_adapters(module.policy)) == 1  # rsLoRA
+    with pytest.raises(ValueError, match="lora_modules_to_save: rlcu trains adapters only"):
+        translate({"use_peft": True, "lora_modules_to_save": ["lm_head"]})

@@ -56,5 +56,5 @@ def _save(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
 
 
 register(ArchSpec("gpt_oss", "GptOssForCausalLM", attention_sinks=True, moe_bias=True,
-                  expert_activation="clamped_swiglu", hf_fused=("experts",),
+                  expert_activation="clamped_swiglu", experts_interleaved=True, hf_fused=("experts",),
                   read=lambda hf: {"norm_topk_prob": True}, load_weights=_load, save_weights=_save))
