@@ -137,7 +137,9 @@ class Endpoint:
 
     async def _completion(self, request):
         episode = self._check(request)
-        return self._json(await self.handler.completion(episode, await self._body(request)))
+        body = await self._body(request)
+        out = await self.handler.completion(episode, body)
+        return await self._stream_text(request, out) if body.get("stream") else self._json(out)
 
     async def _models(self, request):
         self._check(request)
@@ -167,6 +169,18 @@ class Endpoint:
             chunk = head | {"choices": [{"index": 0, "delta": delta, "logprobs": choice["logprobs"] if i == 1 else None,
                                          "finish_reason": choice["finish_reason"] if last else None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _stream_text(self, request, out: dict):
+        """A text completion as server-sent events: its text in one chunk, then [DONE]."""
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chunk = {k: out[k] for k in ("id", "object", "created", "model", "choices")}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -73,7 +73,8 @@ class Episode:
 @dataclass
 class Episodes:
     """A rollout's episodes after they ran: plain data for scoring and metrics."""
-    completions: list[list[dict]]  # [N] each episode's messages after its prompt (TRL's `completions[i]`)
+    completions: list[list[dict] | str]  # [N] each episode's messages after its prompt (TRL's `completions[i]`),
+    # or a text episode's text after its first prompt
     environments: list | None  # [N] each episode's environment (TRL's `environments` column), None without
     metrics: dict[str, float]  # tools/call_frequency, tools/failure_frequency, episodes/mean_turns
     columns: dict[str, list] = field(default_factory=dict)  # [N] each, for the rewards (agent programs' returns)

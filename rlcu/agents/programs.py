@@ -16,6 +16,13 @@ of the loss. A call that does not extend its episode (a sub-agent, a retry on an
 HTTP 409: branching is not supported yet. Sampling settings are the run's (temperature, top_p, max_completion_length
 over the whole episode); a request's own are ignored, so that the samples are the policy's.
 
+An episode may instead be text: its calls go to `/completions` with a `prompt`, a string or token ids, as vLLM
+serves them (the first prompt tokenized with the tokenizer's special tokens; `max_tokens` 16 unless given, OpenAI's
+default). Each later prompt must extend the text so far (the prompts sent, the completions as served), as a string
+or as token ids; only what it adds is tokenized and appended, masked out of the loss. The rewards then get the
+episode's text after its first prompt, as TRL's rewards get a completion of a standard (not conversational) prompt.
+A text episode needs no chat template.
+
 `ProgramRunner` is a continuation of the rollout (as `episodes.EpisodeRunner` is for tools): the engine keeps each
 episode's KV blocks between its calls."""
 from __future__ import annotations
@@ -86,6 +93,9 @@ class ProgramEpisode:
     answer: Future | None = None  # the unanswered call's response
     waiting: Future | None = None  # the next call's (tokens, messages), or None when the program ended
     open: bool = True
+    text_mode: bool = False  # its calls go to /completions
+    text: str | list[int] = ""  # a text episode: its prompts and completions so far (a string, or token ids)
+    first_text: int = 0  # where the first prompt ends in `text`
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -96,9 +106,11 @@ class ProgramRunner:
     rollout: `prompt_ids` once every program made its first call, then the continuation (`__call__`), then
     `record()` once the programs returned. `close()` stops the endpoint and the programs."""
 
-    def __init__(self, rows: list[dict], program: Callable, fmt: ToolFormat, model_name: str,
-                 max_completion_length: int, timeout: float | None):
+    def __init__(self, rows: list[dict], program: Callable, fmt: ToolFormat | None, model_name: str,
+                 max_completion_length: int, timeout: float | None, tokenizer=None):
+        """`fmt`: the chat format, or None where the tokenizer has no chat template (text episodes only)."""
         self.program, self.format, self.model_name = program, fmt, model_name
+        self.tokenizer = tokenizer if tokenizer is not None else fmt.tokenizer
         self.max_completion_length, self.timeout = max_completion_length, timeout
         self.episodes = [ProgramEpisode(secrets.token_hex(8), row) for row in rows]
         self.by_id = {e.id: e for e in self.episodes}
@@ -162,10 +174,47 @@ class ProgramRunner:
         return ep is not None and ep.open
 
     async def completion(self, episode: str, body: dict) -> dict:
-        raise HTTPError(400, "an episode is a conversation: use /chat/completions (a completions call has no "
-                             "messages to extend)")
+        prompt, wants_logprobs = _prompt(body, len(self.tokenizer)), _text_logprobs_asked(body)
+        limit = _max_tokens(body) or DEFAULT_TEXT_TOKENS
+        ep = self.by_id[episode]
+        with self.lock:
+            if not ep.open:
+                raise HTTPError(404, f"episode {episode!r} has ended", "episode_not_found")
+            if ep.prompt_ids is None:
+                ep.prompt_ids = list(prompt) if isinstance(prompt, list) else list(self.tokenizer(prompt).input_ids)
+                ep.text_mode, ep.text, ep.first_text, ep.first_limit = True, prompt, len(prompt), limit
+                ep.answer = Future()
+                ep.started.set_result(True)
+            else:
+                suffix, added = self._text_extension(ep, prompt)
+                ep.answer = Future()
+                ep.waiting.set_result((suffix, [], limit, added))
+            ep.calls += 1
+            ep.wants_logprobs = wants_logprobs
+            answer = ep.answer
+        return await asyncio.wrap_future(answer)
+
+    def _text_extension(self, ep: ProgramEpisode, prompt: str | list[int]) -> tuple[list[int], str | list[int]]:
+        """(the tokens to append, what the prompt adds) of a text episode's next call; 409 where it does not
+        extend the episode."""
+        if not ep.text_mode:
+            raise HTTPError(409, "a /completions call in a chat episode: an episode's calls all go to one route",
+                            "episode_branch")
+        if ep.waiting is None or ep.waiting.done():
+            raise HTTPError(409, "a call while this episode's previous call is unanswered: an episode is one "
+                                 "text, one call at a time")
+        if type(prompt) is not type(ep.text) or prompt[:len(ep.text)] != ep.text:
+            raise HTTPError(409, "this prompt does not extend its episode's text (the prompts sent before and the "
+                                 "completions as served, in the first prompt's form: a string or token ids); "
+                                 "branching within an episode is not supported yet", "episode_branch")
+        added = prompt[len(ep.text):]
+        if isinstance(added, list):
+            return list(added), added
+        return (list(self.tokenizer(added, add_special_tokens=False).input_ids) if added else []), added
 
     async def chat(self, episode: str, body: dict) -> dict:
+        if self.format is None:
+            raise HTTPError(400, "the tokenizer has no chat template: this policy serves /completions only")
         messages, tools = _messages(body), body.get("tools")
         wants_logprobs, limit = _logprobs_asked(body), _max_tokens(body)
         if tools is not None and not isinstance(tools, list):
@@ -174,6 +223,9 @@ class ProgramRunner:
         with self.lock:
             if not ep.open:
                 raise HTTPError(404, f"episode {episode!r} has ended", "episode_not_found")
+            if ep.text_mode:
+                raise HTTPError(409, "a /chat/completions call in a text episode: an episode's calls all go to one "
+                                     "route", "episode_branch")
             if ep.prompt_ids is None:
                 try:
                     ep.prompt_ids = self.format.prompt_ids(messages, tools)
@@ -193,7 +245,7 @@ class ProgramRunner:
                 except ValueError as e:
                     raise HTTPError(400, str(e)) from None
                 ep.answer = Future()
-                ep.waiting.set_result((suffix, new, limit))
+                ep.waiting.set_result((suffix, new, limit, None))
             ep.calls += 1
             ep.wants_logprobs = wants_logprobs
             answer = ep.answer
@@ -204,22 +256,28 @@ class ProgramRunner:
         ep = self.episodes[turn.request]
         ids = turn.completion_ids[ep.consumed:]
         logprobs = (turn.logprobs or [])[ep.consumed:] if ep.wants_logprobs else None
-        message, calls = self.format.parse(ids)
+        if ep.text_mode:
+            message, calls = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}, []
+        else:
+            message, calls = self.format.parse(ids)
         ep.consumed = len(turn.completion_ids)
-        served = _openai_message(message, ep.calls)
+        served = message if ep.text_mode else _openai_message(message, ep.calls)
         # a turn cut by the turn limit is a call that ended by length (OpenAI's meaning): the episode goes on until
         # its whole budget is spent
         spent = turn.finish_reason != "stop" and len(turn.completion_ids) >= self.max_completion_length
         with self.lock:
             ep.messages.append(served)
+            if ep.text_mode:
+                ep.text = ep.text + (ids if isinstance(ep.text, list) else served["content"])
             # a spent budget ends the episode (later calls get 404); so does a program that already returned,
             # having given up on this call (a client timeout, a dropped connection): nothing would call again
             ep.waiting = None if spent or ep.done.is_set() else Future()
             if ep.waiting is None:
                 ep.open = False
             waiting = ep.waiting
-        ep.answer.set_result(self._response(ep, served, ids, "tool_calls" if calls else
-                                            ("stop" if turn.finish_reason == "stop" else "length"), logprobs))
+        finish = "tool_calls" if calls else ("stop" if turn.finish_reason == "stop" else "length")
+        respond = self._text_response if ep.text_mode else self._response
+        ep.answer.set_result(respond(ep, served, ids, finish, logprobs))
         if waiting is None:
             return Reply(None)
         remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
@@ -231,7 +289,7 @@ class ProgramRunner:
             with self.lock:
                 ep.open = False
             return Reply(None)
-        suffix, new, limit = nxt
+        suffix, new, limit, added = nxt
         if len(turn.completion_ids) + len(suffix) >= self.max_completion_length:
             with self.lock:
                 ep.open = False
@@ -239,6 +297,9 @@ class ProgramRunner:
                                                    f"({self.max_completion_length} tokens)", "context_length_exceeded"))
             return Reply(None, "length")
         ep.messages += new
+        if added is not None:
+            with self.lock:
+                ep.text = ep.text + added
         ep.consumed += len(suffix)
         return Reply(suffix, max_turn_tokens=limit)
 
@@ -253,6 +314,26 @@ class ProgramRunner:
         return {"id": f"chatcmpl-{ep.id}-{ep.calls}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": served}],
+                "usage": {"prompt_tokens": len(ep.prompt_ids) + ep.consumed - n, "completion_tokens": n,
+                          "total_tokens": len(ep.prompt_ids) + ep.consumed}}
+
+    def _text_response(self, ep: ProgramEpisode, message: dict, ids: list[int], finish_reason: str,
+                       logprobs: list[float] | None = None) -> dict:
+        """OpenAI's text_completion: the served text and its token ids, and with `logprobs` each sampled token
+        with its logprob."""
+        n, text = len(ids), message["content"]
+        served = None
+        if logprobs is not None:
+            tokens = [self.tokenizer.decode([t]) for t in ids]
+            offsets = [sum(map(len, tokens[:i])) for i in range(n)]
+            served = {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
+                      "text_offset": offsets}
+        return {"id": f"cmpl-{ep.id}-{ep.calls}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name,
+                # `token_ids`: the sampled tokens, as vLLM returns them, so that a program can extend the episode in
+                # token ids without tokenizing the text again
+                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": served,
+                             "token_ids": list(ids)}],
                 "usage": {"prompt_tokens": len(ep.prompt_ids) + ep.consumed - n, "completion_tokens": n,
                           "total_tokens": len(ep.prompt_ids) + ep.consumed}}
 
@@ -275,12 +356,21 @@ class ProgramRunner:
                 raise TypeError(f"agent program {_name(self.program)} returned a {type(ep.result).__name__} in "
                                 f"episode {i}: return the episode's reward (a number) or None")
         n = max(len(self.episodes), 1)
-        completions = [e.messages[e.num_prompt_messages:] for e in self.episodes]
-        metrics = {"episodes/mean_turns": sum(sum(m["role"] == "assistant" for m in c) for c in completions) / n,
+        completions = [self._completion_of(e) for e in self.episodes]
+        metrics = {"episodes/mean_turns": sum(sum(m["role"] == "assistant" for m in e.messages)
+                                              for e in self.episodes) / n,
                    "episodes/mean_calls": sum(e.calls for e in self.episodes) / n}
         return Episodes(completions, None, metrics,
                         columns={"agent_returns": [None if e.result is None else float(e.result)
                                                    for e in self.episodes]})
+
+    def _completion_of(self, ep: ProgramEpisode) -> list[dict] | str:
+        """What the rewards get: a chat episode's messages after its prompt; a text episode's text after its first
+        prompt (decoded, where its prompts were token ids)."""
+        if not ep.text_mode:
+            return ep.messages[ep.num_prompt_messages:]
+        rest = ep.text[ep.first_text:]
+        return self.tokenizer.decode(rest, skip_special_tokens=True) if isinstance(rest, list) else rest
 
     def close(self) -> None:
         for ep in self.episodes:
@@ -306,6 +396,40 @@ def _logprobs_asked(body: dict) -> bool:
         raise HTTPError(400, f"top_logprobs={top!r}: the endpoint serves each sampled token's own logprob "
                              "(logprobs: true), not the alternatives; drop top_logprobs")
     return wanted
+
+
+DEFAULT_TEXT_TOKENS = 16  # OpenAI's max_tokens default for /completions (vLLM's too)
+
+
+def _prompt(body: dict, vocab_size: int) -> str | list[int]:
+    """A /completions call's one prompt: a string or a list of token ids (a batch of prompts is refused)."""
+    prompt = body.get("prompt")
+    for name in ("suffix", "echo", "best_of", "n"):
+        if body.get(name) not in (None, False, 1):
+            raise HTTPError(400, f"{name}={body[name]!r} is not served: an episode's call samples one continuation")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise HTTPError(400, f"prompt token ids {bad[:3]} are outside the vocabulary (0..{vocab_size - 1})")
+        return prompt
+    raise HTTPError(400, "'prompt' must be one non-empty string or one non-empty list of token ids (an episode is "
+                         "one text: a batch of prompts is several episodes)")
+
+
+def _text_logprobs_asked(body: dict) -> bool:
+    """/completions' `logprobs` is a count of alternatives: 0 serves each sampled token's own logprob, as the
+    engine keeps it; more is refused."""
+    wanted = body.get("logprobs")
+    if wanted is None or wanted is False:
+        return False
+    if wanted is True or wanted == 0:
+        return True
+    raise HTTPError(400, f"logprobs={wanted!r}: the endpoint serves each sampled token's own logprob (logprobs: 0), "
+                         "not the alternatives")
 
 
 def _max_tokens(body: dict) -> int | None:

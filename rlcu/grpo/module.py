@@ -188,7 +188,8 @@ class GRPOModule(L.LightningModule):
             if tools or environment_factory is not None:
                 raise ValueError("agent runs its own tools and environment: give agent, or tools / "
                                  "environment_factory, not both")
-            fmt = tool_format(limits.tool_format, self.tokenizer, self.options.sampling.chat_template_kwargs)
+            fmt = (tool_format(limits.tool_format, self.tokenizer, self.options.sampling.chat_template_kwargs)
+                   if getattr(self.tokenizer, "chat_template", None) else None)  # None: text episodes only
             self.agent, self.program = None, (load_program(agent), fmt)
             if isinstance(rewards, tuple) and rewards == ("math_answer",):
                 rewards = []  # left at the default: the program's returns are the reward
@@ -490,7 +491,7 @@ class GRPOModule(L.LightningModule):
         program, fmt = self.program
         limits = self.options.agents
         runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
-                               self.options.sampling.max_completion_length, limits.agent_timeout)
+                               self.options.sampling.max_completion_length, limits.agent_timeout, self.tokenizer)
         try:
             for i, ids in enumerate(runner.prompt_ids[::g]):
                 self.check_prompt_length(len(ids), i)

@@ -281,3 +281,107 @@ def test_a_calls_max_tokens_bounds_what_it_samples(tiny, backend):
     assert runner.first_turn_tokens == [2, 2]
     assert episodes.columns["agent_returns"] == [1.0, 1.0]  # 2, 5 (the run's max_call_tokens) and 3 tokens
     assert [sum(m) for m in out.tool_mask] == [10, 10]
+
+
+async def text_calls(endpoint, row):
+    """A text episode through /completions: a string prompt, then (streamed) its extension, then token ids."""
+    client = endpoint.client()
+    first = await client.completions.create(model=endpoint.model, prompt=row["prompt"], max_tokens=4, logprobs=0)
+    SERVED.setdefault("text", []).append(first.choices[0].logprobs.token_logprobs)
+    text = row["prompt"] + first.choices[0].text + " t20 t21"
+    stream = await client.completions.create(model=endpoint.model, prompt=text, max_tokens=3, stream=True)
+    text += "".join([chunk.choices[0].text async for chunk in stream])
+    return float(row["n"]), text
+
+
+def test_a_text_episode_through_completions_is_one_sample(tiny):
+    """/completions as vLLM serves it: a string prompt (tokenized with special tokens), its extension appended and
+    masked, the served text the sampled tokens, logprobs as the engine sampled them (equal to a fresh forward),
+    and the rewards get the text after the first prompt."""
+    model, tok = tiny
+    texts = {}
+
+    async def program(endpoint, row):
+        reward, texts[row["n"]] = await text_calls(endpoint, row)
+        return reward
+
+    SERVED.clear()
+    rows = [{"prompt": "t3 t4", "n": 1}, {"prompt": "t9", "n": 2}]
+    runner = runner_for(rows, program, tok)
+    try:
+        sp = SamplingParams(max_tokens=40, max_turn_tokens=10, temperature=1.0, seed=0,
+                            first_turn_tokens=runner.first_turn_tokens)
+        out = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(runner.prompt_ids, sp, continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    assert episodes.columns["agent_returns"] == [1.0, 2.0]
+    for i, row in enumerate(rows):
+        assert out.prompt_ids[i] == tok(row["prompt"]).input_ids
+        ids, mask = out.completion_ids[i], out.tool_mask[i]
+        appended = tok(" t20 t21", add_special_tokens=False).input_ids
+        assert mask == [1] * 4 + [0] * len(appended) + [1] * 3 and ids[4:4 + len(appended)] == appended
+        served = tok.decode(ids[:4], skip_special_tokens=True) + " t20 t21" + tok.decode(ids[-3:],
+                                                                                          skip_special_tokens=True)
+        assert episodes.completions[i] == served == texts[row["n"]][len(row["prompt"]):]
+        lp, _ = completion_logprobs(model, torch.tensor([out.prompt_ids[i] + ids]), None, len(ids), 1.0)
+        assert (lp[0][:4] - torch.tensor(SERVED["text"][i])).abs().max() < 1e-5
+        assert SERVED["text"][i] == out.logprobs[i][:4]
+
+
+def test_text_episodes_take_token_ids_and_refuse_what_does_not_extend_them(tiny):
+    model, tok = tiny
+    statuses = {}
+
+    async def program(endpoint, row):
+        client = endpoint.client()
+        first = await client.completions.create(model=endpoint.model, prompt=[5, 6, 7], max_tokens=3)
+        extended = [5, 6, 7] + first.choices[0].token_ids + [9]
+        await client.completions.create(model=endpoint.model, prompt=extended, max_tokens=2)
+        for name, kwargs in {"branch": dict(prompt=[5, 6, 8]), "chat": None, "string": dict(prompt="t5"),
+                             "alternatives": dict(prompt=[5], logprobs=2), "batch": dict(prompt=["t1", "t2"]),
+                             "outside": dict(prompt=[10 ** 6])}.items():
+            try:
+                if kwargs is None:
+                    await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user",
+                                                                                          "content": "t1"}])
+                else:
+                    await client.completions.create(model=endpoint.model, **kwargs)
+            except openai.APIStatusError as e:
+                statuses[name] = e.status_code
+        return 1.0
+
+    runner = runner_for([{"prompt": "x"}], program, tok)
+    try:
+        out = LLMEngine(model).generate(runner.prompt_ids, SamplingParams(
+            max_tokens=20, temperature=1.0, seed=0, first_turn_tokens=runner.first_turn_tokens), continuation=runner)
+        runner.record()
+    finally:
+        runner.close()
+    assert out.prompt_ids[0] == [5, 6, 7] and len(out.completion_ids[0]) == 6 and out.completion_ids[0][3] == 9
+    assert out.tool_mask[0] == [1, 1, 1, 0, 1, 1]
+    assert statuses == {"branch": 409, "chat": 409, "string": 409, "alternatives": 400, "batch": 400, "outside": 400}
+
+
+async def continue_text(endpoint, row):
+    """A text agent on a base model: two /completions calls; a reward that varies between samples (the tiny model
+    never earns a real one)."""
+    client = endpoint.client()
+    first = await client.completions.create(model=endpoint.model, prompt=row["prompt"], max_tokens=4)
+    text = row["prompt"] + first.choices[0].text + " t1"
+    second = await client.completions.create(model=endpoint.model, prompt=text, max_tokens=4)
+    return float(sum(first.choices[0].token_ids + second.choices[0].token_ids) % 7)
+
+
+def test_a_grpo_step_trains_a_text_agent_on_a_model_without_a_chat_template(tmp_path):
+    from rlcu.grpo.module import GRPOModule
+    from tests.helpers import fit, toy_rows
+
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "qwen3"))
+    assert not tok.chat_template
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    module = GRPOModule(model, tokenizer=tok, agent=continue_text, num_generations=4, max_completion_length=16,
+                        learning_rate=1e-2, micro_batch_size=8, seed=0)
+    metrics = fit(module, toy_rows(4), steps=1, log_dir=tmp_path)
+    assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -25,16 +25,28 @@ def test_grouped_gemm_against_float64(counts):
     assert got.shape == want.shape and (got.double().cpu() - want).abs().max() < 0.1
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_decode_runs_as_cuda_graphs_and_matches_the_training_forward(tmp_path, family):
+@pytest.mark.parametrize("family,lora", [("qwen3_moe", False), ("gpt_oss", False), ("gpt_oss", True)])
+def test_decode_runs_as_cuda_graphs_and_matches_the_training_forward(tmp_path, family, lora):
+    """With `lora`: adapters on attention and on the experts, their B random, through the grouped GEMM too."""
     model = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, layers=3, heads=4,
                                       kv_heads=2, head_dim=64), dtype="bfloat16")[0].cuda()
+    if lora:
+        from rlcu.models import add_lora
+        from rlcu.models.lora import expert_adapters
+
+        add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
+                         "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]})
+        with torch.no_grad():
+            for _, m in expert_adapters(model):
+                for a in m.lora.values():
+                    a.lora_B.normal_(std=0.05)
     engine = LLMEngine(model, EngineConfig(release_memory=False))
     out = engine.generate([p for p in PROMPTS for _ in range(4)],
                           SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[EOS], seed=0))
     assert engine.runner.graphs is not None
     gaps = logprob_gaps(model, out)
-    print(f"{family} bf16, graphs: engine vs trainer logprob |diff| mean {gaps.mean():.2e} max {gaps.max():.2e}")
+    print(f"{family} bf16 lora={lora}, graphs: engine vs trainer logprob |diff| mean {gaps.mean():.2e} "
+          f"max {gaps.max():.2e}")
     assert gaps.mean() < 0.05
 
 

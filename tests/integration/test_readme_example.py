@@ -84,6 +84,22 @@ def test_agents_guide_program_example_trains_one_step(tmp_path):
     assert any("rewards/agent/mean" in m for m in metrics)
 
 
+def test_agents_guide_text_program_example_trains_one_step_on_a_model_without_a_chat_template(tmp_path):
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.models import load_model
+    from tests.helpers import fit, tiny_hf_folder
+
+    pytest.importorskip("openai")
+    model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3"))
+    scope: dict = {}
+    exec(python_blocks(README.parent / "docs" / "agents.md")[2], scope)
+    module = GRPOModule(model, tokenizer=tokenizer, agent=scope["continue_text"], num_generations=4,
+                        max_completion_length=24)
+    metrics = fit(module, [{"prompt": f"t{i} t{i + 1}", "answer": f"t{i + 2}"} for i in range(4)], steps=1,
+                  log_dir=tmp_path)
+    assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
+
+
 def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():
     from rlcu.grpo import registry
 
