@@ -28,7 +28,7 @@ from torch import nn
 
 from rlcu.kernels.matmul import invariant_linear
 from rlcu.models.fused_linear import FusedLinear
-from rlcu.models.moe import Experts, grouped_linear
+from rlcu.models.moe import Experts, grouped, grouped_linear
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # Experts' stacked projections, PEFT's target_parameters
@@ -189,8 +189,13 @@ class ExpertAdapter(nn.Module):
 
     def add_to(self, y: torch.Tensor, rows: torch.Tensor, counts, batch_invariant: bool = False) -> torch.Tensor:
         """y [M, out] + the update of `rows` [M, in], sorted by expert (`counts` rows each), as `grouped_linear`."""
-        h = grouped_linear(rows, self.lora_A, counts, batch_invariant)
-        return y + grouped_linear(h, self.lora_B, counts, batch_invariant) * self.scaling
+        a, b = self.lora_A, self.lora_B
+        if grouped(rows, batch_invariant) and self.r % 8:
+            # torch's grouped GEMM takes rows of whole 16-byte units: zero rank rows and columns change nothing
+            pad = 8 - self.r % 8
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        h = grouped_linear(rows, a, counts, batch_invariant)
+        return y + grouped_linear(h, b, counts, batch_invariant) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         return torch.bmm(self.lora_B, self.lora_A) * self.scaling

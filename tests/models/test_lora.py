@@ -204,3 +204,25 @@ def test_granite_moe_expert_adapters_merge_and_say_why_peft_cannot_take_them(tmp
     assert (model.logits(ids) - merged.logits(ids)).abs().max() < ATOL
     with pytest.raises(ValueError, match="granitemoe's checkpoints name the experts' down_proj otherwise.*rlcu export"):
         save_adapter(model, tmp_path / "adapter")
+
+
+def test_expert_adapters_of_any_rank_take_torchs_grouped_gemm(monkeypatch):
+    """torch's grouped GEMM wants 16-byte row strides (a rank of 4 in bf16 is 8 bytes): the rank is padded with
+    zeros for it, and the update equals the per-expert loop's. The CPU runs torch's grouped GEMM here, as the GPU
+    does."""
+    import rlcu.models.moe as moe
+    from rlcu.models.lora import ExpertAdapter
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no grouped GEMM")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 24, 16, generator=g, dtype=torch.bfloat16)
+    adapter = ExpertAdapter(weight, LoraSpec(r=4, lora_alpha=8))
+    with torch.no_grad():
+        adapter.lora_B.normal_(generator=g)
+    rows, counts = torch.randn(10, 16, generator=g, dtype=torch.bfloat16), torch.tensor([3, 0, 7])
+    y = torch.zeros(10, 24, dtype=torch.bfloat16)
+    loop = adapter.add_to(y, rows, counts.tolist())
+    monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype: dtype == torch.bfloat16)
+    assert moe.grouped(rows)
+    assert torch.allclose(adapter.add_to(y, rows, counts).float(), loop.float(), atol=0.05, rtol=0.02)
