@@ -78,11 +78,14 @@ def test_humaneval_comes_from_its_package_and_its_tests_run_in_the_sandbox(offli
     if sandbox.available():
         pytest.skip(f"no sandbox here: {sandbox.available()}")
     original = packaged.packaged_file("humaneval", "test")
-    raw = [json.loads(line) for line in gzip.open(original, "rt")][:12]
+    raw = [json.loads(line) for line in gzip.open(original, "rt")]
     right = [f"```python\n{r['prompt']}{r['canonical_solution']}```" for r in raw]
-    wrong = [f"```python\n{r['prompt']}    return None\n```" for r in raw]
-    tests = [r["tests"] for r in rows.select(range(12))]
-    assert CodeTests()(["p"] * 24, right + wrong, [[1]] * 24, tests=tests * 2) == [1.0] * 12 + [0.0] * 12
+    wrong = [f"```python\n{r['prompt']}    return None\n```" for r in raw[:12]]
+    tests = [r["tests"] for r in rows]
+    # every canonical solution passes the tests run in a process of their own, calling the program through
+    # literals (`rlcu/rewards/code.py`)
+    assert CodeTests(timeout=10)(["p"] * 176, right + wrong, [[1]] * 176, tests=tests + tests[:12]) == \
+        [1.0] * 164 + [0.0] * 12
 
 
 def test_mbpp_reads_its_schema_from_local_files(tmp_path):

@@ -22,6 +22,17 @@ def scores(programs, tests, timeout=2.0):
 def test_correct_and_wrong_programs():
     add = "def add(a, b):\n    return a + b"
     assert scores([add, add.replace("+", "-")], ["assert add(2, 3) == 5"] * 2) == [1.0, 0.0]
+    # HumanEval's form, literals of every kind, an expected exception, a program that prints and uses helpers
+    program = ("import math\ndef _norm(v):\n    return math.sqrt(sum(x * x for x in v))\n"
+               "def stats(v, scale=1):\n    print('working')\n"
+               "    return {'norm': _norm(v) * scale, 'sorted': sorted(v),"
+               " 'pair': (min(v), max(v)), 'set': set(v), 'text': 'a\\nb'}\n"
+               "def pick(d, k):\n    return d[k]")
+    tests = ("def check(candidate):\n    out = candidate([3, 4], scale=2)\n    assert out['norm'] == 10.0\n"
+             "    assert out['sorted'] == [3, 4] and out['pair'] == (3, 4) and out['set'] == {3, 4}\n"
+             "    assert out['text'] == 'a\\nb'\n"
+             "check(stats)\ntry:\n    pick({'a': 1}, 'b')\nexcept KeyError:\n    pass\nelse:\n    assert False\n")
+    assert scores([program, program.replace("* scale", "")], [tests] * 2) == [1.0, 0.0]
     assert extract_program("text\n```python\nx = 1\n```\nmore\n```py\ny = 2\n```") == "y = 2\n"
 
 
@@ -54,6 +65,36 @@ HOSTILE = {
                         "        try:\n            found.append(bool(os.listdir(path)) if os.path.isdir(path) "
                         "else bool(open(path).read()))\n        except OSError:\n            pass\n"
                         "    return any(found)", "assert attack()"),
+    # a wrong program that fakes the verdict (each scored 1.0 when program and tests shared one process)
+    "read the nonce from the harness's frames": (
+        "import os, sys\nf = sys._getframe()\nwhile f is not None:\n"
+        "    for v in list(f.f_locals.values()):\n"
+        "        if isinstance(v, bytes) and len(v) == 32:\n"
+        "            os.write(1, b'\\n' + v + b'\\n')\n            os._exit(0)\n    f = f.f_back",
+        "assert False"),
+    "read the nonce from another process's memory": (
+        "import os, re\ndef attack():\n    for pid in os.listdir('/proc'):\n        try:\n"
+        "            maps = open(f'/proc/{pid}/maps').read().splitlines()\n"
+        "            mem = open(f'/proc/{pid}/mem', 'rb')\n        except OSError:\n            continue\n"
+        "        for line in maps:\n            lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "            try:\n                mem.seek(lo)\n                data = mem.read(hi - lo)\n"
+        "            except (OSError, OverflowError, ValueError):\n                continue\n"
+        "            for hit in re.findall(rb'[0-9a-f]{32}', data):\n"
+        "                for out in (1, f'/proc/{os.getppid()}/fd/1'):\n"
+        "                    try:\n                        fd = out if out == 1 else os.open(out, os.O_WRONLY)\n"
+        "                        os.write(fd, b'\\n' + hit + b'\\n')\n"
+        "                    except OSError:\n                        pass\n"
+        "    os._exit(0)\nattack()", "assert False"),
+    "an always-equal result": ("class Any:\n    def __eq__(self, other):\n        return True\n"
+                               "def add(a, b):\n    return Any()", "assert add(2, 3) == 5"),
+    "patched builtins": ("import builtins\nbuiltins.len = lambda x: 3\ndef f(x):\n    return [x]",
+                         "assert len(f(0)) == 3"),
+    "read the tests to answer them": ("import re\ndef add(a, b):\n    for path in ('solution.py', 'program.py', "
+                                      "'tests.py', '/proc/self/fd/0'):\n        try:\n"
+                                      "            m = re.search(r'== (\\d+)', open(path).read())\n"
+                                      "        except OSError:\n            continue\n"
+                                      "        if m:\n            return int(m.group(1))",
+                                      "assert add(2, 3) == 41"),
     "read other processes' command lines": (
         "import os\ndef attack():\n    lines = []\n    for pid in os.listdir('/proc'):\n        try:\n"
         "            lines.append(open(f'/proc/{pid}/cmdline', 'rb').read())\n"
