@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from rlcu.rewards.sandbox_limits import ControlGroup, give_uid, take_uid
@@ -149,17 +150,52 @@ def _run(source: str, timeout: float, memory_mb: int, max_processes: int, files:
         args = [workdir, str(cpu), str(memory_mb << 20), str(max_processes), PYTHON, str(uid), str(TMPFS_MB)]
         proc = subprocess.Popen([sys.executable, "-I", "-c", _ISOLATE, *args, *group.procs], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
+        out, err = _Tail(proc.stdout), _Tail(proc.stderr)
+        threading.Thread(target=_feed, args=(proc.stdin, stdin or b""), daemon=True).start()
         try:
-            out, err = proc.communicate(stdin or b"", timeout=timeout)
-            return Result(proc.returncode, out.decode(errors="replace")[-4000:], err.decode(errors="replace")[-4000:],
-                          False)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill(proc)
             return Result(None, "", "", True)
+        return Result(proc.returncode, out.text(), err.text(), False)
     finally:
         group.remove()
         give_uid(uid)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+KEEP_BYTES = 64 << 10  # of each output stream, its end: what a chatty program writes beyond is read and dropped
+
+
+class _Tail:
+    """Drains a pipe in a thread of its own, keeping its last KEEP_BYTES: a program that writes gigabytes costs
+    the caller no memory and cannot stall on a full pipe."""
+
+    def __init__(self, stream):
+        self.data, self.stream = bytearray(), stream
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        fd = self.stream.fileno()
+        while chunk := os.read(fd, 1 << 16):
+            self.data += chunk
+            if len(self.data) > 2 * KEEP_BYTES:
+                del self.data[:-KEEP_BYTES]
+
+    def text(self) -> str:
+        """Its last 4,000 characters, once the pipe is closed (the sandbox's processes ended with its first)."""
+        self.thread.join(1.0)
+        return bytes(self.data[-KEEP_BYTES:]).decode(errors="replace")[-4000:]
+
+
+def _feed(pipe, data: bytes) -> None:
+    """The program's standard input, written apart from the waiting: one that never reads it cannot block us."""
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, OSError):
+        pass
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -193,3 +193,24 @@ def _accepted(server) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_a_chatty_program_costs_the_caller_no_memory_and_keeps_its_time_limit():
+    """1 GB written to standard output and as much to standard error within a 4 s limit: the process that runs it
+    grows by well under the 2 GB it once buffered, the run keeps its limit, and the end of each stream comes back."""
+    import json
+    import subprocess
+    import sys
+
+    chatty = ("import os\nchunk = b'x' * (1 << 20)\nfor _ in range(1024):\n    os.write(1, chunk)\n"
+              "    os.write(2, chunk)\nos.write(1, b'\\nlast line\\n')\nos.write(2, b'\\nlast error\\n')")
+    probe = ("import json, resource, time\nfrom rlcu.rewards import sandbox\n"
+             "peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024\n"
+             "before, start = peak(), time.perf_counter()\n"
+             f"r = sandbox.run({chatty!r}, timeout=4.0)\n"
+             "print(json.dumps([r.timed_out, r.stdout.splitlines()[-1:], r.stderr.splitlines()[-1:], "
+             "time.perf_counter() - start, peak() - before]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    timed_out, last, last_error, seconds, grown_mb = json.loads(out.stdout.splitlines()[-1])
+    assert seconds < 4.0 + 2.0 and grown_mb < 200, (seconds, grown_mb)
+    assert timed_out or (last, last_error) == (["last line"], ["last error"])
