@@ -32,14 +32,18 @@ PYTHON = f"{sys.base_prefix}|{os.path.relpath(os.path.realpath(sys.executable), 
 
 _ISOLATE = r"""
 import ctypes, os, resource, sys
-workdir, seconds, memory, processes, python, uid, tmpfs_mb = sys.argv[1:8]
+workdir, seconds, memory, processes, python, uid, tmpfs_mb, caller = sys.argv[1:9]
 KEEP = {"usr", "lib", "lib32", "lib64", "libx32", "bin", "sbin", "proc", "sys", "dev", "tmp"}
 seconds, memory, processes, uid, tmpfs_mb = int(seconds), int(memory), int(processes), int(uid), int(tmpfs_mb)
 libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG, SIGKILL = 1, 9
+libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # a killed caller takes this helper with it
+if os.getppid() != int(caller):  # the caller died before that
+    os._exit(98)
 def check(ok, what):
     if not ok:
         sys.stderr.write(f"sandbox: {what} failed (errno {ctypes.get_errno()})\n"); os._exit(97)
-for procs in sys.argv[8:]:  # the program's control groups: every process it starts is counted there
+for procs in sys.argv[9:]:  # the program's control groups: every process it starts is counted there
     with open(procs, "w") as f:
         f.write(str(os.getpid()))
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -94,6 +98,7 @@ if child == 0:
                          (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(limit, (value, value))
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)  # after setuid, which clears it: the helper's death ends all
     os.chdir(home)
     os.execve(python, [python, "-I", "-S", "program.py"], {})
 _, status = os.waitpid(child, 0)
@@ -111,6 +116,39 @@ class Result:
     @property
     def passed(self) -> bool:
         return self.returncode == 0 and not self.timed_out
+
+
+LEFTOVER_PREFIX = "rlcu-sandbox-"  # + the caller's pid: working folders and control groups are named so
+
+
+@functools.cache
+def sweep_leftovers() -> None:
+    """Once a process: the working folders and control groups of callers that died without removing them (a
+    trainer killed with SIGKILL). Their sandboxes died with them (each helper and each program's first process
+    has the parent-death signal)."""
+    from rlcu.rewards.sandbox_limits import remove_groups_of_dead_callers
+
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if _dead_caller(name) and os.path.isdir(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    remove_groups_of_dead_callers(_dead_caller)
+
+
+def _dead_caller(name: str) -> bool:
+    """Whether `name` is a sandbox's folder or group whose caller no longer runs."""
+    if not name.startswith(LEFTOVER_PREFIX):
+        return False
+    pid = name[len(LEFTOVER_PREFIX):].split("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,14 +178,16 @@ def run(source: str, timeout: float = 5.0, memory_mb: int = 512, max_processes: 
 
 def _run(source: str, timeout: float, memory_mb: int, max_processes: int, files: dict[str, str] | None = None,
          stdin: bytes | None = None) -> Result:
-    workdir = tempfile.mkdtemp(prefix="rlcu-sandbox-")
+    sweep_leftovers()
+    workdir = tempfile.mkdtemp(prefix=f"{LEFTOVER_PREFIX}{os.getpid()}-")
     uid, group = take_uid(), ControlGroup(memory_mb << 20, max_processes)
     try:
         for name, text in {**(files or {}), "program.py": source}.items():
             with open(os.path.join(workdir, name), "w") as f:
                 f.write(text)
         cpu = max(1, int(timeout) + 1)
-        args = [workdir, str(cpu), str(memory_mb << 20), str(max_processes), PYTHON, str(uid), str(TMPFS_MB)]
+        args = [workdir, str(cpu), str(memory_mb << 20), str(max_processes), PYTHON, str(uid), str(TMPFS_MB),
+                str(os.getpid())]
         proc = subprocess.Popen([sys.executable, "-I", "-c", _ISOLATE, *args, *group.procs], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True)
         out, err = _Tail(proc.stdout), _Tail(proc.stderr)

@@ -129,6 +129,19 @@ class ControlGroup:
                     time.sleep(0.02)
 
 
+def remove_groups_of_dead_callers(dead) -> None:
+    """Every sandbox group (here, v2 or v1) whose name `dead(name)` says belongs to a caller that died."""
+    bases = [_v2_dir()] if os.path.isfile("/sys/fs/cgroup/cgroup.controllers") else [b for b, _ in _v1_dirs() or []]
+    for base in filter(None, bases):
+        try:
+            names = [n for n in os.listdir(base) if dead(n)]
+        except OSError:
+            continue
+        group = ControlGroup.__new__(ControlGroup)
+        group.dirs = [os.path.join(base, n) for n in names]
+        group.remove()
+
+
 def _kill_all(procs_file: str) -> None:
     try:
         pids = open(procs_file).read().split()

@@ -214,3 +214,39 @@ def test_a_chatty_program_costs_the_caller_no_memory_and_keeps_its_time_limit():
     timed_out, last, last_error, seconds, grown_mb = json.loads(out.stdout.splitlines()[-1])
     assert seconds < 4.0 + 2.0 and grown_mb < 200, (seconds, grown_mb)
     assert timed_out or (last, last_error) == (["last line"], ["last error"])
+
+
+def test_a_killed_caller_leaves_no_sandboxed_process_and_its_folders_and_groups_are_swept():
+    """SIGKILL to a process that runs a sandboxed program: the program and its helper die with it (the
+    parent-death signal); its working folder and control group, which it could not remove, go at the next
+    sandbox's start in another process."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from rlcu.rewards.sandbox_limits import UID_BASE
+
+    caller = subprocess.Popen([sys.executable, "-c", "from rlcu.rewards import sandbox\n"
+                               "sandbox.run('import time\\nwhile True:\\n    time.sleep(0.05)', timeout=60)"],
+                              cwd=ROOT)
+    uids = range(UID_BASE + (caller.pid % 100_000) * 1000, UID_BASE + (caller.pid % 100_000) * 1000 + 1000)
+    sandboxed = lambda: [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in uids]  # noqa: E731
+    deadline = time.time() + 30
+    while not sandboxed() and time.time() < deadline:
+        time.sleep(0.05)
+    assert sandboxed(), "the sandboxed program did not start"
+    folders = glob.glob(f"{tempfile.gettempdir()}/{sandbox.LEFTOVER_PREFIX}{caller.pid}-*")
+    assert folders
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    deadline = time.time() + 5
+    while [p for p in sandboxed() if _state(p) != "Z"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in sandboxed() if _state(p) != "Z"], "sandboxed processes outlived their caller"
+    assert all(os.path.isdir(f) for f in folders)  # nothing removed them yet
+    sandbox.sweep_leftovers.__wrapped__()
+    assert not any(os.path.exists(f) for f in folders)
+    groups = glob.glob(f"/sys/fs/cgroup/**/{sandbox.LEFTOVER_PREFIX}{caller.pid}-*", recursive=True)
+    assert not groups, groups
