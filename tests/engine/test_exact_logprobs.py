@@ -63,7 +63,9 @@ def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
                                            # routing and expert sums of a mixture of experts
                                            ("qwen3_moe", "chunks-of-7-decode-by-3"),
                                            # attention sinks, biased router and experts, alternating windows
-                                           ("gpt_oss", "chunks-of-7-decode-by-3")])
+                                           ("gpt_oss", "chunks-of-7-decode-by-3"),
+                                           # q/k norms over the whole projection; a shared expert beside the routed
+                                           ("olmoe", "whole-prompts"), ("qwen2_moe", "chunks-of-7-decode-by-3")])
 @pytest.mark.slow
 def test_engine_logprobs_equal_the_training_forward_bit_for_bit(tmp_path, monkeypatch, family, config):
     """Qwen3 (q/k norms) and Llama/SmolLM2 (tied embeddings); micro-batches of all rows and of 3. Then the
