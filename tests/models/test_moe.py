@@ -184,3 +184,35 @@ def test_mxfp4_dequantisation_equals_transformers_and_the_definition():
         dequantize_experts({"x.down_proj_blocks": blocks})
     with pytest.raises(ValueError, match="do not pair"):
         dequantize(blocks, scales[..., :1])
+
+
+def test_an_mxfp4_gpt_oss_folder_loads_as_transformers_dequantises_it(tmp_path):
+    """A folder as gpt-oss ships (experts as `_blocks` / `_scales`, `quantization_config` mxfp4): rlcu's model
+    equals transformers' own dequantised one, and its export is unquantised (no quantization_config)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from rlcu.models.loading import save_pretrained
+
+    folder = tiny_hf_folder(tmp_path, "gpt_oss", hidden=64, head_dim=16, intermediate_size=32)
+    state = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k_in, n_out = state.pop(key).shape
+        state[key + "_blocks"] = torch.randint(0, 256, (e, n_out, k_in // 32, 16), generator=g, dtype=torch.uint8)
+        state[key + "_scales"] = torch.randint(120, 126, (e, n_out, k_in // 32), generator=g, dtype=torch.uint8)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    ours, tok = load_model(folder)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.randint(0, 60, (2, 9))
+    with torch.no_grad():
+        assert (ours.logits(ids) - theirs(input_ids=ids).logits.float()).abs().max() < 1e-5
+    out = save_pretrained(ours, tok, tmp_path / "out")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    with torch.no_grad():
+        again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert (ours.logits(ids) - again(input_ids=ids).logits).abs().max() < 1e-5
