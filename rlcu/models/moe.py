@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, OLMoE): a router picks `top_k` of `num_experts` gated MLPs for each token,
-and the token's output is their outputs weighted by the router's probabilities.
+"""Mixture-of-experts MLP (Qwen3-MoE, OLMoE, Qwen2-MoE, Granite-MoE, gpt-oss): a router picks `top_k` of
+`num_experts` gated MLPs for each token, and the token's output is their outputs weighted by the router's
+probabilities.
 
 Experts are stored stacked, as transformers 5 holds them in memory (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]); checkpoints name one module per expert (`experts.{e}.gate_proj.weight`), which
@@ -109,7 +110,6 @@ class Experts(nn.Module):
         for j in range(1, k):  # a fixed order of the k terms (a batch-invariant sum)
             out = out + per_slot[:, j] * weights[:, j:j + 1]
         return out
-
 
     def _project(self, name: str, rows: torch.Tensor, counts, batch_invariant: bool) -> torch.Tensor:
         y = grouped_linear(rows, getattr(self, name), counts, batch_invariant)
