@@ -278,9 +278,9 @@ def _peft_expert_state(model: nn.Module) -> dict[str, torch.Tensor]:
     (`experts.base_layer.lora_A.weight`) and down_proj's the outer (`experts.lora_A.weight`). lora_A [r E, in]
     expert-major; lora_B [out, r E] expert-minor (PEFT reshapes it [out, r, E]). Out rows in the checkpoint's order
     (gpt-oss interleaves gate and up: the spec's `experts_interleaved`)."""
-    state = {}
-    spec = model.config.spec if expert_adapters(model) else None
-    for name, m in expert_adapters(model):
+    state, found = {}, expert_adapters(model)
+    spec = model.config.spec if found else None
+    for name, m in found:
         parts = list(m.lora)
         for part, lora in m.lora.items():
             key = f"{name}.{part}"
