@@ -24,7 +24,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from rlcu.rewards.sandbox_limits import ControlGroup, give_uid, take_uid
+from rlcu.rewards.sandbox_limits import ControlGroup, give_uid, remove_groups_of_dead_callers, take_uid
 
 TMPFS_MB = 64  # the program's /tmp (its working folder) and /dev/shm, each
 # the base interpreter, as (prefix, path inside it): a virtual environment's packages are not needed
@@ -126,8 +126,6 @@ def sweep_leftovers() -> None:
     """Once a process: the working folders and control groups of callers that died without removing them (a
     trainer killed with SIGKILL). Their sandboxes died with them (each helper and each program's first process
     has the parent-death signal)."""
-    from rlcu.rewards.sandbox_limits import remove_groups_of_dead_callers
-
     root = tempfile.gettempdir()
     for name in os.listdir(root):
         if _dead_caller(name) and os.path.isdir(os.path.join(root, name)):

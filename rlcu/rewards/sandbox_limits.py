@@ -111,6 +111,13 @@ class ControlGroup:
                 if key in ("memory.max", "memory.limit_in_bytes", "pids.max"):
                     raise
 
+    @classmethod
+    def existing(cls, dirs: list[str]) -> "ControlGroup":
+        """Groups made earlier (by a caller that died), to remove."""
+        group = cls.__new__(cls)
+        group.dirs = list(dirs)
+        return group
+
     @property
     def procs(self) -> list[str]:
         return [f"{d}/cgroup.procs" for d in self.dirs]
@@ -137,9 +144,7 @@ def remove_groups_of_dead_callers(dead) -> None:
             names = [n for n in os.listdir(base) if dead(n)]
         except OSError:
             continue
-        group = ControlGroup.__new__(ControlGroup)
-        group.dirs = [os.path.join(base, n) for n in names]
-        group.remove()
+        ControlGroup.existing([os.path.join(base, n) for n in names]).remove()
 
 
 def _kill_all(procs_file: str) -> None:
