@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import secrets
 import threading
 import time
@@ -314,8 +315,7 @@ class ProgramRunner:
         return {"id": f"chatcmpl-{ep.id}-{ep.calls}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": served}],
-                "usage": {"prompt_tokens": len(ep.prompt_ids) + ep.consumed - n, "completion_tokens": n,
-                          "total_tokens": len(ep.prompt_ids) + ep.consumed}}
+                "usage": _usage(ep, n)}
 
     def _text_response(self, ep: ProgramEpisode, message: dict, ids: list[int], finish_reason: str,
                        logprobs: list[float] | None = None) -> dict:
@@ -325,7 +325,7 @@ class ProgramRunner:
         served = None
         if logprobs is not None:
             tokens = [self.tokenizer.decode([t]) for t in ids]
-            offsets = [sum(map(len, tokens[:i])) for i in range(n)]
+            offsets = [0, *itertools.accumulate(map(len, tokens[:-1]))] if tokens else []
             served = {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
                       "text_offset": offsets}
         return {"id": f"cmpl-{ep.id}-{ep.calls}", "object": "text_completion", "created": int(time.time()),
@@ -334,8 +334,7 @@ class ProgramRunner:
                 # token ids without tokenizing the text again
                 "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": served,
                              "token_ids": list(ids)}],
-                "usage": {"prompt_tokens": len(ep.prompt_ids) + ep.consumed - n, "completion_tokens": n,
-                          "total_tokens": len(ep.prompt_ids) + ep.consumed}}
+                "usage": _usage(ep, n)}
 
     # ---- after the rollout ---------------------------------------------------------------------------
     def record(self) -> Episodes:
@@ -396,6 +395,12 @@ def _logprobs_asked(body: dict) -> bool:
         raise HTTPError(400, f"top_logprobs={top!r}: the endpoint serves each sampled token's own logprob "
                              "(logprobs: true), not the alternatives; drop top_logprobs")
     return wanted
+
+
+def _usage(ep: ProgramEpisode, n: int) -> dict:
+    """OpenAI's token counts of a call that sampled `n` tokens: its prompt is the episode so far."""
+    total = len(ep.prompt_ids) + ep.consumed
+    return {"prompt_tokens": total - n, "completion_tokens": n, "total_tokens": total}
 
 
 DEFAULT_TEXT_TOKENS = 16  # OpenAI's max_tokens default for /completions (vLLM's too)

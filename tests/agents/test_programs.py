@@ -34,6 +34,17 @@ def runner_for(rows, program, tok, budget=40, timeout=60.0, fmt="template"):
     return ProgramRunner(rows, program, tool_format(fmt, tok), "policy", budget, timeout)
 
 
+def run_episodes(model, runner, **sampling):
+    """The rollout of the runner's episodes (40 tokens each at temperature 1, seed 0), then their record; the
+    runner closed whatever happens."""
+    try:
+        sp = SamplingParams(max_tokens=40, temperature=1.0, seed=0, **sampling)
+        out = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(runner.prompt_ids, sp, continuation=runner)
+        return out, runner.record()
+    finally:
+        runner.close()
+
+
 async def three_calls(endpoint, row):
     """Three calls of one conversation: plain, then streamed, then plain; the reward is the row's n."""
     client = endpoint.client()
@@ -52,12 +63,7 @@ async def three_calls(endpoint, row):
 def test_a_three_call_episode_is_one_sample_with_its_tokens_as_sampled(tiny):
     model, tok = tiny
     runner = runner_for(ROWS, three_calls, tok)
-    try:
-        sp = SamplingParams(max_tokens=40, max_turn_tokens=5, temperature=1.0, seed=0)
-        out = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(runner.prompt_ids, sp, continuation=runner)
-        episodes = runner.record()
-    finally:
-        runner.close()
+    out, episodes = run_episodes(model, runner, max_turn_tokens=5)
     assert episodes.columns["agent_returns"] == [1.0, 2.0]
     for i, row in enumerate(ROWS):
         assert out.prompt_ids[i] == tok(row["prompt"] + " ", add_special_tokens=False).input_ids
@@ -308,13 +314,7 @@ def test_a_text_episode_through_completions_is_one_sample(tiny):
     SERVED.clear()
     rows = [{"prompt": "t3 t4", "n": 1}, {"prompt": "t9", "n": 2}]
     runner = runner_for(rows, program, tok)
-    try:
-        sp = SamplingParams(max_tokens=40, max_turn_tokens=10, temperature=1.0, seed=0,
-                            first_turn_tokens=runner.first_turn_tokens)
-        out = LLMEngine(model, EngineConfig(max_num_seqs=8)).generate(runner.prompt_ids, sp, continuation=runner)
-        episodes = runner.record()
-    finally:
-        runner.close()
+    out, episodes = run_episodes(model, runner, max_turn_tokens=10, first_turn_tokens=runner.first_turn_tokens)
     assert episodes.columns["agent_returns"] == [1.0, 2.0]
     for i, row in enumerate(rows):
         assert out.prompt_ids[i] == tok(row["prompt"]).input_ids
