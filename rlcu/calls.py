@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
+ISOLATION = ("thread", "process")  # where user code runs: call_bounded's thread or call_in_process's fork
 POLL_SECONDS = 0.1  # how often a wait looks at its deadline and at `stop_requested`
 
 

@@ -29,12 +29,13 @@ class AgentOptions:
     max_completion_length: int = 256
     tool_timeout: float | None = 60.0
     max_result_chars: int = MAX_RESULT_CHARS
+    tool_isolation: str = "thread"  # "process": the plain tools run in forked processes (never an environment's)
 
     @classmethod
     def build(cls, tokenizer, tools=None, environment_factory=None, tool_format_name: str = "template",
               max_tool_calling_iterations: int | None = None, max_completion_length: int = 256,
               tool_timeout: float | None = 60.0, max_result_chars: int = MAX_RESULT_CHARS,
-              template_kwargs: dict | None = None) -> "AgentOptions | None":
+              template_kwargs: dict | None = None, tool_isolation: str = "thread") -> "AgentOptions | None":
         """The options of a run with tools or environments (None for neither). Tools may be given as
         callables or, from YAML, as import paths ('my_pkg.tools:multiply')."""
         if not tools and environment_factory is None:
@@ -43,7 +44,7 @@ class AgentOptions:
         ToolBox(functions)  # checks names and docstrings now, not at the first rollout
         environments = Environments(environment_factory) if environment_factory is not None else None
         return cls(tool_format(tool_format_name, tokenizer, template_kwargs), functions, environments,
-                   max_tool_calling_iterations, max_completion_length, tool_timeout, max_result_chars)
+                   max_tool_calling_iterations, max_completion_length, tool_timeout, max_result_chars, tool_isolation)
 
 
 def _tool(spec):
@@ -101,7 +102,11 @@ class EpisodeRunner:
             if observation is not None:  # TRL: appended to the last user message
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
         functions = list(self.options.tools) + (tool_methods(env) if env is not None else [])
-        box = ToolBox(functions, self.options.tool_timeout, self.stop_requested, self.options.max_result_chars)
+        # an environment's methods change its state, which its rewards read: they run in this process
+        in_process = frozenset(t.__name__ for t in self.options.tools) if self.options.tool_isolation == "process" \
+            else frozenset()
+        box = ToolBox(functions, self.options.tool_timeout, self.stop_requested, self.options.max_result_chars,
+                      in_process)
         return Episode(messages, len(prompt), box, env)
 
     # ---- the continuation ----------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """Tools the model may call: TRL's `tools` (plain functions, sync or `async def`, with type hints and a
 Google-style docstring) and an environment's public methods. Each is described to the model by its JSON
 schema (transformers' `get_json_schema`, as `apply_chat_template(tools=...)` does) and called with a
-timeout; a tool that raises, times out or is unknown answers `{"error": ...}` and counts as a failure."""
+timeout; a tool that raises, times out or is unknown answers `{"error": ...}` and counts as a failure.
+A tool named in `in_process` runs in a forked process that its timeout kills (`tool_isolation: process`):
+a busy tool stops spinning, at the price of what it changes in its process staying there."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rlcu.calls import CallInterrupted, call_bounded
+from rlcu.calls import CallInterrupted, call_bounded, call_in_process
 
 
 @dataclass
@@ -39,7 +41,8 @@ def _text(value, name: str) -> str:
 
 class ToolBox:
     def __init__(self, functions: list[Callable], timeout: float | None = None,
-                 stop_requested: Callable[[], bool] | None = None, max_result_chars: int = MAX_RESULT_CHARS):
+                 stop_requested: Callable[[], bool] | None = None, max_result_chars: int = MAX_RESULT_CHARS,
+                 in_process: frozenset[str] = frozenset()):
         self.functions: dict[str, Callable] = {}
         for fn in functions:
             name = getattr(fn, "__name__", None)
@@ -50,6 +53,7 @@ class ToolBox:
             self.functions[name] = fn
         self.schemas = [json_schema(fn) for fn in functions]
         self.timeout, self.stop_requested, self.max_result_chars = timeout, stop_requested, max_result_chars
+        self.in_process = in_process
 
     def __bool__(self) -> bool:
         return bool(self.functions)
@@ -63,8 +67,9 @@ class ToolBox:
             return {"error": f"Tool {call.name} not found."}, True
         if not isinstance(call.arguments, dict):
             return {"error": f"the arguments of {call.name} must be a JSON object"}, True
+        call_fn = call_in_process if call.name in self.in_process else call_bounded
         try:
-            result = call_bounded(fn, call.arguments, self.timeout, f"tool {call.name!r}", self.stop_requested)
+            result = call_fn(fn, call.arguments, self.timeout, f"tool {call.name!r}", self.stop_requested)
         except CallInterrupted:
             raise
         if isinstance(result, BaseException):

@@ -198,7 +198,8 @@ class GRPOModule(L.LightningModule):
         self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, limits.tool_format,
                                         limits.max_tool_calling_iterations,
                                         self.options.sampling.max_completion_length, limits.tool_timeout,
-                                        limits.tool_result_max_chars, self.options.sampling.chat_template_kwargs)
+                                        limits.tool_result_max_chars, self.options.sampling.chat_template_kwargs,
+                                        limits.tool_isolation)
         environments = self.agent.environments if self.agent else None
         environment_rewards = [BoundReward(fn, name, 1.0) for name, fn in (environments.rewards() if environments
                                                                              else [])]

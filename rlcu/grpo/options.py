@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from rlcu.agents.formats import FORMATS as TOOL_FORMATS
 from rlcu.agents.tools import MAX_RESULT_CHARS
+from rlcu.calls import ISOLATION
 from rlcu.contracts import SamplingParams
 from rlcu.grpo import registry
 
@@ -27,7 +28,6 @@ SCHEDULES = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_wit
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ADAM_STATE_DTYPES = ("float32", "bfloat16")
 ON_REWARD_ERROR = ("raise", "none")
-REWARD_ISOLATION = ("thread", "process")
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
@@ -293,7 +293,7 @@ class FaultOptions(OptionGroup):
                                            "samples None (none)", choices=ON_REWARD_ERROR)
     reward_isolation: str = option("thread", "where reward functions run: in a thread (a call past reward_timeout is "
                                              "left running), or in a forked process that reward_timeout kills",
-                                   choices=REWARD_ISOLATION)
+                                   choices=ISOLATION)
 
 
 @dataclass(frozen=True)
@@ -305,6 +305,9 @@ class AgentLimits(OptionGroup):
                                           "without tools", choices=TOOL_FORMATS)
     tool_timeout: float | None = option(60.0, "seconds a tool call (or an environment's step) may take",
                                         minimum=1e-9, why=" seconds (or null: no limit)")
+    tool_isolation: str = option("thread", "where tools run: in a thread (a call past tool_timeout is left running), "
+                                           "or in a forked process that tool_timeout kills; an environment's methods "
+                                           "always run in the trainer's process", choices=ISOLATION)
     agent_timeout: float | None = option(600.0, "seconds an agent program's episode may take, from its start to "
                                                 "its return", minimum=1e-9, why=" seconds (or null: no limit)")
     max_call_tokens: int | None = option(None, "tokens one call of an agent program may sample (a call cut there "

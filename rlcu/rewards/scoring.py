@@ -21,12 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from rlcu.calls import CallInterrupted, CallTimeout, bounded, call_bounded, call_in_process, is_async
+from rlcu.calls import ISOLATION, CallInterrupted, CallTimeout, bounded, call_bounded, call_in_process, is_async
 from rlcu.rewards.base import BoundReward, NonFiniteReward, RewardError, _preview
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "none")
-ISOLATION = ("thread", "process")
 RETRY_WORKERS = 32  # samples retried at once after a batch call failed
 FLOAT32_MAX = torch.finfo(torch.float32).max
 

@@ -204,3 +204,46 @@ def test_a_tool_result_without_text_or_of_megabytes_is_contained():
     assert failed and result == {"error": "the result of tool broken has no text (RuntimeError: no)"}
     result, failed = box.run(ToolCall("chatty", {}))
     assert not failed and result == "x" * 100 + " [... 59900 more characters cut]"
+
+
+def spin(seconds: float) -> str:
+    """
+    Spins on the CPU, never giving up.
+
+    Args:
+        seconds: Ignored.
+    """
+    while True:
+        pass
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def reset(self, **kwargs):
+        return None
+
+    def bump(self) -> str:
+        """Adds one to the count."""
+        self.count += 1
+        return str(self.count)
+
+
+def test_tool_isolation_process_kills_a_busy_tool_and_keeps_an_environments_state(tokenizer):
+    """A spinning tool past its timeout: in a thread (the default) it spins until the process ends; under
+    tool_isolation=process its forked process is killed, so no core stays busy. An environment's methods still
+    run here: their state is what the rewards read."""
+    def script(history, turn):
+        return [call("spin", seconds=1), call("multiply", a=2, b=3), call("bump"), "done<|im_end|>"][turn]
+
+    agent = AgentOptions.build(tokenizer, [spin, multiply], environment_factory=Counter, tool_format_name="hermes",
+                               max_completion_length=800, tool_timeout=0.5, tool_isolation="process")
+    runner = EpisodeRunner([{"prompt": QUESTION}], agent)
+    ScriptedRollout(tokenizer, script).generate(runner.prompt_ids, SamplingParams(max_tokens=800), runner)
+    tool = [m["content"] for m in runner.completions[0] if m["role"] == "tool"]
+    assert "timed out after 0.5 s (its process was killed)" in tool[0] and tool[1:] == ["6", "1"]
+    assert runner.environments[0].count == 1
+    start_cpu, start = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    assert time.process_time() - start_cpu < 0.5 * (time.monotonic() - start)  # nothing left spinning
