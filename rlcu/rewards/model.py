@@ -57,5 +57,18 @@ class RewardModel:
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(text=texts[start:start + self.batch_size], return_tensors="pt", padding=True,
                                    padding_side="right", add_special_tokens=False).to(device)
-            scores += self.model(**batch).logits[:, 0].float().tolist()
+            rows = len(batch["input_ids"])
+            try:
+                logits = self.model(**batch).logits
+            except torch.OutOfMemoryError:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the failed forward held goes back before the error is handled
+                raise torch.OutOfMemoryError(f"reward model {self.name!r} ran out of memory scoring {rows} texts of "
+                                             f"up to {batch['input_ids'].shape[1]} tokens at once; lower its "
+                                             "batch_size (RewardModel(..., batch_size=...)),") from None
+            if logits.ndim != 2 or logits.shape[0] != rows:
+                raise ValueError(f"reward model {self.name!r} returned logits of shape {tuple(logits.shape)} for "
+                                 f"{rows} texts; a reward model (a ...ForSequenceClassification) returns "
+                                 "[texts, labels], the first label being the reward,")
+            scores += logits[:, 0].float().tolist()
         return scores

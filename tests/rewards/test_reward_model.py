@@ -2,6 +2,7 @@
 chat template over prompt + completion, right padding, no special tokens, the first logit; checked against
 transformers' own forward of a tiny random LlamaForSequenceClassification saved to a folder."""
 import math
+import re
 
 import pytest
 import torch
@@ -78,3 +79,38 @@ def test_grpo_trains_a_step_on_a_reward_model(reward_folder, tmp_path):
                         learning_rate=1e-2)
     step = [m for m in fit(module, toy_rows(4, chat=True), 1, tmp_path / "logs") if "reward" in m][-1]
     assert "rewards/rm/mean" in step and step["reward_std"] > 0
+
+
+@pytest.mark.parametrize("on_error", ["raise", "none"])
+def test_a_reward_model_out_of_memory_goes_through_on_reward_error(reward_folder, monkeypatch, on_error):
+    from rlcu.rewards.base import RewardError
+
+    folder, _, _ = reward_folder
+    reward = resolve_reward(str(folder))
+
+    def forward(**batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(reward.fn.model, "forward", forward)
+    if on_error == "raise":
+        with pytest.raises(RewardError, match="reward model 'rm' ran out of memory scoring 2 texts.*lower its "
+                                              "batch_size"):
+            score([reward], PROMPTS, COMPLETIONS, [[4, 5, 6], [7]], {})
+    else:
+        out = score([reward], PROMPTS, COMPLETIONS, [[4, 5, 6], [7]], {}, on_error="none")
+        assert torch.isnan(out).all() and out.shape == (2, 1)
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(2), torch.zeros(3, 1)], ids=["one-dimensional", "a row too many"])
+def test_a_reward_model_with_the_wrong_output_shape_is_an_error_naming_it(reward_folder, monkeypatch, logits):
+    from rlcu.rewards.base import RewardError
+
+    folder, _, _ = reward_folder
+    reward = resolve_reward(str(folder))
+    output = transformers.modeling_outputs.SequenceClassifierOutput(logits=logits)
+    monkeypatch.setattr(reward.fn.model, "forward", lambda **batch: output)
+    says = f"reward model 'rm' returned logits of shape {tuple(logits.shape)} for 2 texts; a reward model"
+    with pytest.raises(RewardError, match=re.escape(says)):
+        score([reward], PROMPTS, COMPLETIONS, [[4, 5, 6], [7]], {})
+    out = score([reward], PROMPTS, COMPLETIONS, [[4, 5, 6], [7]], {}, on_error="none")
+    assert torch.isnan(out).all()
