@@ -474,6 +474,25 @@ ASYNC_DEFAULTS = {"lr_scheduler_type": "constant", "logging_steps": 1, "ignore_d
                   "vllm_server_base_url": "http://localhost:8000"}
 
 
+def _typed(name: str, value: Any, default: Any) -> Any:
+    """A flag or number given as TRL types it (its default's kind), a number written as text taken as that number
+    (YAML reads `1e-5` as text), or one line naming the field."""
+    if value is None or isinstance(default, str) or not isinstance(default, (bool, int, float)):
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"TRL field {name}={value!r} must be true or false; fix its value")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value  # TRL types some integer-looking defaults as floats (warmup_steps)
+    if isinstance(value, str):
+        try:
+            return int(value) if isinstance(default, int) and value.strip().lstrip("+-").isdigit() else float(value)
+        except ValueError:
+            pass
+    raise ValueError(f"TRL field {name}={value!r} must be a number (TRL's default is {default!r}); fix its value")
+
+
 def translate(config: Any, world_size: int = 1) -> Translation:
     """rlcu's configuration of a TRL GRPO config (a `GRPOConfig` or `AsyncGRPOConfig`, or its fields as a `trl grpo`
     YAML gives them)."""
@@ -488,6 +507,7 @@ def translate(config: Any, world_size: int = 1) -> Translation:
     if unknown:
         raise ValueError(f"unknown TRL field {unknown[0]!r} (TRL 1.16's GRPOConfig and `trl grpo` arguments are "
                          "known); remove it or check its spelling")
+    values.update({name: _typed(name, values[name], RULES[name].default) for name in given})
     t, v = Translation(), dict(values, world_size=world_size)
     if asynchronous:
         t.model["streaming"] = True

@@ -72,6 +72,14 @@ def test_bad_trl_input_names_the_field_and_the_fix():
         translate({"deepspeed": "ds.json"})
     with pytest.raises(ValueError, match="report_to='mlflow'"):
         translate({"report_to": "mlflow"})
+    with pytest.raises(ValueError, match="TRL field learning_rate='abc' must be a number"):
+        translate({"learning_rate": "abc"})
+    with pytest.raises(ValueError, match="TRL field use_vllm='yes' must be true or false"):
+        translate({"use_vllm": "yes"})
+    assert translate({"learning_rate": "1e-5"}).model["learning_rate"] == 1e-5  # YAML 1.1 reads 1e-5 as text
+    lines = translate({"use_vllm": True, "vllm_mode": "server", "vllm_server_port": 8001}).lines[:3]
+    assert [line.split(":")[0] for line in lines] == ["use_vllm=True", "vllm_mode='server'", "vllm_server_port=8001"]
+    assert all("no effect here (rlcu samples with its own engine" in line for line in lines)
 
 
 def test_a_trl_grpo_yaml_trains_a_step_through_rlcu_run(tmp_path, capsys, monkeypatch):
