@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rlcu.data.prompts import PROMPT, collate_rows, is_conversational
+from rlcu.data.rows import RowView
 from rlcu.hparams import not_plain
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,6 @@ class PromptDataModule(L.LightningDataModule):
         if missing:
             raise KeyError(f"the training dataset lacks the column(s) {missing}; it has {sorted(columns)}. "
                            "Rename a column to 'prompt', or use a loader such as 'gsm8k' that builds it.")
-        if self.as_chat or self.system_prompt:
-            rows = [self._to_chat(dict(r)) for r in rows]
         self.train_set, self.val_set = self._hold_out(rows, self._val_rows())
 
     def _build(self, split: str):
@@ -150,30 +149,35 @@ class PromptDataModule(L.LightningDataModule):
         if self.val_size > len(rows):
             raise ValueError(f"val_size {self.val_size} is more than the {len(rows)} rows of split "
                              f"{self.val_split!r}; set val_size <= {len(rows)}")
-        val = [dict(rows[i]) for i in range(self.val_size)]
-        return [self._to_chat(r) for r in val] if self.as_chat or self.system_prompt else val
+        return RowView(rows)[:self.val_size]
 
-    def _hold_out(self, rows, val: list[dict] | None):
-        """The held-out rows are `val` (another split's) or the last `val_size` rows; training never sees a prompt
-        (or with hold_out_by=row, a row) that is in them."""
+    def _hold_out(self, rows, val: list[dict] | None) -> tuple[RowView, list[dict] | None]:
+        """The held-out rows are `val` (another split's, untransformed) or the last `val_size` rows; training never
+        sees a prompt (or with hold_out_by=row, a row) that is in them. Both come out as chat prompts where
+        as_chat or system_prompt asks; the training rows as a view, converted when read."""
+        transform = self._to_chat if self.as_chat or self.system_prompt else None
+        view = RowView(rows)
         if val is None:
             if self.val_size < 0 or self.val_size >= len(rows):
                 raise ValueError(f"val_size must be in [0, {len(rows)}) for {len(rows)} rows, got {self.val_size}")
             if not self.val_size:
-                return rows, None
+                return RowView(rows, transform=transform), None
             cut = len(rows) - self.val_size
-            val, rows = [dict(r) for r in list(rows)[cut:]], list(rows)[:cut]
+            val, view = view[cut:], RowView(rows, range(cut))
 
-        def key(r) -> str:
-            return json.dumps(r[PROMPT] if self.hold_out_by == "prompt" else dict(r), sort_keys=True, default=str)
+        def key(value) -> str:
+            return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
-        held = {key(r) for r in val}
-        train = [r for r in list(rows) if key(r) not in held]
-        if not train:
+        if self.hold_out_by == "prompt":
+            held, keys = {key(r[PROMPT]) for r in val}, map(key, view.column(PROMPT))
+        else:
+            held, keys = {key(r) for r in val}, map(key, view)
+        train = RowView(rows, [view.base_index(i) for i, k in enumerate(keys) if k not in held], transform)
+        if not len(train):
             raise ValueError(f"no training rows are left once the held-out {self.hold_out_by}s are removed; lower "
                              "val_size" + (", or set hold_out_by: row if rows share a prompt and differ in other "
                                            "columns" if self.hold_out_by == "prompt" else ""))
-        return train, val
+        return train, [transform(r) for r in val] if transform else val
 
     def _to_chat(self, row: dict) -> dict:
         prompt = row[PROMPT]

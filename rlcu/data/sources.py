@@ -65,7 +65,9 @@ def check_local_file(path: Path) -> None:
             if not line.strip():
                 continue
             try:
-                json.dumps(json.loads(line), ensure_ascii=False).encode("utf-8")
+                row = json.loads(line)
+                if "\\u" in line:  # only an escape can hold a lone surrogate: the file itself read as UTF-8
+                    json.dumps(row, ensure_ascii=False).encode("utf-8")
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
             except UnicodeEncodeError as e:  # an escaped lone surrogate ("\ud800") decodes to no character at all

@@ -44,6 +44,7 @@ from rlcu.contracts import (
     eos_token_ids,
 )
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
+from rlcu.data.rows import RowView
 from rlcu.grpo import evaluation, registry
 from rlcu.grpo.batch import Counters, Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import EarlyScorer
@@ -61,6 +62,7 @@ from rlcu.rewards.model import RewardModel
 from rlcu.rollout import bind, capabilities_of, require, resolve_rollout, turns
 
 log = logging.getLogger(__name__)
+PROGRESS_ROWS = 100_000  # training prompts from which their check at set-up shows a progress bar
 MAX_CONSECUTIVE_SKIPS = 20  # batches in a row with no learning signal before the run stops
 
 
@@ -297,13 +299,7 @@ class GRPOModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None)
         rows = getattr(dm, "train_set", None)
         if rows is not None:
-            long = 0
-            for i, ids in enumerate(encode_prompts(self.tokenizer, [row["prompt"] for row in rows],
-                                                   self.options.sampling.chat_template_kwargs)):
-                long += self.check_prompt_length(len(self.nonempty(ids, i)), i)
-            if long:
-                log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
-                            "(long_prompts=truncate_left)", long, len(rows), self.options.sampling.max_prompt_length)
+            self._check_training_prompts(rows)
         held_out = getattr(dm, "val_set", None)
         if held_out and self.options.evaluation.eval_at_start and self._evaluates_later():
             # the curve's first point, in the numerics of the later ones: Lightning enters the precision's
@@ -312,6 +308,26 @@ class GRPOModule(L.LightningModule):
                 metrics = evaluation.evaluate_all(self, held_out, dm.val_batch_size)
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=0)
+
+    def _check_training_prompts(self, rows) -> None:
+        """Each prompt tokenized once, in chunks (a dataset of millions of rows holds one chunk's ids at a time),
+        with a progress bar where that takes a while."""
+        from tqdm.auto import tqdm
+
+        chunks = rows.chunks() if isinstance(rows, RowView) else [list(rows)]
+        long, start = 0, 0
+        with tqdm(total=len(rows), desc="checking the training prompts", unit=" prompts",
+                  disable=len(rows) < PROGRESS_ROWS or self.global_rank != 0) as bar:
+            for chunk in chunks:
+                ids = encode_prompts(self.tokenizer, [row["prompt"] for row in chunk],
+                                     self.options.sampling.chat_template_kwargs)
+                long += sum(self.check_prompt_length(len(self.nonempty(p, start + i)), start + i)
+                            for i, p in enumerate(ids))
+                start += len(chunk)
+                bar.update(len(chunk))
+        if long:
+            log.warning("%d of %d training prompts are longer than max_prompt_length=%d and lose their start "
+                        "(long_prompts=truncate_left)", long, len(rows), self.options.sampling.max_prompt_length)
 
     def _evaluates_later(self) -> bool:
         """Whether the run reaches a held-out evaluation: the point before training starts a curve, and a run
