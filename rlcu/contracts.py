@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def eos_token_ids(config, tokenizer) -> list[int]:
@@ -97,6 +101,9 @@ class RolloutBatch:
     logprobs: list[list[float]]
     finish_reasons: list[str]  # "stop" (a stop token was sampled) or "length" (max_tokens reached)
     tool_mask: list[list[int]] | None = None
+    # a mixture-of-experts model's routing, where the backend records it: routing[i][j] ([MoE layers, k] int16) are
+    # the experts each MoE layer picked at the position whose output gave completion_ids[i][j]'s logprob
+    routing: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -107,6 +114,8 @@ class RolloutBatch:
             raise ValueError("RolloutBatch fields must have one entry per prompt row")
         if self.tool_mask is not None and [len(m) for m in self.tool_mask] != [len(c) for c in self.completion_ids]:
             raise ValueError("RolloutBatch.tool_mask must have one entry per completion token")
+        if self.routing is not None and [len(r) for r in self.routing] != [len(c) for c in self.completion_ids]:
+            raise ValueError("RolloutBatch.routing must have one entry per completion token")
 
 
 @dataclass

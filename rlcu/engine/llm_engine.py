@@ -55,6 +55,15 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     return t, lp, ready
 
 
+def routing_to_host(seqs: list[Sequence]) -> list[torch.Tensor] | None:
+    """Each sequence's routing record ([completion tokens, MoE layers, k]), brought to the host in one copy;
+    None for a dense model's."""
+    parts = [s.routing for s in seqs]
+    if not parts or any(p is None for p in parts):
+        return None
+    return list(torch.cat(parts).cpu().split([len(p) for p in parts]))
+
+
 def as_turn(seq: Sequence) -> Turn:
     """A sequence's turn as it ended: what continuations and `on_finished` are handed."""
     return Turn(seq.request_index, seq.completion_token_ids, seq.finish_reason, list(seq.logprobs))
@@ -270,7 +279,9 @@ class LLMEngine:
         """Bytes of a kept pool, which the next one may reuse."""
         if self.runner is None:
             return 0
-        return self.runner.k_cache.nbytes * 2 + (self.runner.states.nbytes if self.runner.states is not None else 0)
+        runner = self.runner
+        return (runner.k_cache.nbytes * 2 + (runner.states.nbytes if runner.states is not None else 0)
+                + (runner.routing.table.nbytes if runner.routing is not None else 0))
 
     def _prepare_runner(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """Keep a kept pool that is large enough and whose graphs still read the parameters where they are;
@@ -298,7 +309,8 @@ class LLMEngine:
         bm = BlockManager(num_blocks or self.runner.k_cache.shape[1], self.config.block_size)
         on_end = None if on_finished is None else (lambda seq: on_finished(as_turn(seq)))
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end)
+                                   StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end,
+                                   before_free=self._keep_routing if self.model.config.is_moe else None)
         self._turns_ended: list[Sequence] = []
         for seq in parents:
             self.scheduler.add(seq)
@@ -306,6 +318,13 @@ class LLMEngine:
         self._seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item())
         self._ahead = None  # (sequences, logits) of a decode step launched before the host saw the previous tokens
         self._steps = self._lookahead_steps = 0
+
+    def _keep_routing(self, seq: Sequence) -> None:
+        """Before a finished sequence's blocks go back: the experts that served each position whose output gave a
+        completion token's logprob (the prompt's last token through the completion's next-to-last), on the device."""
+        bs, start = self.config.block_size, seq.num_prompt_tokens - 1
+        slots = [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + seq.num_completion_tokens)]
+        seq.routing = self.runner.routing.read(to_device(slots, self.runner.device))
 
     def _result(self, prompt_token_ids: list[list[int]]) -> RolloutBatch:
         scheduler, bm = self.scheduler, self.scheduler.bm
@@ -319,4 +338,5 @@ class LLMEngine:
         return RolloutBatch(prompt_ids=[list(p) for p in prompt_token_ids],
                             completion_ids=[s.completion_token_ids for s in ordered],
                             logprobs=[s.logprobs for s in ordered], finish_reasons=[s.finish_reason for s in ordered],
-                            tool_mask=[s.sampled_mask for s in ordered] if scheduler.parks else None)
+                            tool_mask=[s.sampled_mask for s in ordered] if scheduler.parks else None,
+                            routing=routing_to_host(ordered))

@@ -12,6 +12,7 @@ from rlcu.contracts import Numerics, SamplingParams
 from rlcu.engine.block_manager import BlockManager, blocks_for
 from rlcu.engine.cuda_graphs import DecodeGraphs
 from rlcu.engine.paged_attention import PagedAttention, cache_dtype
+from rlcu.engine.routing import RoutingCache
 from rlcu.engine.sequence import Sequence
 from rlcu.engine.states import StatePool
 from rlcu.kernels._triton import use_triton
@@ -45,6 +46,7 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.states = (StatePool(cfg, num_state_slots, model.compute_dtype(), self.device) if cfg.linear_layers
                        else None)
+        self.routing = RoutingCache(cfg, num_blocks * block_size, self.device) if cfg.is_moe else None
         self.param_addresses: list[int] = []  # where the parameters were when this runner's graphs were made
         self.graphs = None
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence.
@@ -91,6 +93,8 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in pairs], device=self.device)
             for cache in (as_bytes(self.k_cache), as_bytes(self.v_cache)):
                 cache[:, dst] = cache[:, src]
+            if self.routing is not None:
+                self.routing.copy_blocks(src, dst, self.k_cache.shape[2])
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         if pairs and self.states is not None:

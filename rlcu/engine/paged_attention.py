@@ -38,6 +38,10 @@ class PagedAttention:
         self.prefix_splits, self.states = prefix_splits, states
         self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
         self.batch_invariant = runner.exact
+        routing = runner.routing
+        if routing is not None:
+            rows = routing.rows(slots)
+            self.record_routing = lambda moe_index, experts: routing.write(moe_index, rows, experts)
 
     @classmethod
     def decode(cls, runner, slots, context_lens, block_tables, exact_rows=None, num_splits: int | None = None,

@@ -15,6 +15,7 @@ import torch
 
 from rlcu.engine.block_manager import blocks_for
 from rlcu.engine.paged_attention import cache_dtype
+from rlcu.engine.routing import bytes_per_token as routing_bytes_per_token
 from rlcu.engine.sequence import Sequence
 from rlcu.models.decoder import CausalLM
 
@@ -22,7 +23,8 @@ from rlcu.models.decoder import CausalLM
 def bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
     cfg = model.config
     size = torch.empty((), dtype=cache_dtype(model, kv_cache_dtype)).element_size()
-    return 2 * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads * cfg.head_dim * size
+    kv = 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * size
+    return block_size * (kv + routing_bytes_per_token(cfg))
 
 
 def available_memory(device: torch.device) -> int:

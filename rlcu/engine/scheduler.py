@@ -30,9 +30,11 @@ class Scheduled(NamedTuple):
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  stop_strings: StopStrings | None = None, parks: bool = False,
-                 on_end: Callable[[Sequence], None] | None = None):
+                 on_end: Callable[[Sequence], None] | None = None,
+                 before_free: Callable[[Sequence], None] | None = None):
         self.bm = block_manager
         self.on_end = on_end  # told of each request as it finishes, from the engine's loop: it must be quick
+        self.before_free = before_free  # reads what a finished sequence left in its blocks before they go back
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.stop_strings = stop_strings
         self.parks = parks
@@ -182,6 +184,8 @@ class Scheduler:
             self.parked.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = finish_reason or seq.finish_reason
+        if self.before_free is not None:
+            self.before_free(seq)
         self.bm.free_sequence(seq)
         self.finished[seq.request_index] = seq
         if self.on_end is not None:

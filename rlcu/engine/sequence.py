@@ -40,6 +40,7 @@ class Sequence:
     # in a rollout of that submission alone (None: the rollout's seed, numbered from 0)
     seed: int | None = None
     first_request: int = 0
+    routing: object = None  # a finished MoE sequence's routing record on the device (`engine/routing.py`)
 
     def __post_init__(self):
         self.turn_limit = min(self.turn_limit or self.max_tokens, self.max_tokens)

@@ -31,6 +31,9 @@ class GRPOBatch:
     sampler_logps: torch.Tensor  # [N, C] float: the sampler's logprob of each token (0 on padding)
     truncated: torch.Tensor  # [N] bool: stopped by max_completion_length
     lengths: torch.Tensor  # [N] long: completion tokens the model sampled (TRL's count in episodes)
+    # [N, C, MoE layers, k] int16: the experts the sampler's forward picked for each completion token (-1 on
+    # padding); None for a dense model, or a backend that does not record them
+    sampler_routing: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch, advantages: torch.Tensor, pad_id: int,
@@ -56,21 +59,38 @@ class GRPOBatch:
         if mask_truncated:
             loss_mask[truncated] = 0
         return cls(torch.cat([prompt, completion], 1), torch.cat([prompt_mask, completion_mask], 1), loss_mask,
-                   advantages, sampler_logps, truncated, sampled)
+                   advantages, sampler_logps, truncated, sampled, _routing(rollout.routing, c))
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def rows(self, index: torch.Tensor) -> "GRPOBatch":
-        return GRPOBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return GRPOBatch(**{f.name: _map(getattr(self, f.name), lambda t: t[index]) for f in fields(self)})
 
     def to(self, device: torch.device) -> "GRPOBatch":
         """On CUDA from pinned memory and without waiting: a copy from pageable memory can hold the host
         until the GPU has drained its queue."""
         if device.type != "cuda":
             return self
-        return GRPOBatch(**{f.name: getattr(self, f.name).pin_memory().to(device, non_blocking=True)
+        return GRPOBatch(**{f.name: _map(getattr(self, f.name), lambda t: t.pin_memory().to(device, non_blocking=True))
                             for f in fields(self)})
+
+
+def _map(value: torch.Tensor | None, fn):
+    return None if value is None else fn(value)
+
+
+def _routing(routing: list[torch.Tensor] | None, c: int) -> torch.Tensor | None:
+    """The rollout's routing records as one [N, C, MoE layers, k] tensor, -1 past each completion."""
+    if routing is None:
+        return None
+    layers, k = next((r.shape[1:] for r in routing if len(r)), (0, 0))
+    if not layers:  # no completion token at all
+        return None
+    out = torch.full((len(routing), c, layers, k), -1, dtype=torch.int16)
+    for i, r in enumerate(routing):
+        out[i, :len(r)] = r
+    return out
 
 
 @dataclass

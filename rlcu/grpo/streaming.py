@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from rlcu.contracts import RolloutBatch
+from rlcu.engine.llm_engine import routing_to_host
 from rlcu.grpo.batch import Sampled, ScoredRollout
 from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S
 from rlcu.rollout.base import RolloutStream
@@ -226,7 +227,8 @@ class Streamer:
         self.dropped_stale += self.dropped_now
         batch = RolloutBatch(prompt_ids=[s.token_ids[:s.num_prompt_tokens] for s in seqs],
                              completion_ids=[s.completion_token_ids for s in seqs],
-                             logprobs=[list(s.logprobs) for s in seqs], finish_reasons=[s.finish_reason for s in seqs])
+                             logprobs=[list(s.logprobs) for s in seqs], finish_reasons=[s.finish_reason for s in seqs],
+                             routing=routing_to_host(seqs))
         steps, decode_batch = self.stream.take_stats()
         metrics = {"streaming/staleness_mean": sum(ages) / len(ages), "streaming/staleness_max": float(max(ages)),
                    "streaming/dropped_stale": float(self.dropped_now),

@@ -183,9 +183,9 @@ class Update:
             loss = loss - self._entropy_coef_now() * grpo_loss.entropy_bonus(entropy, effective, num_micro_batches)
             self._entropy_window += torch.stack([(entropy.detach() * effective).sum(), effective.sum()])
         if self.routers.moe:  # the router logits of every token the forward saw, padding left out
-            padded = not self.options.optimizer.packing and staged.padded(rows)
-            loss = loss + self.routers.loss(b.attention_mask[rows].reshape(-1).bool() if padded else None,
-                                            num_micro_batches)
+            packed = self.options.optimizer.packing or self.numerics.batch_invariant  # exact runs packed too
+            token_mask = b.attention_mask[rows].reshape(-1).bool() if not packed and staged.padded(rows) else None
+            loss = loss + self.routers.loss(token_mask, num_micro_batches, sampler_routing(b, rows, packed))
         return MicroBatchLoss(loss, logps.detach(), entropy.detach(), coef.detach(),
                               kl.detach() if kl is not None else None, mask, ratio)
 
@@ -240,6 +240,19 @@ class Update:
                                        packed=packing, numerics=numerics)
 
 
+def sampler_routing(b: GRPOBatch, rows: slice, packed: bool) -> torch.Tensor | None:
+    """The sampler's routing of a micro-batch laid out as its forward's tokens: a completion token's record sits at
+    the position that predicts it, the rows' tokens are packed (padding left out) or padded as the forward ran."""
+    if b.sampler_routing is None:
+        return None
+    r = b.sampler_routing[rows]
+    n, length = b.input_ids[rows].shape
+    c = r.shape[1]
+    grid = r.new_full((n, length, *r.shape[2:]), -1)
+    grid[:, length - c - 1:length - 1] = r
+    return grid[b.attention_mask[rows].bool()] if packed else grid.flatten(0, 1)
+
+
 class Routers:
     """A mixture-of-experts policy's routers during the update: their load-balancing loss (TRL's
     `router_aux_loss_coef`, None: the model config's own coefficient) and how evenly they route."""
@@ -259,6 +272,7 @@ class Routers:
     def start(self) -> None:
         self.aux: list[torch.Tensor] = []
         self.load_max: list[torch.Tensor] = []
+        self.mismatch: list[torch.Tensor] = []  # per micro-batch: [tokens routed elsewhere, tokens compared]
 
     @contextlib.contextmanager
     def recording(self):
@@ -270,24 +284,40 @@ class Routers:
             for m in self.moe:
                 m.keep_router_logits = False
 
-    def loss(self, token_mask: torch.Tensor | None, num_micro_batches: int) -> torch.Tensor:
-        """The micro-batch's load-balancing loss, scaled as the policy loss is for accumulation (TRL's), or 0."""
+    def loss(self, token_mask: torch.Tensor | None, num_micro_batches: int,
+             sampler: torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's load-balancing loss, scaled as the policy loss is for accumulation (TRL's), or 0.
+        `sampler`: [tokens of the forward, MoE layers, k] the sampler's routing (-1: none to compare)."""
         from rlcu.models.moe import expert_load_max, load_balancing_loss
 
         logits = [m.router_logits for m in self.moe]
         for m in self.moe:
             m.router_logits = None
         self.load_max.append(expert_load_max(logits, self.top_k, token_mask))
+        if sampler is not None:
+            self.mismatch.append(self._routed_elsewhere(logits, sampler))
         if not self.coef:
             return torch.zeros((), device=logits[0].device)
         aux = load_balancing_loss(logits, self.top_k, token_mask)
         self.aux.append(aux.detach())
         return self.coef * aux / num_micro_batches
 
+    def _routed_elsewhere(self, logits: list[torch.Tensor], sampler: torch.Tensor) -> torch.Tensor:
+        """[tokens whose top-k differs from the sampler's in some MoE layer, tokens compared], device-side."""
+        from rlcu.models.moe import route
+
+        picked = torch.stack([route(x.detach(), m.top_k, m.normalize)[1] for x, m in zip(logits, self.moe)], 1)
+        known = sampler[:, 0, 0] >= 0
+        differs = (picked.sort(-1).values != sampler.long().sort(-1).values).flatten(1).any(1) & known
+        return torch.stack([differs.sum(), known.sum()])
+
     def metrics(self) -> dict[str, float]:
         if not self.moe:
             return {}
         out = {"moe/expert_load_max": float(torch.stack(self.load_max).max())} if self.load_max else {}
+        if self.mismatch:  # the share of compared tokens the trainer routes elsewhere than the sampler did
+            differs, compared = torch.stack(self.mismatch).sum(0).tolist()
+            out["moe/routing_mismatch"] = differs / max(compared, 1)
         if self.aux:
             out["aux_loss"] = float(torch.stack(self.aux).mean())
         return out

@@ -32,6 +32,9 @@ class AttentionContext(Protocol):
     def keep(self, layer_idx: int, conv: torch.Tensor, state: torch.Tensor) -> None:
         """The layer's state after these tokens, per sequence: kept where later tokens continue from it."""
 
+    # Optional: `record_routing(moe_index, experts)`, a context that keeps which experts each of its tokens went
+    # to ([T, k] per MoE layer); training's contexts have none.
+
 
 class Stateless:
     """Training's contexts: every sequence starts from zero state and nothing is kept."""

@@ -113,6 +113,11 @@ class ModelConfig:
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts; a routing record's layer axis follows this order."""
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
     def attention_layers(self) -> list[int]:
         """The layers with keys and values to cache (all but the linear-attention ones)."""
         linear = set(self.linear_layers)

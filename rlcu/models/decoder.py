@@ -161,8 +161,10 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(cfg, layer_idx)
         shared = cfg.shared_expert_intermediate_size
-        self.mlp = (SparseMoE(cfg, MLP(cfg, shared) if shared else None) if cfg.is_moe_layer(layer_idx)
+        moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = (SparseMoE(cfg, MLP(cfg, shared) if shared else None, cfg.moe_layers.index(layer_idx)) if moe
                     else MLP(cfg))
+        self.moe = moe
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
         if spec.norm != "post":
             self.input_layernorm = norm()
@@ -178,11 +180,11 @@ class DecoderLayer(nn.Module):
         return self.linear_attn if self.linear else self.self_attn
 
     def forward(self, x, cos, sin, attention, residual=None):
-        exact = attention.batch_invariant
+        mlp = self._mlp(attention)
         if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
             x = x if residual is None else x + residual
             x = x + self.post_attention_layernorm(self.mixer(x, cos, sin, attention))
-            return self.post_feedforward_layernorm(self.mlp(x, exact)), x
+            return self.post_feedforward_layernorm(mlp(x)), x
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -190,12 +192,21 @@ class DecoderLayer(nn.Module):
         h = self.mixer(h, cos, sin, attention)
         if self.norm == "sandwich":  # Gemma: norms after each branch too
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(self.mlp(h, exact)), residual
+            return self.post_feedforward_layernorm(mlp(h)), residual
         if self.multiplier != 1.0:  # Granite: residual + branch * multiplier
             h, residual = self.post_attention_layernorm(h * self.multiplier, residual)
-            return self.mlp(h, exact) * self.multiplier, residual
+            return mlp(h) * self.multiplier, residual
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, exact), residual
+        return mlp(h), residual
+
+    def _mlp(self, attention):
+        """The MLP as this forward runs it: batch-invariant where the context asks, and an MoE layer hands its
+        routing to a context that records it (the engine's, `AttentionContext.record_routing`)."""
+        exact = attention.batch_invariant
+        record = getattr(attention, "record_routing", None) if self.moe else None
+        if record is not None:
+            return lambda h: self.mlp(h, exact, record)
+        return lambda h: self.mlp(h, exact)
 
 
 class Backbone(nn.Module):

@@ -13,6 +13,8 @@ expert's GEMM does not either (`Numerics.EXACT`: the batch-invariant GEMM per ex
 trainer run this same module, so their routing is the same computation: there is nothing to replay."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,10 +123,12 @@ class SparseMoE(nn.Module):
     """The MLP of an MoE layer: `gate` (the router, [E, H]) and `experts`, plus, where the family has one, a
     `shared_expert` (an MLP every token goes through) scaled by the sigmoid of `shared_expert_gate` ([1, H]).
     With `keep_router_logits` set, each forward leaves its router logits [T, E] in `router_logits` (the
-    load-balancing loss reads them)."""
+    load-balancing loss reads them). A forward given `record` hands it (moe_index, experts [T, k]): the
+    engine keeps which experts served each token, beside its keys and values."""
 
-    def __init__(self, cfg, shared_expert: nn.Module | None = None):
+    def __init__(self, cfg, shared_expert: nn.Module | None = None, moe_index: int = 0):
         super().__init__()
+        self.moe_index = moe_index  # this layer's place among the model's MoE layers (`cfg.moe_layers`)
         if shared_expert is not None:
             self.shared_expert = shared_expert
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -138,13 +142,16 @@ class SparseMoE(nn.Module):
         self.keep_router_logits = False
         self.router_logits: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False,
+                record: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = invariant_linear(flat, self.gate.weight, self.gate.bias) if batch_invariant else self.gate(flat)
         if self.keep_router_logits:
             self.router_logits = logits
         weights, experts = route(logits, self.top_k, self.normalize)
+        if record is not None:
+            record(self.moe_index, experts)
         out = self.experts(flat, experts, weights.to(flat.dtype), batch_invariant)
         if self.has_shared:
             g = self.shared_expert_gate

@@ -237,16 +237,17 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.slow
-@pytest.mark.parametrize("peft", [None, {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"}],
-                         ids=["full", "lora"])
-def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch, peft):
+@pytest.mark.parametrize("family,peft", [("qwen3", None), ("qwen3", {"r": 2, "lora_alpha": 4,
+                                                                     "target_modules": "all-linear"}),
+                                         ("qwen3_moe", None)], ids=["full", "lora", "moe"])
+def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch, family, peft):
     """Two GRPO steps in exact mode (Triton's interpreter): the trainer's logprobs equal the sampler's at
     both (the second after an update, which with LoRA moves the adapters off zero), so the importance-sampling
-    correction weighs every sequence 1."""
+    correction weighs every sequence 1. A mixture of experts routes every token as the sampler did."""
     from tests.helpers import fit, match_target, toy_rows
 
     monkeypatch.setenv("RLCU_TRITON", "1")
-    model, tok = load_model(tiny_hf_folder(tmp_path, "qwen3", vocab_size=32, hidden=32, heads=2, kv_heads=1,
+    model, tok = load_model(tiny_hf_folder(tmp_path, family, vocab_size=32, hidden=32, heads=2, kv_heads=1,
                                            head_dim=16))
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=3, max_completion_length=4,
                         learning_rate=1e-2, exact_logprobs=True, micro_batch_size=4, eval_at_start=False,
@@ -256,6 +257,8 @@ def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, mo
     assert len(steps) == 2 and all(r["logprob_mismatch/max"] == 0.0 for r in steps), steps
     assert all(r["sampling/importance_sampling_ratio/min"] == r["sampling/importance_sampling_ratio/max"] == 1.0
                for r in steps)
+    if family == "qwen3_moe":  # rows of several lengths: the packed forward's tokens meet the sampler's record
+        assert all(r["moe/routing_mismatch"] == 0.0 for r in steps), steps
 
 
 def test_exact_logprobs_refuses_what_it_cannot_make_exact(tmp_path):

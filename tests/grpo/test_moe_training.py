@@ -60,3 +60,19 @@ def test_router_aux_loss_coef_on_a_dense_model_is_refused(tmp_path):
     model, tok = load_model(tiny_hf_folder(tmp_path, "qwen3"))
     with pytest.raises(ValueError, match="qwen3 is not a mixture-of-experts model .* leave router_aux_loss_coef unset"):
         GRPOModule(model, tokenizer=tok, rewards=[match_target], router_aux_loss_coef=0.01)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_routing_mismatch_compares_the_samplers_routing_with_the_trainers(tmp_path, monkeypatch, packing):
+    """fp32 on the CPU: the engine and the training forward route every token alike (0.0). With the engine's
+    record shifted by one expert, every compared token differs (1.0): the metric reads the record."""
+    from rlcu.engine.routing import RoutingCache
+
+    torch.manual_seed(0)
+    metrics = fit(moe_module(tmp_path, packing=packing), toy_rows(4), steps=1, log_dir=tmp_path)
+    assert [m["moe/routing_mismatch"] for m in metrics if "moe/routing_mismatch" in m] == [0.0]
+    read = RoutingCache.read
+    monkeypatch.setattr(RoutingCache, "read", lambda self, slots: (read(self, slots) + 1) % 8)
+    torch.manual_seed(0)
+    metrics = fit(moe_module(tmp_path / "shifted", packing=packing), toy_rows(4), steps=1, log_dir=tmp_path / "s")
+    assert [m["moe/routing_mismatch"] for m in metrics if "moe/routing_mismatch" in m] == [1.0]
