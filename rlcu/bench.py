@@ -421,6 +421,8 @@ def bench_step(args) -> dict:
             if "logprob_mismatch/max" in m:
                 steps[-1]["mismatch"] = float(m["logprob_mismatch/max"])
                 steps[-1]["mismatch_mean"] = float(m["logprob_mismatch/mean"])
+            if "moe/routing_mismatch" in m:
+                steps[-1]["routing_mismatch"] = float(m["moe/routing_mismatch"])
             for phase in ("generate", "train"):  # the module's per-phase peaks (CUDA only)
                 if f"memory/{phase}_GB" in m:
                     steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
@@ -474,6 +476,8 @@ def bench_step(args) -> dict:
                 logprob_mismatch_max=max((s.get("mismatch", float("nan")) for s in steps), default=float("nan")),
                 # the largest of the steps' means, as the max is the largest of their maxima
                 logprob_mismatch_mean=max((s.get("mismatch_mean", float("nan")) for s in steps), default=float("nan")),
+                **({"routing_mismatch_max": max(s["routing_mismatch"] for s in steps)}
+                   if all("routing_mismatch" in s for s in steps) else {}),
                 peak_GB=max(peaks.values()) if args.device.startswith("cuda") else float("nan"), **peaks,
                 device=_device_name(args.device), **({"profile": profile} if profile else {}))
 

@@ -48,6 +48,15 @@ def test_decode_runs_as_cuda_graphs_and_matches_the_training_forward(tmp_path, f
     print(f"{family} bf16 lora={lora}, graphs: engine vs trainer logprob |diff| mean {gaps.mean():.2e} "
           f"max {gaps.max():.2e}")
     assert gaps.mean() < 0.05
+    # the routing record, written inside the captured graphs, against the training forward's routing
+    from tests.engine.test_routing import training_routing
+
+    with torch.no_grad():
+        differs = [(r.sort(-1).values != training_routing(model, p, c).sort(-1).values).flatten(1).any(1)
+                   for p, c, r in zip(out.prompt_ids, out.completion_ids, out.routing)]
+    share = float(torch.cat(differs).float().mean())
+    print(f"{family} bf16 lora={lora}, graphs: tokens routed elsewhere by the trainer {share:.3f}")
+    assert share < 0.1
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -62,4 +71,5 @@ def test_a_bf16_training_step_through_the_grouped_gemm(tmp_path, family):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
     metrics = fit(module, toy_rows(4), steps=1, log_dir=tmp_path, accelerator="gpu", precision="bf16-mixed")
     assert any("aux_loss" in m for m in metrics)
+    assert [m["moe/routing_mismatch"] < 0.1 for m in metrics if "moe/routing_mismatch" in m] == [True]
     assert all(not torch.equal(before[n], p.detach().cpu()) for n, p in model.named_parameters() if n in before)
