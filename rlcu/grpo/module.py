@@ -396,6 +396,8 @@ class GRPOModule(L.LightningModule):
         sync = self.world_size > 1  # each rank holds a share of the rows
         for name, value in evaluation.evaluate(self, rows).items():
             self.log(name, value, batch_size=len(rows), on_epoch=True, prog_bar=name == "eval/accuracy", sync_dist=sync)
+        for name, value in (("step", self.global_step), ("epoch", self.current_epoch)):  # as training logs them
+            self.log(name, float(value), batch_size=len(rows), on_epoch=True, sync_dist=sync)
 
     # ---- one GRPO step ---------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -626,6 +628,9 @@ class GRPOModule(L.LightningModule):
         # NaN (e.g. the std of one sample) is dropped, except under sync, where every rank must log every key
         clean = {k: v for k, v in metrics.items()
                  if v is not None and (sync or not (isinstance(v, float) and math.isnan(v)))}
+        # the logged step is the optimizer steps taken so far, as TRL logs it and the completions table numbers its
+        # rows (Lightning's own count starts at 0, where the evaluation before training is logged)
+        clean.update(step=float(self.global_step), epoch=float(self.current_epoch))
         self.log_dict({k: v for k, v in clean.items() if k not in shown}, on_step=True, prog_bar=False, sync_dist=sync,
                       batch_size=1)
         self.log_dict({k: clean[k] for k in shown if k in clean}, on_step=True, prog_bar=True, batch_size=1,

@@ -45,6 +45,8 @@ def test_trl_reward_functions_run_unchanged(tiny, tmp_path):
 
 def test_metrics_carry_trl_names_and_timings(tiny, tmp_path):
     metrics = fit(make(tiny), toy_rows(8), steps=2, log_dir=tmp_path)
+    # steps numbered by the optimizer steps taken, as TRL logs them and the completions table numbers its rows
+    assert [(m["step"], m["epoch"]) for m in metrics if "reward" in m] == [(1.0, 0.0), (2.0, 0.0)]
     step = [m for m in metrics if "reward" in m][-1]
     for name in ("reward", "reward_std", "rewards/match_target/mean", "frac_reward_zero_std", "completions/mean_length",
                  "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
