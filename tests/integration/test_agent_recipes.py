@@ -27,3 +27,24 @@ def test_agent_recipe_smoke_command_trains_a_step(recipe, accuracy, own, smollm2
     trained = [r for r in metrics if r.get(accuracy)]
     assert trained and trained[0]["episodes/mean_turns"] and trained[0]["tools/call_frequency"] != ""
     assert any(r.get("eval/accuracy") for r in metrics)
+
+
+@pytest.mark.slow
+def test_the_guess_number_smoke_command_stays_within_a_few_gigabytes(smollm2_folder, tmp_path):
+    """It peaked at 21.9 GB on main at 61e602d (a hostile newcomer's report); 3.0 GB at b7dd737. The run's own
+    peak resident memory, read in its own process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import resource, sys\nfrom rlcu import cli\ntry:\n    cli.main(sys.argv[1:])\nfinally:\n"
+            "    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+    env = dict(os.environ, WANDB_MODE="offline")
+    env.pop("WANDB_API_KEY", None)
+    done = subprocess.run([sys.executable, "-c", code, "run", "guess-number", *SMOKE,
+                           "--trainer.enable_checkpointing=false"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak_gb = int(done.stderr.rsplit("maxrss_kb", 1)[1].split()[0]) / 2**20
+    print(f"guess-number smoke run: {peak_gb:.1f} GB at peak")
+    assert peak_gb < 6, f"{peak_gb:.1f} GB"
