@@ -450,7 +450,20 @@ def _messages(body: dict) -> list[dict]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                   for m in messages):
         raise HTTPError(400, "'messages' must be a non-empty list of {'role', 'content'} objects")
-    return messages
+    return [dict(m, content=_text_content(m["content"])) if isinstance(m.get("content"), list) else m
+            for m in messages]
+
+
+def _text_content(parts: list) -> str:
+    """OpenAI's content parts ([{"type": "text", "text": ...}], as agent frameworks send them) as the one string a
+    chat template renders, joined by newlines as vLLM joins them for such templates."""
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise HTTPError(400, f"only text content parts are supported, got one of type {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _same(a: dict, b: dict) -> bool:

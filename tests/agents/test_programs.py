@@ -385,3 +385,34 @@ def test_a_grpo_step_trains_a_text_agent_on_a_model_without_a_chat_template(tmp_
     metrics = fit(module, toy_rows(4), steps=1, log_dir=tmp_path)
     assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+async def content_parts(endpoint, row):
+    """Messages whose content is a list of text parts, as agent frameworks (smolagents) send them; an image part
+    gets HTTP 400 and the episode goes on."""
+    client = endpoint.client()
+    parts = [{"type": "text", "text": w} for w in row["prompt"].split()]
+    messages = [{"role": "system", "content": [{"type": "text", "text": "t5"}]}, {"role": "user", "content": parts}]
+    first = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    try:
+        await client.chat.completions.create(model=endpoint.model, messages=messages + [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    except openai.BadRequestError as e:
+        row["refused"] = e.message
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": [{"type": "text", "text": "t20"}, {"type": "text", "text": "t21"}]}]
+    await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return 1.0
+
+
+def test_text_content_parts_render_as_the_joined_text(tiny):
+    model, tok = tiny
+    rows = [{"prompt": "t3 t4"}]
+    runner = runner_for(rows, content_parts, tok)
+    out, episodes = run_episodes(model, runner, max_turn_tokens=5)
+    fmt = tool_format("template", tok)
+    assert out.prompt_ids[0] == fmt.prompt_ids([{"role": "system", "content": "t5"},
+                                                {"role": "user", "content": "t3\nt4"}], None)
+    assert episodes.completions[0][1] == {"role": "user", "content": "t20\nt21"}
+    assert "only text content parts are supported, got one of type 'image_url'" in rows[0]["refused"]
