@@ -108,9 +108,12 @@ class ProgramRunner:
     `record()` once the programs returned. `close()` stops the endpoint and the programs."""
 
     def __init__(self, rows: list[dict], program: Callable, fmt: ToolFormat | None, model_name: str,
-                 max_completion_length: int, timeout: float | None, tokenizer=None):
-        """`fmt`: the chat format, or None where the tokenizer has no chat template (text episodes only)."""
-        self.program, self.format, self.model_name = program, fmt, model_name
+                 max_completion_length: int, timeout: float | None, tokenizer=None, history: str = "exact"):
+        """`fmt`: the chat format, or None where the tokenizer has no chat template (text episodes only).
+        `history`: agent_history, what a later call's earlier assistant messages must be (`_extension`)."""
+        if history not in HISTORIES:
+            raise ValueError(f"agent_history must be one of {HISTORIES}, got {history!r}")
+        self.program, self.format, self.model_name, self.history = program, fmt, model_name, history
         self.tokenizer = tokenizer if tokenizer is not None else fmt.tokenizer
         self.max_completion_length, self.timeout = max_completion_length, timeout
         self.episodes = [ProgramEpisode(secrets.token_hex(8), row) for row in rows]
@@ -240,7 +243,7 @@ class ProgramRunner:
                 if ep.waiting is None or ep.waiting.done():
                     raise HTTPError(409, "a call while this episode's previous call is unanswered: an episode is "
                                          "one conversation, one call at a time")
-                new = _extension(ep.messages, messages)
+                new = _extension(ep.messages, messages, ep.num_prompt_messages, self.history)
                 try:
                     suffix = self.format.suffix_ids(new, ep.tools)
                 except ValueError as e:
@@ -486,12 +489,25 @@ def _arguments(value):
     return value
 
 
-def _extension(before: list[dict], messages: list[dict]) -> list[dict]:
-    """The messages a call adds after the conversation so far, or HTTP 409 when it does not extend it."""
-    if len(messages) <= len(before) or not all(_same(a, b) for a, b in zip(before, messages)):
+HISTORIES = ("exact", "served")  # agent_history: what a later call's earlier assistant messages must be
+
+
+def _extension(before: list[dict], messages: list[dict], num_prompt_messages: int = 0,
+               history: str = "exact") -> list[dict]:
+    """The messages a call adds after the conversation so far, or HTTP 409 when it does not extend it. With
+    history "served", an assistant message where the endpoint served a turn stands for that turn in whatever form
+    the program wrote it back (smolagents writes tool calls back as text): the episode keeps the served tokens."""
+    def agrees(i: int, a: dict, b: dict) -> bool:
+        if history == "served" and i >= num_prompt_messages and a.get("role") == "assistant":
+            return b.get("role") == "assistant"
+        return _same(a, b)
+
+    if len(messages) <= len(before) or not all(agrees(i, a, b) for i, (a, b) in enumerate(zip(before, messages))):
+        hint = "" if history == "served" else (" (a program or framework that writes the served turns back in a form "
+                                                "of its own, as smolagents does, needs agent_history: served)")
         raise HTTPError(409, "this call does not extend its episode's conversation (the messages sent before, "
                              "the assistant message as served, then new ones); branching within an episode is not "
-                             "supported yet", "episode_branch")
+                             "supported yet" + hint, "episode_branch")
     new = messages[len(before):]
     if any(m.get("role") == "assistant" for m in new):
         raise HTTPError(409, "the new messages hold an assistant message the endpoint did not serve", "episode_branch")

@@ -510,7 +510,8 @@ class GRPOModule(L.LightningModule):
         program, fmt = self.program
         limits = self.options.agents
         runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
-                               self.options.sampling.max_completion_length, limits.agent_timeout, self.tokenizer)
+                               self.options.sampling.max_completion_length, limits.agent_timeout, self.tokenizer,
+                               limits.agent_history)
         try:
             for i, ids in enumerate(runner.prompt_ids[::g]):
                 self.check_prompt_length(len(ids), i)

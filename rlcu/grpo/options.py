@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from rlcu.agents.formats import FORMATS as TOOL_FORMATS
+from rlcu.agents.programs import HISTORIES as AGENT_HISTORIES
 from rlcu.agents.tools import MAX_RESULT_CHARS
 from rlcu.calls import ISOLATION
 from rlcu.contracts import SamplingParams
@@ -310,6 +311,11 @@ class AgentLimits(OptionGroup):
                                            "always run in the trainer's process", choices=ISOLATION)
     agent_timeout: float | None = option(600.0, "seconds an agent program's episode may take, from its start to "
                                                 "its return", minimum=1e-9, why=" seconds (or null: no limit)")
+    agent_history: str = option("exact", "what an agent program's later calls must repeat of the turns the endpoint "
+                                         "served: the messages as served (exact), or any assistant message in their "
+                                         "place (served: for frameworks that write them back in a form of their own, "
+                                         "as smolagents does; the sample keeps the served tokens)",
+                                choices=AGENT_HISTORIES)
     max_call_tokens: int | None = option(None, "tokens one call of an agent program may sample (a call cut there "
                                                "ends with finish_reason length); None: the episode's remaining "
                                                "max_completion_length", minimum=1)

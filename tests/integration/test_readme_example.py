@@ -1,5 +1,6 @@
 """The README's Python example, run as written: 3 GRPO steps of SmolLM2 on CPU change its parameters."""
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -92,12 +93,30 @@ def test_agents_guide_text_program_example_trains_one_step_on_a_model_without_a_
     pytest.importorskip("openai")
     model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3"))
     scope: dict = {}
-    exec(python_blocks(README.parent / "docs" / "agents.md")[2], scope)
+    exec(python_blocks(README.parent / "docs" / "agents.md")[3], scope)
     module = GRPOModule(model, tokenizer=tokenizer, agent=scope["continue_text"], num_generations=4,
                         max_completion_length=24)
     metrics = fit(module, [{"prompt": f"t{i} t{i + 1}", "answer": f"t{i + 2}"} for i in range(4)], steps=1,
                   log_dir=tmp_path)
     assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
+
+
+def test_agents_guide_smolagents_example_trains_one_step(tmp_path):
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.models import load_model
+    from tests.helpers import CHAT_TEMPLATE, fit, tiny_hf_folder
+
+    pytest.importorskip("smolagents")
+    model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE,
+                                                 max_position_embeddings=8192))
+    example = tmp_path / "agent_example.py"  # smolagents reads a tool's source: the block runs from a file
+    example.write_text(python_blocks(README.parent / "docs" / "agents.md")[2])
+    scope = runpy.run_path(str(example))
+    module = GRPOModule(model, tokenizer=tokenizer, agent=scope["solve"], agent_history="served",
+                        tool_format="hermes", num_generations=2, max_completion_length=2000, max_call_tokens=8,
+                        max_prompt_length=4000)
+    metrics = fit(module, [{"prompt": "What is 6 x 7?", "answer": 42}] * 2, steps=1, log_dir=tmp_path, batch_size=2)
+    assert any(m.get("episodes/mean_calls", 0) >= 2 for m in metrics)
 
 
 def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():
