@@ -114,7 +114,7 @@ class GRPOModule(L.LightningModule):
         self.accuracy_index = names.index(opts.evaluation.accuracy_reward) if opts.evaluation.accuracy_reward else 0
         self._build_phases()
         self.last_rollout: ScoredRollout | None = None  # for callbacks
-        self._train_start: float | None = None
+        self._train_start = self._idle_since = None  # training's start; since when rlcu queued no GPU work
         self._sharding_times: dict[str, float] = {}  # FSDP's gather and reshard around the last rollout
 
     def _build_phases(self) -> None:
@@ -341,7 +341,7 @@ class GRPOModule(L.LightningModule):
         return True
 
     def on_train_start(self) -> None:
-        self._train_start = time.perf_counter()  # for timing/elapsed: curves against wall time, evaluation included
+        self._train_start = self._idle_since = time.perf_counter()  # timing/elapsed, evaluation included
         self._apply_optimizer_options()
 
     def _apply_optimizer_options(self) -> None:
@@ -387,6 +387,10 @@ class GRPOModule(L.LightningModule):
         if self.streamer is not None:  # evaluation generates on the engine; the pending prompts go in again after
             self.streamer.close()
 
+    def on_validation_end(self) -> None:
+        if self._idle_since is not None:  # evaluation kept the GPU busy: timing/idle counts from its end
+            self._idle_since = self._now()
+
     def on_train_end(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
@@ -430,7 +434,8 @@ class GRPOModule(L.LightningModule):
         finally:
             self.rollout.release()  # the sequences in flight are recomputed after the update (release_memory)
             self.policy.train(was_training)
-        if taken is None:  # the stream fills: no optimizer step yet
+        if taken is None:  # the stream fills: no optimizer step yet, and the engine decoded all along
+            self._idle_since = self._now()
             return None
         self.scoring.new_step()
         self._score_and_update(taken.rows, taken.sampled, taken.scorer, (t0, self._now()), taken.metrics)
@@ -458,11 +463,21 @@ class GRPOModule(L.LightningModule):
         metrics.update({k: v for k, v in memory.items() if v is not None})
         gen_tokens = int(grpo_batch.lengths.sum())
         metrics.update({"timing/generate": t1 - t0, "timing/score": t2 - t1, "timing/train": t3 - t2,
-                        "tokens_per_second": gen_tokens / max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens),
+                        "timing/idle": self._idle_seconds(t0, t1, t2), "tokens_per_second": gen_tokens /
+                        max(t1 - t0, 1e-9), "num_tokens": float(gen_tokens),
                         "timing/elapsed": t3 - (self._train_start or t0)})
+        self._idle_since = t3
         metrics.update({f"timing/{k}": v for k, v in self._sharding_times.items()})
         self._log_metrics(metrics)
         self.last_rollout = scored
+
+    def _idle_seconds(self, t0: float, t1: float, t2: float) -> float:
+        """Seconds of this step in which rlcu had no GPU work queued: from the end of the previous step (or of an
+        evaluation) to this step's start (Lightning's loop, the data loader), and the score phase unless a reward
+        model scores on the GPU. Streaming's waits for finished groups are not idle: the engine decodes then."""
+        gap = t0 - self._idle_since if self._idle_since is not None else 0.0
+        gpu_reward = any(isinstance(r.fn, RewardModel) for r in self.rewards) and self.device.type == "cuda"
+        return max(gap, 0.0) + (0.0 if gpu_reward else t2 - t1)
 
     def _sync_reference(self) -> None:
         """TRL's `sync_ref_model` (TR-DPO): every ref_model_sync_steps optimizer steps, the reference moves toward

@@ -48,9 +48,12 @@ def test_metrics_carry_trl_names_and_timings(tiny, tmp_path):
     # steps numbered by the optimizer steps taken, as TRL logs them and the completions table numbers its rows
     assert [(m["step"], m["epoch"]) for m in metrics if "reward" in m] == [(1.0, 0.0), (2.0, 0.0)]
     step = [m for m in metrics if "reward" in m][-1]
+    # no GPU work of rlcu's: host-side scoring, and Lightning's loop between the steps (under a second here)
+    assert step["timing/score"] <= step["timing/idle"] < step["timing/score"] + 1.0
     for name in ("reward", "reward_std", "rewards/match_target/mean", "frac_reward_zero_std", "completions/mean_length",
                  "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                  "entropy", "loss", "grad_norm", "learning_rate", "timing/generate", "timing/score", "timing/train",
+                 "timing/idle",
                  "tokens_per_second", "logprob_mismatch/max", "sampling/importance_sampling_ratio/mean"):
         assert name in step, name
     assert step["logprob_mismatch/max"] < 1e-4  # sampler and trainer agree on the same weights
