@@ -1,5 +1,6 @@
 """Mixture of experts on the GPU: torch's grouped GEMM against float64, decode steps captured as CUDA graphs (the
-dispatch never reads the counts on the host), and a bf16 training step through the grouped GEMM's backward."""
+dispatch never reads the counts on the host) with the routing record they write, and a bf16 training step through
+the grouped GEMM's backward that logs moe/routing_mismatch."""
 import pytest
 import torch
 
