@@ -2,7 +2,10 @@
 random bf16 weights saved as an HF folder with the peers' word-level tokenizer, then ../shared/peers/trl_grpo.py
 run unchanged on that folder (its model builder swapped for this one).
 
-    python3 benchmarks/trl_family.py PEERS_DIR NAME P G L STEPS        (LORA=R as trl_grpo.py)"""
+    python3 benchmarks/trl_family.py PEERS_DIR NAME P G L STEPS        (LORA=R as trl_grpo.py)
+
+LORA_EXPERTS=1 adds PEFT's target_parameters for the stacked experts of an MoE model to the peer's LoraConfig,
+as `rlcu bench step --lora_experts` adds them on rlcu's side."""
 import os
 import runpy
 import sys
@@ -28,6 +31,17 @@ def make_model(_path, dtype=torch.bfloat16):
         common.make_tokenizer(model.config.vocab_size, path)
     return path
 
+
+if os.environ.get("LORA_EXPERTS"):
+    import peft
+
+    from rlcu.bench import EXPERT_PARAMETERS
+
+    class ExpertLoraConfig(peft.LoraConfig):  # the peer builds LoraConfig(...) itself: experts join its targets
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, target_parameters=EXPERT_PARAMETERS, **kwargs)
+
+    peft.LoraConfig = ExpertLoraConfig
 
 common.make_model = make_model
 common.QWEN3_06B["vocab_size"] = family_config(name).vocab_size  # the prompts' token range

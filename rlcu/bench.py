@@ -157,8 +157,14 @@ def build_model(name: str, device: str, dtype: str):
     return model.to(device), tok
 
 
-def lora_config(rank: int) -> dict | None:
-    return {"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"} if rank else None
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT's target_parameters for MoE
+
+
+def lora_config(rank: int, experts: bool = False) -> dict | None:
+    if not rank:
+        return None
+    return {"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear",
+            **({"target_parameters": EXPERT_PARAMETERS} if experts else {})}
 
 
 def random_prompt_ids(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -211,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--packing", action="store_true", help="padding-free training forward (varlen flash attention)")
     s.add_argument("--lora_rank", type=int, default=0,
                    help="train LoRA adapters of this rank on all linear layers (alpha 2 x rank, as the peer's LORA=R)")
+    s.add_argument("--lora_experts", action="store_true",
+                   help="with --lora_rank on an MoE model: adapters on the experts too (PEFT's target_parameters; "
+                        "the peer's LORA_EXPERTS=1)")
     s.add_argument("--adam_state_dtype", choices=("float32", "bfloat16"), default="float32",
                    help="AdamW moments in bf16 (stochastic rounding): 4 bytes a parameter less")
     s.add_argument("--optimizer_offload", action="store_true",
@@ -386,7 +395,8 @@ def bench_step(args) -> dict:
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
-                        peft_config=lora_config(args.lora_rank), adam_state_dtype=args.adam_state_dtype,
+                        peft_config=lora_config(args.lora_rank, args.lora_experts),
+                        adam_state_dtype=args.adam_state_dtype,
                         optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs,
                         score_during_generation=args.score_during_generation, streaming=args.streaming,
                         max_staleness=args.max_staleness, max_inflight_tasks=args.max_inflight_tasks)
@@ -457,7 +467,7 @@ def bench_step(args) -> dict:
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
-                lora_rank=args.lora_rank, adam_state_dtype=args.adam_state_dtype,
+                lora_rank=args.lora_rank, lora_experts=args.lora_experts, adam_state_dtype=args.adam_state_dtype,
                 optimizer_offload=args.optimizer_offload, kv_cache_dtype=args.kv_cache_dtype,
                 exact_logprobs=args.exact_logprobs, devices=args.devices, strategy=args.strategy,
                 score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,

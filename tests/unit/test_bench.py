@@ -117,6 +117,23 @@ def test_bench_step_trains_lora_adapters(tmp_path, capsys):
     assert last_json(capsys)["lora_rank"] == 4
 
 
+def test_bench_step_puts_adapters_on_the_experts_and_reports_the_routing(tmp_path, capsys, monkeypatch):
+    import rlcu.grpo.module as grpo_module
+    from rlcu.models.lora import expert_adapters
+
+    adapted = []
+    add_lora = grpo_module.add_lora
+    monkeypatch.setattr(grpo_module, "add_lora",
+                        lambda model, config: (add_lora(model, config), adapted.append(len(expert_adapters(model)))))
+    folder = tiny_hf_folder(tmp_path / "tiny", "qwen3_moe")
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--lora_rank", "4",
+          "--lora_experts"])
+    out = last_json(capsys)
+    assert out["lora_experts"] and out["routing_mismatch_max"] == 0.0  # fp32 on the CPU: sampler and trainer agree
+    assert adapted == [1]  # the experts of the tiny Qwen3-MoE's one MoE layer (its layer 1 is dense) are adapted
+
+
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")
