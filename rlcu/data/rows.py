@@ -49,12 +49,11 @@ class RowView(Sequence):
         for start in range(0, len(self), size):
             yield self._rows(range(start, min(start + size, len(self))))
 
-    def column(self, name: str, transformed: bool = False) -> list[Any]:
-        """One column of every row, read by column where the base is a dataset; untransformed unless asked."""
-        if not transformed and self.indices is None and hasattr(self.base, "column_names"):
+    def column(self, name: str) -> list[Any]:
+        """One column of every row as the base holds it (untransformed), read by column where it is a dataset."""
+        if self.indices is None and hasattr(self.base, "column_names"):
             return list(self.base[name])
         out = []
         for start in range(0, len(self), CHUNK):
-            positions = range(start, min(start + CHUNK, len(self)))
-            out += [r[name] for r in (self._rows(positions) if transformed else self._raw(positions))]
+            out += [r[name] for r in self._raw(range(start, min(start + CHUNK, len(self))))]
         return out

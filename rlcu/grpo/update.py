@@ -253,6 +253,15 @@ def sampler_routing(b: GRPOBatch, rows: slice, packed: bool) -> torch.Tensor | N
     return grid[b.attention_mask[rows].bool()] if packed else grid.flatten(0, 1)
 
 
+def routed_elsewhere(experts: list[torch.Tensor], sampler: torch.Tensor) -> torch.Tensor:
+    """[tokens whose top-k differs from the sampler's in some MoE layer, tokens compared], device-side: `experts`
+    are the training forward's picks per layer ([T, k] each), `sampler` the record in the same layout."""
+    picked = torch.stack(experts, 1)
+    known = sampler[:, 0, 0] >= 0
+    differs = (picked.sort(-1).values != sampler.long().sort(-1).values).flatten(1).any(1) & known
+    return torch.stack([differs.sum(), known.sum()])
+
+
 class Routers:
     """A mixture-of-experts policy's routers during the update: their load-balancing loss (TRL's
     `router_aux_loss_coef`, None: the model config's own coefficient) and how evenly they route."""
@@ -291,25 +300,16 @@ class Routers:
         from rlcu.models.moe import expert_load_max, load_balancing_loss
 
         logits = [m.router_logits for m in self.moe]
-        for m in self.moe:
-            m.router_logits = None
-        self.load_max.append(expert_load_max(logits, self.top_k, token_mask))
         if sampler is not None:
-            self.mismatch.append(self._routed_elsewhere(logits, sampler))
+            self.mismatch.append(routed_elsewhere([m.router_experts for m in self.moe], sampler))
+        for m in self.moe:
+            m.router_logits = m.router_experts = None
+        self.load_max.append(expert_load_max(logits, self.top_k, token_mask))
         if not self.coef:
             return torch.zeros((), device=logits[0].device)
         aux = load_balancing_loss(logits, self.top_k, token_mask)
         self.aux.append(aux.detach())
         return self.coef * aux / num_micro_batches
-
-    def _routed_elsewhere(self, logits: list[torch.Tensor], sampler: torch.Tensor) -> torch.Tensor:
-        """[tokens whose top-k differs from the sampler's in some MoE layer, tokens compared], device-side."""
-        from rlcu.models.moe import route
-
-        picked = torch.stack([route(x.detach(), m.top_k, m.normalize)[1] for x, m in zip(logits, self.moe)], 1)
-        known = sampler[:, 0, 0] >= 0
-        differs = (picked.sort(-1).values != sampler.long().sort(-1).values).flatten(1).any(1) & known
-        return torch.stack([differs.sum(), known.sum()])
 
     def metrics(self) -> dict[str, float]:
         if not self.moe:

@@ -142,7 +142,8 @@ class MLP(nn.Module):
         self.down_proj = FusedLinear(i, {"down_proj": cfg.hidden_size}, False)
         self.activation = cfg.spec.activation
 
-    def forward(self, x, batch_invariant: bool = False):
+    def forward(self, x, batch_invariant: bool = False, record=None):
+        """`record`: SparseMoE's routing recorder, which a dense MLP has nothing to give."""
         return self.down_proj(gated_mul(self.gate_up_proj(x, batch_invariant), self.activation), batch_invariant)
 
 
@@ -180,11 +181,13 @@ class DecoderLayer(nn.Module):
         return self.linear_attn if self.linear else self.self_attn
 
     def forward(self, x, cos, sin, attention, residual=None):
-        mlp = self._mlp(attention)
+        exact = attention.batch_invariant
+        # an MoE layer hands its routing to a context that records it (the engine's, AttentionContext)
+        record = getattr(attention, "record_routing", None) if self.moe else None
         if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
             x = x if residual is None else x + residual
             x = x + self.post_attention_layernorm(self.mixer(x, cos, sin, attention))
-            return self.post_feedforward_layernorm(mlp(x)), x
+            return self.post_feedforward_layernorm(self.mlp(x, exact, record)), x
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -192,21 +195,12 @@ class DecoderLayer(nn.Module):
         h = self.mixer(h, cos, sin, attention)
         if self.norm == "sandwich":  # Gemma: norms after each branch too
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(mlp(h)), residual
+            return self.post_feedforward_layernorm(self.mlp(h, exact, record)), residual
         if self.multiplier != 1.0:  # Granite: residual + branch * multiplier
             h, residual = self.post_attention_layernorm(h * self.multiplier, residual)
-            return mlp(h) * self.multiplier, residual
+            return self.mlp(h, exact, record) * self.multiplier, residual
         h, residual = self.post_attention_layernorm(h, residual)
-        return mlp(h), residual
-
-    def _mlp(self, attention):
-        """The MLP as this forward runs it: batch-invariant where the context asks, and an MoE layer hands its
-        routing to a context that records it (the engine's, `AttentionContext.record_routing`)."""
-        exact = attention.batch_invariant
-        record = getattr(attention, "record_routing", None) if self.moe else None
-        if record is not None:
-            return lambda h: self.mlp(h, exact, record)
-        return lambda h: self.mlp(h, exact)
+        return self.mlp(h, exact, record), residual
 
 
 class Backbone(nn.Module):

@@ -123,8 +123,8 @@ class SparseMoE(nn.Module):
     """The MLP of an MoE layer: `gate` (the router, [E, H]) and `experts`, plus, where the family has one, a
     `shared_expert` (an MLP every token goes through) scaled by the sigmoid of `shared_expert_gate` ([1, H]).
     With `keep_router_logits` set, each forward leaves its router logits [T, E] in `router_logits` (the
-    load-balancing loss reads them). A forward given `record` hands it (moe_index, experts [T, k]): the
-    engine keeps which experts served each token, beside its keys and values."""
+    load-balancing loss reads them) and the experts they picked in `router_experts`. A forward given `record`
+    hands it (moe_index, experts [T, k]): the engine keeps which experts served each token, beside its KV."""
 
     def __init__(self, cfg, shared_expert: nn.Module | None = None, moe_index: int = 0):
         super().__init__()
@@ -141,15 +141,16 @@ class SparseMoE(nn.Module):
                                (cfg.swiglu_alpha, cfg.swiglu_limit))
         self.keep_router_logits = False
         self.router_logits: torch.Tensor | None = None
+        self.router_experts: torch.Tensor | None = None  # [T, k] the experts the kept logits picked
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False,
                 record: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = invariant_linear(flat, self.gate.weight, self.gate.bias) if batch_invariant else self.gate(flat)
-        if self.keep_router_logits:
-            self.router_logits = logits
         weights, experts = route(logits, self.top_k, self.normalize)
+        if self.keep_router_logits:
+            self.router_logits, self.router_experts = logits, experts
         if record is not None:
             record(self.moe_index, experts)
         out = self.experts(flat, experts, weights.to(flat.dtype), batch_invariant)

@@ -54,7 +54,9 @@ def score(rewards: list[BoundReward], prompts: list, completions: list, completi
                     else f"raised {type(result).__name__}: {result}")
             alone = _one_by_one(r, batch, n, timeout, stop_requested, call)
             if on_error == "raise":
-                raise RewardError(f"reward {r.name!r} {what}{_first_failure(alone, batch)}") from result
+                fix = "raise reward_timeout" if isinstance(result, CallTimeout) else "fix the reward"
+                raise RewardError(f"reward {r.name!r} {what}{_first_failure(alone, batch)}; {fix}, or set "
+                                  "on_reward_error: none to score such samples None") from result
             result = [None if isinstance(v, BaseException) or v is None or len(list(v)) != 1 else list(v)[0]
                       for v in alone]
             log.warning("reward %r %s; %d of %d samples scored None", r.name, what, sum(v is None for v in result), n)

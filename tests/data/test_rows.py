@@ -14,7 +14,7 @@ def test_a_view_reads_as_the_list_of_its_rows():
     chat = RowView(base, [1, 3, 5, 7], lambda r: dict(r, prompt=[{"role": "user", "content": r["prompt"]}]))
     assert len(chat) == 4 and chat[-1] == {"prompt": [{"role": "user", "content": "p7"}], "answer": 7}
     assert [r["answer"] for r in chat] == [1, 3, 5, 7] and chat[1:3] == [chat[1], chat[2]]
-    assert chat.column("prompt") == ["p1", "p3", "p5", "p7"] and chat.column("prompt", transformed=True)[0] == [
+    assert chat.column("prompt") == ["p1", "p3", "p5", "p7"] and chat[0]["prompt"] == [
         {"role": "user", "content": "p1"}]
     with pytest.raises(IndexError):
         chat[4]
@@ -39,4 +39,4 @@ def test_a_dataset_of_many_rows_is_held_out_and_converted_without_a_dict_per_row
     assert dm.train_set[0]["prompt"] == [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "What is 0 + 1?"}]
     held = {r["prompt"][-1]["content"] for r in dm.val_set}
-    assert not held & {m[-1]["content"] for m in dm.train_set.column("prompt", transformed=True)}
+    assert not held & {r["prompt"][-1]["content"] for r in dm.train_set}
