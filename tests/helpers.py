@@ -28,6 +28,8 @@ DENSE_FAMILIES = {
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     "smollm3": dict(cls="SmolLM3Config", extra=dict(no_rope_layers=[1, 0])),
     "seed_oss": dict(cls="SeedOssConfig", extra=dict(attention_bias=True, attention_out_bias=False)),
+    "gemma2": dict(cls="Gemma2Config", extra=dict(sliding_window=5, final_logit_softcapping=3.0,
+                                                  attn_logit_softcapping=5.0, query_pre_attn_scalar=16)),
     "gemma3_text": dict(cls="Gemma3TextConfig", extra=dict(
         sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
@@ -75,8 +77,8 @@ FAMILIES.update(HYBRID_FAMILIES)
 # architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)
 FALLBACK_FAMILIES = {
     "gpt_neox": dict(cls="GPTNeoXConfig", extra=dict(tie_word_embeddings=False)),
-    "gemma2": dict(cls="Gemma2Config", extra=dict(sliding_window=5, final_logit_softcapping=3.0,
-                                                  attn_logit_softcapping=5.0, query_pre_attn_scalar=16)),
+    "falcon": dict(cls="FalconConfig", extra=dict(head_dim=None, new_decoder_architecture=True, num_kv_heads=2,
+                                                  tie_word_embeddings=False)),
 }
 FAMILIES.update(FALLBACK_FAMILIES)
 
@@ -209,9 +211,9 @@ def paged_cache(context_lens, hkv, d, block_size, dtype, seed=0, device=KERNEL_D
     return k.to(device), v.to(device), table.to(device)
 
 
-def float64_attention(q, k, v, table, ctx, q_positions, window=None, sinks=None):
+def float64_attention(q, k, v, table, ctx, q_positions, window=None, sinks=None, softcap=None):
     """Straight from the definition, one query at a time, in float64 (`window`: the last keys a query sees;
-    `sinks` [Hq]: a logit per head in the softmax whose share is dropped)."""
+    `sinks` [Hq]: a logit per head in the softmax whose share is dropped; `softcap`: scores as cap tanh(s / cap))."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
     for i, (s, pos) in enumerate(q_positions):
@@ -220,6 +222,8 @@ def float64_attention(q, k, v, table, ctx, q_positions, window=None, sinks=None)
         for h in range(q.shape[1]):
             lo = 0 if window is None else max(0, pos + 1 - window)
             scores = keys[lo:pos + 1, h // group] @ q[i, h].double().cpu() / math.sqrt(q.shape[-1])
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:
                 scores = torch.cat([scores, sinks[h].double().cpu()[None]])
             out[i, h] = torch.softmax(scores, 0)[:pos + 1 - lo] @ vals[lo:pos + 1, h // group]

@@ -64,7 +64,7 @@ class PagedAttention:
     def keep(self, layer_idx: int, conv: torch.Tensor, matrix: torch.Tensor) -> None:
         self.runner.states.write(layer_idx, self.states[1], conv, matrix)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None, sinks=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale, window=None, qk_norm=None, sinks=None, softcap=None):
         i = self.runner.kv_index[layer_idx]
         kc, vc = self.runner.k_cache[i], self.runner.v_cache[i]
         norm = ()
@@ -77,13 +77,13 @@ class PagedAttention:
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:
             out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, scale,
-                                              self.num_splits, self.prefix_splits)
+                                              self.num_splits, self.prefix_splits, softcap=softcap)
         elif self.decode_only:
             out = decode_attention(q, kc, vc, self.tables, self.ctx, scale, self.num_splits, window=window,
-                                   sinks=sinks)
+                                   sinks=sinks, softcap=softcap)
         else:
             out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, scale, self.tiles, window=window,
-                                  sinks=sinks)
+                                  sinks=sinks, softcap=softcap)
         return out[None]
 
 

@@ -16,20 +16,23 @@ CHUNK_BYTES = 512 * 2**20  # logits per chunk: small enough to fit beside traini
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                     chunk_tokens: int | None = None,
-                    batch_invariant: bool = False, fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    batch_invariant: bool = False, fp32: bool = False,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, entropy), each [N], of `targets` [N] under softmax(hidden [N, H] @ weight.T / temperature).
     `batch_invariant`: the logits from the batch-invariant GEMM (`exact_logprobs`). `fp32`: the GEMM in float32
-    outside autocast, as the engine's head computes it under `cast_lm_head_to_fp32` (`Linear.fp32`)."""
+    outside autocast, as the engine's head computes it under `cast_lm_head_to_fp32` (`Linear.fp32`). `softcap`:
+    the logits soft-capped first (`Linear.softcap`, Gemma 2)."""
     if fp32:
         with torch.autocast(hidden.device.type, enabled=False):
-            return linear_logprobs(hidden.float(), weight.float(), targets, temperature, chunk_tokens, batch_invariant)
+            return linear_logprobs(hidden.float(), weight.float(), targets, temperature, chunk_tokens, batch_invariant,
+                                   softcap=softcap)
     if chunk_tokens is None:  # the fused path keeps logits in the GEMM's dtype, the PyTorch one in fp32
         itemsize = weight.element_size() if use_triton(hidden) else 4
         chunk_tokens = max(64, CHUNK_BYTES // (itemsize * weight.shape[0]))
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
         lp, ent = LinearTokenLogprob.apply(hidden[s:s + chunk_tokens], weight, targets[s:s + chunk_tokens], temperature,
-                                           batch_invariant)
+                                           batch_invariant, softcap)
         logps.append(lp)
         ents.append(ent)
     return torch.cat(logps), torch.cat(ents)
@@ -53,7 +56,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
     logps, ents = linear_logprobs(hidden.reshape(b * c, h), model.lm_head.weight, input_ids[:, -c:].reshape(b * c),
-                                  temperature, chunk_tokens, fp32=model.lm_head.fp32)
+                                  temperature, chunk_tokens, fp32=model.lm_head.fp32, softcap=model.lm_head.softcap)
     return logps.view(b, c), ents.view(b, c)
 
 
@@ -67,7 +70,7 @@ def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature
     real = mask[:, -c:]  # the completion slots that hold a token
     target = (cu[:-1, None] + offset[:, -c:])[real]  # where each completion token sits in the packed row
     logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens,
-                                  numerics.batch_invariant, model.lm_head.fp32)
+                                  numerics.batch_invariant, model.lm_head.fp32, model.lm_head.softcap)
     zeros = logps.new_zeros(real.shape)
     return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)
 

@@ -1,7 +1,7 @@
 """What the paged attention kernels share: the gather of the keys and values of a tile of token positions,
 each row found through the sequence's block table (many loads in flight at once; a tile may span cache
-blocks of any size, so the block size need not suit tl.dot; an FP8 cache as pairs, `kv_operands`), and the
-decode kernels' online-softmax step over such a tile, and its split epilogue."""
+blocks of any size, so the block size need not suit tl.dot; an FP8 cache as pairs, `kv_operands`), the scores'
+soft cap, and the decode kernels' online-softmax step over such a tile, and its split epilogue."""
 import functools
 
 import torch
@@ -62,18 +62,34 @@ if HAS_TRITON:
         return k, v
 
     @triton.jit
+    def soft_cap(x, CAP: tl.constexpr):
+        """CAP * tanh(x / CAP) in fp32 (Gemma 2's scores, `rlcu/kernels/sdpa.py`). The interpreter has no libdevice
+        tanh: (1 - e) / (1 + e) with e = exp(-2|u|), and near 0, where 1 - e would cancel, tanh's series (its
+        first left-out term is below 2e-10 there)."""
+        u = x / CAP
+        a = tl.abs(u)
+        e = tl.exp(-2.0 * a)
+        t = (1.0 - e) / (1.0 + e)
+        u2 = u * u
+        series = u * (1.0 - u2 * (0.3333333333333333 - u2 * (0.13333333333333333 - u2 * 0.05396825396825397)))
+        return CAP * tl.where(a < 0.125, series, tl.where(u < 0, -t, t))
+
+    @triton.jit
     def attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, tmask, rows, scale, stride_kb, stride_kt, head_offset, d,
-                       BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, E4M3_PAIRS: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, E4M3_PAIRS: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
         """One online-softmax step of query rows `q` over a tile of tokens (`tmask`: those that exist); rows
         outside `rows` see none of it, and a row that has seen nothing yet keeps m = -inf without NaN.
         With E4M3_PAIRS (kv_operands) both dots take fp16, which holds every e4m3 value; q is scaled first so
-        that fp16's range (65,504) holds it too."""
+        that fp16's range (65,504) holds it too. SOFTCAP > 0: the scores soft-capped at it (`soft_cap`)."""
         k, v = load_kv_tile(KC, VC, table_row, token, tmask, stride_kb, stride_kt, head_offset, d, BLOCK_SIZE,
                             E4M3_PAIRS)
         if E4M3_PAIRS:
             scores = tl.dot((q * scale).to(tl.float16), tl.trans(k))
         else:
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        if SOFTCAP > 0:
+            scores = soft_cap(scores, SOFTCAP)
         scores = tl.where(rows[:, None] & tmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -93,4 +109,4 @@ if HAS_TRITON:
         out = acc / tl.where(empty, 1.0, l)[:, None]
         return out, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
 else:  # pragma: no cover - depends on the environment
-    widen_e4m3_pairs = load_kv_tile = attend_kv_tile = finish_split = None
+    widen_e4m3_pairs = load_kv_tile = soft_cap = attend_kv_tile = finish_split = None

@@ -19,10 +19,12 @@ from rlcu.kernels.sdpa import sdpa
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                               window: int | None = None, sinks: torch.Tensor | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     """q: [S, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [S, max_blocks];
-    context_lens: [S]; `window`: only the last `window` keys (None: all); `sinks` [Hq]: attention sinks
-    (`sdpa.py`). Returns [S, Hq, D]. All sequences at once: their blocks gathered and padded."""
+    context_lens: [S]; `window`: only the last `window` keys (None: all); `sinks` [Hq]: attention sinks;
+    `softcap`: the scores' soft cap (both `sdpa.py`). Returns [S, Hq, D]. All sequences at once: their blocks
+    gathered and padded."""
     tables = block_tables.long()
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [S, Hkv, max_blocks * block_size, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
@@ -35,7 +37,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # NaN * 0 through, so zero them
     k = k.masked_fill(~mask[:, None, :, None], 0)
     v = v.masked_fill(~mask[:, None, :, None], 0)
-    return sdpa(q[:, :, None], k, v, mask[:, None, None], scale, sinks)[:, :, 0]
+    return sdpa(q[:, :, None], k, v, mask[:, None, None], scale, sinks, softcap)[:, :, 0]
 
 
 if HAS_TRITON:
@@ -45,7 +47,8 @@ if HAS_TRITON:
                        stride_lh, stride_ps, stride_ph, stride_pp, stride_pls, stride_plh, num_splits,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
-                       PREFIX_SPLITS: tl.constexpr, E4M3_PAIRS: tl.constexpr, HAS_SINKS: tl.constexpr):
+                       PREFIX_SPLITS: tl.constexpr, E4M3_PAIRS: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -90,7 +93,8 @@ if HAS_TRITON:
             token = skip + tile * BLOCK_N + n
             acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, BT + s * stride_bts, token, (token < ctx) & (token >= lo),
                                        gmask, scale,
-                                       stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS)
+                                       stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS,
+                                       SOFTCAP)
         out, lse = finish_split(acc, m, l)
         o_offs = s * stride_os + heads[:, None] * stride_oh + split * stride_osp + d[None, :]
         tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=gmask[:, None])
@@ -123,11 +127,12 @@ NO_WINDOW = 1 << 30  # the kernels' window when there is none: wider than any co
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
                             block_n: int | None = None, prefix=None, num_warps: int = 4, num_stages: int = 3,
-                            window: int | None = None, sinks: torch.Tensor | None = None):
+                            window: int | None = None, sinks: torch.Tensor | None = None,
+                            softcap: float | None = None):
     """`prefix`: (skip [S], out [S, Hq, P, D], lse [S, Hq, P]) from shared_prefix_decode: each sequence's first
     `skip` tokens are already attended, in P partials, and only the rest is read here. `sinks` [Hq]: attention
-    sinks (`sdpa.py`). `num_warps`,
-    `num_stages`: Triton's launch options (its defaults), for benchmarks/decode_kv_dtype.py's sweep."""
+    sinks; `softcap`: the scores' soft cap (both `sdpa.py`). `num_warps`, `num_stages`: Triton's launch options
+    (its defaults), for benchmarks/decode_kv_dtype.py's sweep."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
@@ -149,7 +154,7 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, sca
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (tl.dot defaults to tf32)
         WRITE_LSE=num_splits > 1, PREFIX_SPLITS=po.shape[2] if prefix is not None else 0, E4M3_PAIRS=pairs,
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_SINKS=sinks is not None, SOFTCAP=softcap or 0.0, num_warps=num_warps, num_stages=num_stages)
     return combine_splits(partial, lse, q.dtype)
 
 
@@ -174,8 +179,8 @@ def triton_supports(head_dim: int, block_size: int) -> bool:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                     window: int | None = None, sinks: torch.Tensor | None = None):
+                     window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits,
-                                       window=window, sinks=sinks)
-    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window, sinks)
+                                       window=window, sinks=sinks, softcap=softcap)
+    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, window, sinks, softcap)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.kernels._paged_kv import load_kv_tile
+from rlcu.kernels._paged_kv import load_kv_tile, soft_cap
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 from rlcu.kernels.decode_attention import NO_WINDOW, triton_supports
 from rlcu.kernels.sdpa import sdpa
@@ -20,11 +20,11 @@ BLOCK_M = 32  # queries per program
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                               scale: float, window: int | None = None,
-                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+                              sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D] (sequences concatenated); caches: [num_blocks, block_size, Hkv, D];
     cu_seqlens_q: [S + 1]; context_lens: [S] (keys per sequence, this step's included);
     block_tables: [S, max_blocks]; `window`: a query sees only the last `window` keys up to itself; `sinks` [Hq]:
-    attention sinks (`sdpa.py`). Returns [T, Hq, D]."""
+    attention sinks; `softcap`: the scores' soft cap (both `sdpa.py`). Returns [T, Hq, D]."""
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -42,7 +42,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if window is not None:
             mask &= q_pos - k_pos < window
         o = sdpa(q[start:end].transpose(0, 1)[None], k.transpose(0, 1).to(q.dtype)[None],
-                 v.transpose(0, 1).to(q.dtype)[None], mask, scale, sinks)
+                 v.transpose(0, 1).to(q.dtype)[None], mask, scale, sinks, softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
@@ -52,7 +52,8 @@ if HAS_TRITON:
     def _prefill_kernel(Q, KC, VC, BT, CU, CTX, TILE_SEQ, TILE_START, O, SINKS, scale, window, stride_qt, stride_qh,
                         stride_kb, stride_kt, stride_kh, stride_bts, stride_ot, stride_oh, GROUP: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
         tile = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // GROUP
@@ -86,6 +87,8 @@ if HAS_TRITON:
                                 BLOCK_SIZE, 0)
             k, v = k.to(q.dtype), v.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if SOFTCAP > 0:
+                scores = soft_cap(scores, SOFTCAP)
             seen = (token[None, :] <= q_pos[:, None]) & (q_pos[:, None] - token[None, :] < window)
             scores = tl.where(kmask[None, :] & seen, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
@@ -113,9 +116,9 @@ def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
                            block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None,
-                           sinks: torch.Tensor | None = None):
+                           sinks: torch.Tensor | None = None, softcap: float | None = None):
     """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync); `sinks`
-    [Hq]: attention sinks (`sdpa.py`)."""
+    [Hq]: attention sinks; `softcap`: the scores' soft cap (both `sdpa.py`)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
@@ -128,14 +131,15 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
             out if sinks is None else sinks, scale, window or NO_WINDOW,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
-            BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None)
+            BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
+            SOFTCAP=softcap or 0.0)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                    window: int | None = None, sinks: torch.Tensor | None = None):
+                    window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles,
-                                      window=window, sinks=sinks)
+                                      window=window, sinks=sinks, softcap=softcap)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window,
-                                     sinks)
+                                     sinks, softcap)

@@ -75,7 +75,7 @@ if HAS_TRITON:
                        stride_kt, stride_kh, stride_bts, stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
                        num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, E4M3_PAIRS: tl.constexpr):
+                       PRECISION: tl.constexpr, E4M3_PAIRS: tl.constexpr, SOFTCAP: tl.constexpr):
         grp = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -101,7 +101,8 @@ if HAS_TRITON:
             for t in range(split * per_split, tl.minimum(split * per_split + per_split, tiles)):
                 token = t * BLOCK_N + n
                 acc, m, l = attend_kv_tile(q, acc, m, l, KC, VC, table_row, token, token < shared, row_ok, scale,
-                                           stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS)
+                                           stride_kb, stride_kt, kvh * stride_kh, d, BLOCK_SIZE, PRECISION, E4M3_PAIRS,
+                                           SOFTCAP)
             out, lse = finish_split(acc, m, l)
             tl.store(PO + seq[:, None] * stride_ps + head[:, None] * stride_ph + split * stride_pp + d[None, :], out,
                      mask=row_ok[:, None])
@@ -109,10 +110,11 @@ if HAS_TRITON:
 
 
 def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens, order, starts, shared, skip, scale,
-                                num_splits: int | None = None, prefix_splits: int = 1, block_n: int = 64):
+                                num_splits: int | None = None, prefix_splits: int = 1, block_n: int = 64,
+                                softcap: float | None = None):
     """As decode_attention over the same inputs, for sequences grouped by `prefix_groups` (on the device).
     `num_splits` divides each sequence's own tokens (None: as plain decode), `prefix_splits` the shared ones.
-    The prefix kernel's grid has a slot per entry of `shared`."""
+    The prefix kernel's grid has a slot per entry of `shared`. `softcap`: the scores' soft cap (`sdpa.py`)."""
     n_seq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -125,6 +127,6 @@ def shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
         kc.stride(0), kc.stride(1), kc.stride(2), block_tables.stride(0), po.stride(0), po.stride(1),
         po.stride(2), plse.stride(0), plse.stride(1), prefix_splits, GROUP=group, GROUP_PAD=group_pad,
         ROWS=max(16, MEMBERS * group_pad), HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", E4M3_PAIRS=pairs)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", E4M3_PAIRS=pairs, SOFTCAP=softcap or 0.0)
     return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, block_n,
-                                   prefix=(skip, po, plse))
+                                   prefix=(skip, po, plse), softcap=softcap)

@@ -7,7 +7,8 @@ the GEMM's logits in their own dtype once, keep an online max / sum-exp / sum-ex
 and the backward overwrites the recomputed logits with their gradient in place.
 
 `LinearTokenLogprob` is the LM head's autograd Function over these: (logp, entropy) of targets under
-softmax(hidden @ weight.T / T), recomputing the logits in backward instead of keeping them."""
+softmax(hidden @ weight.T / T), recomputing the logits in backward instead of keeping them; soft-capped logits
+(Gemma 2) are capped after the GEMM and their gradient goes back through the cap."""
 from __future__ import annotations
 
 import torch
@@ -139,17 +140,21 @@ class LinearTokenLogprob(torch.autograd.Function):
     """(log softmax(hidden @ weight.T / T)[target], entropy) per row, both differentiable (the entropy for
     an entropy bonus; its gradient is computed only when a loss uses it). Triton kernels where `use_triton`
     says so, the references elsewhere (the CPU). `batch_invariant`: the logits from the batch-invariant GEMM
-    (`exact_logprobs`), as the engine's LM head computes them."""
+    (`exact_logprobs`), as the engine's LM head computes them. `softcap`: the logits bounded as cap * tanh(z / cap)
+    in their own dtype, as the engine's head bounds them (`Linear.softcap`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, batch_invariant=False):
+    def forward(ctx, hidden, weight, targets, temperature, batch_invariant=False, softcap=None):
         device_type = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.fused = use_triton(hidden)
         ctx.linear = invariant_linear if batch_invariant else F.linear
-        logps, entropy, lse = token_logprob(ctx.linear(hidden, weight), targets, temperature)
+        logits = ctx.linear(hidden, weight)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logps, entropy, lse = token_logprob(logits, targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.softcap = temperature, softcap
         ctx.set_materialize_grads(False)  # an unused entropy brings None, not a row of zeros to multiply
         return logps, entropy
 
@@ -162,8 +167,13 @@ class LinearTokenLogprob(torch.autograd.Function):
         backward = token_logprob_backward_triton_ if ctx.fused else token_logprob_backward_reference
         with torch.autocast(hidden.device.type, dtype=dtype, enabled=enabled):  # the forward's matmul precision
             logits = ctx.linear(hidden, weight)
+            if ctx.softcap is not None:  # d(cap tanh(z / cap)) / dz = 1 - tanh^2
+                tanh = torch.tanh(logits / ctx.softcap)
+                logits = tanh * ctx.softcap
             grad = backward(logits, targets, lse, grad_logps, ctx.temperature, entropy, grad_entropy)
+            if ctx.softcap is not None:
+                grad = grad * (1 - tanh * tanh)
             grad = grad.to(torch.promote_types(hidden.dtype, weight.dtype) if not enabled else dtype)
             grad_hidden = (grad @ weight.to(grad.dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
             grad_weight = (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None

@@ -23,7 +23,8 @@ class AttentionContext(Protocol):
         `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword
         `qk_norm=(q_norm, k_norm)`, with q and k unnormalised. `batch_invariant` (an attribute): the forward's
         linear layers run batch-invariant GEMMs too (`Numerics.EXACT`). A layer with attention sinks (gpt-oss)
-        passes them as the keyword `sinks` ([Hq], `rlcu/kernels/sdpa.py`)."""
+        passes them as the keyword `sinks` ([Hq]), one with soft-capped scores (Gemma 2) its cap as `softcap`
+        (both `rlcu/kernels/sdpa.py`)."""
 
     def segments(self, layer_idx: int, batch: int, length: int, device) -> Segments:
         """For a hybrid's linear-attention layer: how the [B, T] tokens split into sequences and the state each
@@ -59,15 +60,15 @@ def causal_key_mask(key_valid: torch.Tensor, num_queries: int, window: int | Non
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+         scale: float | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]."""
-    if mask is not None and k.shape[2] != q.shape[2] and sinks is None:
+    if mask is not None and k.shape[2] != q.shape[2] and sinks is None and softcap is None:
         # with a mask, SDPA's GQA support falls back to the math kernel, which keeps [B, H, T, T]
         # probabilities for backward; repeated K/V heads take the memory-efficient kernel instead
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     return sdpa_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale,
-                            sinks).transpose(1, 2)
+                            sinks, softcap).transpose(1, 2)
 
 
 class PaddedAttention(Stateless):
@@ -84,7 +85,7 @@ class PaddedAttention(Stateless):
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return rows_as_sequences(batch, length, device, self.attention_mask)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None, softcap=None):
         t = q.shape[1]
         if window is not None and window >= t:
             window = None  # every key is inside the window
@@ -93,7 +94,7 @@ class PaddedAttention(Stateless):
             if valid is None and window is not None:
                 valid = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
             self.masks[window] = None if valid is None else causal_key_mask(valid, t, window)
-        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale, sinks)
+        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale, sinks, softcap)
 
 
 class PackedAttention(Stateless):
@@ -111,13 +112,13 @@ class PackedAttention(Stateless):
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return Segments(self.cu)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None, softcap=None):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if window is not None and window >= self.max_len:
             window = None
         varlen = _varlen()
-        if (sinks is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen is not None
-                and (window is None or varlen.windows)):
+        if (sinks is None and softcap is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+                and varlen is not None and (window is None or varlen.windows)):
             return varlen(q[0], k[0], v[0], self.cu, self.max_len, scale, window)[None]
         if window not in self.masks:
             t = q.shape[1]
@@ -128,7 +129,7 @@ class PackedAttention(Stateless):
             if window is not None:
                 mask &= pos[:, None] - pos[None, :] < window
             self.masks[window] = mask[None, None]
-        return sdpa(q, k, v, self.masks[window], scale, sinks)
+        return sdpa(q, k, v, self.masks[window], scale, sinks, softcap)
 
 
 @functools.cache
@@ -200,11 +201,12 @@ class DenseCacheAttention:
     def keep(self, layer_idx, conv, state) -> None:
         self.cache.states[layer_idx] = (conv, state)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None, softcap=None):
         c = self.cache
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         c.k[layer_idx][:, self.start:self.end] = k
         c.v[layer_idx][:, self.start:self.end] = v
         if window not in self.masks:
             self.masks[window] = causal_key_mask(c.key_valid[:, :self.end], self.t, window)
-        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.masks[window], scale, sinks)
+        return sdpa(q, c.k[layer_idx][:, :self.end], c.v[layer_idx][:, :self.end], self.masks[window], scale, sinks,
+                    softcap)

@@ -56,6 +56,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    attn_logit_softcapping: float | None = None  # scores bounded as cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the LM head's logits bounded so (Gemma 2)
     # mixture of experts (Qwen3-MoE, OLMoE): 0 experts is a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -263,6 +265,12 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         if hf.get(key) is not None:
             out[key] = float(hf[key])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            cap = hf[key]
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ValueError(f"config.json: {key}={cap!r} must be a positive number (or null: no capping)")
+            out[key] = float(cap)
     out.update(_linear_fields(hf))
     experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
     if experts:

@@ -78,6 +78,7 @@ class Attention(nn.Module):
         super().__init__()
         spec = cfg.spec
         self.layer_idx, self.window, self.scale = layer_idx, cfg.window(layer_idx), cfg.scale
+        self.softcap = cfg.attn_logit_softcapping
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
         h, d = cfg.hidden_size, cfg.head_dim
@@ -106,6 +107,8 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k, v = k.unflatten(-1, (self.num_kv_heads, self.head_dim)), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         norms = {} if self.sinks is None else {"sinks": self.sinks}
+        if self.softcap is not None:
+            norms["softcap"] = self.softcap
         if self.qk_norm == "head":  # Qwen3, Gemma 3: handed to a context that fuses them, else applied here
             # (not under partial RoPE, which is applied here, after the norms)
             if getattr(attention, "applies_qk_norm", False) and self.rotary_dim == self.head_dim:
@@ -225,6 +228,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.softcap = cfg.final_logit_softcapping
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq: dict[tuple[str, torch.device], tuple[torch.Tensor, float]] = {}

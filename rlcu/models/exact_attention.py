@@ -40,13 +40,13 @@ class ExactPackedAttention:
         self.tiles = query_tiles(cu, BLOCK_M, dev)
         self.reference = PackedAttention(cu_seqlens, max_len)
 
-    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None):
-        return _ExactAttention.apply(q, k, v, cos, sin, sinks, self, layer_idx, scale, window)
+    def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, sinks=None, softcap=None):
+        return _ExactAttention.apply(q, k, v, cos, sin, sinks, self, layer_idx, scale, window, softcap)
 
 
 class _ExactAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cos, sin, sinks, plan: ExactPackedAttention, layer_idx: int, scale, window):
+    def forward(ctx, q, k, v, cos, sin, sinks, plan: ExactPackedAttention, layer_idx: int, scale, window, softcap):
         """q: [1, T, Hq, D], k/v: [1, T, Hkv, D] before RoPE; cos/sin: [1, T, 1, D]; sinks [Hq] or None
         -> [1, T, Hq, D]."""
         _, _, hkv, d = k.shape
@@ -54,9 +54,9 @@ class _ExactAttention(torch.autograd.Function):
         roped = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], cache[0], cache[1], plan.slots)
         scale = d ** -0.5 if scale is None else scale
         out = paged_attention(roped, cache[0], cache[1], plan.cu, plan.context_lens, plan.tables, scale,
-                              plan.tiles, window=window, sinks=sinks)
+                              plan.tiles, window=window, sinks=sinks, softcap=softcap)
         ctx.save_for_backward(q, k, v, cos, sin, sinks)
-        ctx.plan, ctx.layer_idx, ctx.scale, ctx.window = plan, layer_idx, scale, window
+        ctx.plan, ctx.layer_idx, ctx.scale, ctx.window, ctx.softcap = plan, layer_idx, scale, window, softcap
         return out[None]
 
     @staticmethod
@@ -67,8 +67,9 @@ class _ExactAttention(torch.autograd.Function):
                   for i, t in zip((0, 1, 2, 5), (q, k, v, sinks))]
         with torch.enable_grad():
             q, k, v, sinks = inputs
-            out = ctx.plan.reference(ctx.layer_idx, q, k, v, cos, sin, ctx.scale, ctx.window, sinks=sinks)
+            out = ctx.plan.reference(ctx.layer_idx, q, k, v, cos, sin, ctx.scale, ctx.window, sinks=sinks,
+                                     softcap=ctx.softcap)
             wanted = [t for t in inputs if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
         dq, dk, dv, dsinks = (next(grads) if t is not None and t.requires_grad else None for t in inputs)
-        return dq, dk, dv, None, None, dsinks, None, None, None, None
+        return dq, dk, dv, None, None, dsinks, None, None, None, None, None

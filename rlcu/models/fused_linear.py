@@ -17,11 +17,17 @@ class Linear(nn.Linear):
     """`nn.Linear` whose caller may ask for batch-invariant GEMMs (`Numerics.EXACT`, passed down with the forward's
     attention context), so that a row computes to the same bits in the engine's decode batches and in training
     micro-batches. `fp32` (the LM head under TRL's `cast_lm_head_to_fp32`): the GEMM runs in float32 whatever the
-    autocast or the input's dtype, and gives float32."""
+    autocast or the input's dtype, and gives float32. `softcap` (an LM head's, Gemma 2's
+    `final_logit_softcapping`): the outputs bounded as cap * tanh(y / cap), in their own dtype as transformers
+    computes them (`soft_capped`)."""
 
     fp32 = False
+    softcap: float | None = None
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        return soft_capped(self._linear(x, batch_invariant), self.softcap)
+
+    def _linear(self, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         if self.fp32:
             with torch.autocast(x.device.type, enabled=False):
                 bias = None if self.bias is None else self.bias.float()
@@ -30,6 +36,11 @@ class Linear(nn.Linear):
         if batch_invariant:
             return invariant_linear(x, self.weight, self.bias)
         return super().forward(x)
+
+
+def soft_capped(y: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(y / cap), or y where there is no cap."""
+    return y if cap is None else torch.tanh(y / cap) * cap
 
 
 class FusedLinear(Linear):
@@ -43,7 +54,7 @@ class FusedLinear(Linear):
         self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        y = super().forward(x, batch_invariant)
+        y = self._linear(x, batch_invariant)
         if self.lora is not None and self.lora.enabled:
             y = self.lora.add_to(y, x, batch_invariant)
         return y

@@ -225,7 +225,7 @@ def test_shared_prefix_by_default_only_on_large_decode_steps(tmp_path, monkeypat
     monkeypatch.setattr(runner.ModelRunner, "decode",
                         lambda self, seqs, *a, **k: steps.append(len(seqs)) or real_decode(self, seqs, *a, **k))
     monkeypatch.setattr(paged, "shared_prefix_decode_triton",
-                        lambda q, *a: grouped.append(q.shape[0]) or real_shared(q, *a))
+                        lambda q, *a, **k: grouped.append(q.shape[0]) or real_shared(q, *a, **k))
     prompts = [p for p in PROMPTS[:4] for _ in range(3)]
     # 8 of the 64 tokens stop a sequence: enough of the 12 end early for the last steps to hold fewer than 10
     sp = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=[EOS, 3, 11, 29, 40, 47, 52, 58], seed=5)

@@ -60,6 +60,8 @@ def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
                                            ("llama", "chunks-of-11-decode-by-5"),
                                            # sliding windows of 5, `1 + w` norms, GeGLU; partial RoPE
                                            ("gemma3_text", "chunks-of-7-decode-by-3"), ("phi3", "whole-prompts"),
+                                           # soft-capped scores and logits
+                                           ("gemma2", "chunks-of-7-decode-by-3"),
                                            # routing and expert sums of a mixture of experts
                                            ("qwen3_moe", "chunks-of-7-decode-by-3"),
                                            # attention sinks, biased router and experts, alternating windows

@@ -32,11 +32,12 @@ TOLERANCES = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  #
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast, fused, monkeypatch):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast, fused, softcap, monkeypatch):
     """The hand-written backward against float64 autograd, for bf16 weights and for fp32 weights under
     bf16 autocast (the bf16-mixed recipes); odd sizes, a temperature, a chunk that splits the rows.
     `fused`: the Triton statistics and gradient kernels (the CUDA path; here the interpreter, whose bf16
-    arithmetic is wrong, so fp32 and fp16)."""
+    arithmetic is wrong, so fp32 and fp16). `softcap`: Gemma 2's soft-capped logits, at a cap that bends them."""
     if autocast and dtype != torch.float32:
         pytest.skip("autocast runs fp32 weights in bf16")
     if fused:
@@ -52,11 +53,14 @@ def test_linear_logprobs_match_float64_in_low_precision(dtype, autocast, fused, 
     targets = torch.randint(0, 101, (37,), generator=g)
     upstream = torch.randn(37, generator=g, dtype=torch.float64)
     h64, w64 = hidden64.clone().requires_grad_(), weight64.clone().requires_grad_()
-    full = torch.log_softmax(h64 @ w64.t() / 0.8, -1)
+    logits64 = h64 @ w64.t()
+    if softcap is not None:
+        logits64 = softcap * torch.tanh(logits64 / softcap)
+    full = torch.log_softmax(logits64 / 0.8, -1)
     (full.gather(-1, targets[:, None])[:, 0] * upstream).sum().backward()
     h, w = hidden64.to(dev, dtype).requires_grad_(), weight64.to(dev, dtype).requires_grad_()
     with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
-        logps, ent = linear_logprobs(h, w, targets.to(dev), 0.8, chunk_tokens=10)
+        logps, ent = linear_logprobs(h, w, targets.to(dev), 0.8, chunk_tokens=10, softcap=softcap)
     (logps * upstream.to(dev, logps.dtype)).sum().backward()
     tol = TOLERANCES[torch.bfloat16 if autocast else dtype]
     assert logps.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype

@@ -38,6 +38,28 @@ def test_decode_attention(dtype, hq, hkv, d, context_lens, block_size, block_n, 
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_soft_capped_scores_in_decode(dtype, window, num_splits):
+    """Gemma 2's scores, cap * tanh(score / cap), at a cap that bends most of them (queries scaled up, so that
+    scores span both tanh's flat tails and its near-linear middle)."""
+    context_lens = [1, 17, 40, 130]
+    k, v, table = paged_cache(context_lens, 3, 64, 12, dtype, seed=17)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    q = (4 * torch.randn(len(context_lens), 9, 64, generator=torch.Generator().manual_seed(18))).to(dtype).to(DEVICE)
+    got = decode_attention_triton(q, k, v, table, ctx, 0.125, num_splits=num_splits, block_n=32, window=window,
+                                  softcap=2.5)
+    ref = decode_attention_reference(q, k, v, table, ctx, 0.125, window=window, softcap=2.5)
+    positions = [(s, n - 1) for s, n in enumerate(context_lens)]
+    exact = float64_attention(q, k, v, table, context_lens, positions, window, softcap=2.5)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+    plain = float64_attention(q, k, v, table, context_lens, positions, window)
+    assert (plain - exact).abs().max() > 0.1  # the cap changes the output
+
+
 def test_garbage_past_the_context_never_leaks():
     """Pool slots past a sequence's context may hold NaN (uninitialised memory): no output may change."""
     k, v, table = paged_cache([5, 20], 3, 64, 16, torch.float32)

@@ -85,6 +85,25 @@ def test_attention_sinks_in_prefill(dtype, window):
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 33])
+def test_soft_capped_scores_in_prefill(dtype, window):
+    """Gemma 2's soft-capped scores in prefill chunks after a cached prefix, with and without a window."""
+    context_lens, q_lens = [70, 5, 133], [70, 5, 45]
+    k, v, table = paged_cache(context_lens, 3, 64, 12, dtype, seed=19)
+    q = (4 * torch.randn(sum(q_lens), 9, 64, generator=torch.Generator().manual_seed(20))).to(dtype).to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    got = paged_attention_triton(q, k, v, cu, ctx, table, 0.125, window=window, softcap=2.5)
+    ref = paged_attention_reference(q, k, v, cu, ctx, table, 0.125, window=window, softcap=2.5)
+    positions = [(s, n - ql + i) for s, (n, ql) in enumerate(zip(context_lens, q_lens)) for i in range(ql)]
+    exact = float64_attention(q, k, v, table, context_lens, positions, window, softcap=2.5)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
+    assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+    assert (float64_attention(q, k, v, table, context_lens, positions, window) - exact).abs().max() > 0.1
+
+
 def test_a_window_keeps_the_sums_of_a_decode_query_and_a_prefill_tile_equal():
     """exact_logprobs decodes through the prefill kernel one query at a time and trains on tiles of 32 queries;
     with a window, a row's first tile must not depend on the other rows of its query tile."""

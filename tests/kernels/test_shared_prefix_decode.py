@@ -62,6 +62,16 @@ def test_prefix_plan_has_a_slot_per_group_and_no_split_without_a_tile(groups, ma
 @pytest.mark.parametrize("block_size,block_n", [(16, 64), (12, 32)])
 @pytest.mark.parametrize("num_splits,prefix_splits", [(1, 1), (3, 2), (1, 5)])
 def test_shared_prefix_decode_matches_plain_attention(dtype, hq, hkv, block_size, block_n, num_splits, prefix_splits):
+    check_against_plain_attention(dtype, hq, hkv, block_size, block_n, num_splits, prefix_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_capped_scores_in_shared_prefix_decode(dtype):
+    """Gemma 2's soft-capped scores, in the shared tokens' kernel and the own tokens' alike."""
+    check_against_plain_attention(dtype, 9, 3, 12, 32, 3, 2, softcap=2.5)
+
+
+def check_against_plain_attention(dtype, hq, hkv, block_size, block_n, num_splits, prefix_splits, softcap=None):
     d = 64
     table, ctx = forked_tables([(5, 3, [1, 17, 40, 2, 64]), (1, 0, [30]), (MEMBERS + 3, 2, list(range(1, MEMBERS + 4))),
                                 (2, 5, [16, 7])], block_size, seed=1)
@@ -69,7 +79,7 @@ def test_shared_prefix_decode_matches_plain_attention(dtype, hq, hkv, block_size
     blocks = int(table.max()) + 1
     k = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype).to(DEVICE)
     v = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype).to(DEVICE)
-    q = torch.randn(len(ctx), hq, d, generator=g).to(dtype).to(DEVICE)
+    q = (torch.randn(len(ctx), hq, d, generator=g) * (4 if softcap else 1)).to(dtype).to(DEVICE)
     order, starts, shared, skip = prefix_groups(table, block_size, np.array(ctx))
     slots = len(ctx) + 4  # a CUDA graph's grid: more slots than groups, the rest without members
     starts = np.append(starts, [starts[-1]] * (slots + 1 - len(starts)))
@@ -78,9 +88,9 @@ def test_shared_prefix_decode_matches_plain_attention(dtype, hq, hkv, block_size
     t, c = dev(table), torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
     scale = 1 / math.sqrt(d)
     got = shared_prefix_decode_triton(q, k, v, t, c, dev(order), dev(starts), dev(shared), dev(skip), scale, num_splits,
-                                      prefix_splits, block_n=block_n)
-    ref = decode_attention_reference(q, k, v, t, c, scale)
-    exact = float64_attention(q, k, v, t.cpu(), ctx, [(s, n - 1) for s, n in enumerate(ctx)])
+                                      prefix_splits, block_n=block_n, softcap=softcap)
+    ref = decode_attention_reference(q, k, v, t, c, scale, softcap=softcap)
+    exact = float64_attention(q, k, v, t.cpu(), ctx, [(s, n - 1) for s, n in enumerate(ctx)], softcap=softcap)
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol), (got.double().cpu() - exact).abs().max()
     assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)

@@ -115,10 +115,10 @@ def test_the_language_model_of_a_composite_checkpoint_loads_alone(tmp_path, capl
 
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gemma2"])
 def test_windowed_families_through_the_triton_kernels_under_the_interpreter(tmp_path, monkeypatch, family):
     """The engine's Triton decode and prefill kernels with sliding windows (TRITON_INTERPRET=1, fp32), on a
-    head_dim the kernels tile (64), against transformers' greedy tokens."""
+    head_dim the kernels tile (64), against transformers' greedy tokens; Gemma 2's soft-capped scores too."""
     import rlcu.kernels.decode_attention as decode
     from tests.engine.test_engine import triton_attention_with_reference_rope
 
@@ -162,12 +162,14 @@ def test_gemma3_270m_real_weights_match_transformers(gemma3_folder):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_gpt_oss_gradients_equal_transformers(tmp_path, packed):
-    """Training's backward through the sinks, the biased router and experts and the clamped SwiGLU: every
-    parameter's gradient, mapped to the checkpoint's names and layout, against transformers' (fp32)."""
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])
+def test_gradients_equal_transformers(tmp_path, packed, family):
+    """Training's backward through gpt-oss's sinks, biased router and experts and clamped SwiGLU, and through
+    Gemma 2's soft-capped scores and logits: every parameter's gradient, mapped to the checkpoint's names and
+    layout, against transformers' (fp32)."""
     from rlcu.models.fused_linear import split_hf_parts
 
-    folder = tiny_hf_folder(tmp_path, "gpt_oss")
+    folder = tiny_hf_folder(tmp_path, family)
     ours, ref = load_model(folder)[0], hf_model(folder)
     ids, mask = padded_batch(64, [4, 13], pad_id=62)
     weights = torch.randn(*ids.shape, 64, generator=torch.Generator().manual_seed(5))
@@ -183,9 +185,12 @@ def test_gpt_oss_gradients_equal_transformers(tmp_path, packed):
         logits = ours.logits(ids, mask)[real]
     (logits * weights[real]).sum().backward()
     grads = {n: p.grad for n, p in ours.named_parameters()}
-    grads = ours.config.spec.save_weights(split_hf_parts(grads, ours, keep=ours.config.spec.hf_fused), ours.config)
+    spec = ours.config.spec
+    grads = split_hf_parts(grads, ours, keep=spec.hf_fused)
+    grads = spec.save_weights(grads, ours.config) if spec.save_weights else grads
     theirs = {n: p.grad for n, p in ref.named_parameters()}
     assert grads.keys() == theirs.keys()
     for name, want in theirs.items():
         assert want.abs().max() > 0, name
-        assert torch.allclose(grads[name], want, atol=1e-5, rtol=1e-4), (name, (grads[name] - want).abs().max())
+        scale = max(1.0, want.abs().max().item())  # Gemma's embeddings times sqrt(hidden) make gradients large
+        assert torch.allclose(grads[name], want, atol=1e-5 * scale, rtol=1e-4), (name, (grads[name] - want).abs().max())
