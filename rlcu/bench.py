@@ -81,7 +81,7 @@ FAMILY_SHAPES = {
                                max_position_embeddings=131072, tie_word_embeddings=False),
     "qwen3-next-80b-a3b-random": dict(model_type="qwen3_next", vocab_size=151936),
 }
-PHASES = ("generate", "score", "train", "gather", "reshard")  # timing/* of a step; the last two under fsdp2
+PHASES = ("generate", "score", "train", "gather", "reshard", "idle")  # timing/* of a step; gather, reshard under fsdp2
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
 
 

@@ -50,7 +50,7 @@ def test_bench_step_reports_each_phase(tmp_path, capsys):
           "--generations", "2", "--prompt_len", "4", "--new_tokens", "5", "--steps", "2", "--micro_batch_size", "2"])
     out = last_json(capsys)
     assert len(out["step_seconds"]) == 2
-    assert set(out["steady"]) == {"total", "generate", "score", "train"}
+    assert set(out["steady"]) == {"total", "generate", "score", "train", "idle"}
     assert out["gradient_checkpointing"] is True  # what the module ran with: TRL's default
     main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
           "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1",
