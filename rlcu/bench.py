@@ -5,6 +5,8 @@ do, so that every run generates the same number of tokens.
 
     rlcu bench rollout --sequences 64 --new_tokens 512
     rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4     (episodes: 4 turns of 128 tokens)
+    rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http   (the same episodes in-process, then as
+                                                                           programs calling the agent endpoint)
     rlcu bench step --prompts 8 --generations 8 --new_tokens 512
 
 Each prints a table and, last, one JSON line."""
@@ -208,6 +210,9 @@ def parser() -> argparse.ArgumentParser:
                    help="multi-turn episodes: new_tokens sampled in this many turns, with --turn_tokens tokens "
                         "appended after each turn but the last (an instant environment: no tool time)")
     r.add_argument("--turn_tokens", type=int, default=32, help="tokens the environment appends between turns")
+    r.add_argument("--http", action="store_true",
+                   help="with --turns: each timed run twice, in-process, then as agent programs that make each turn an "
+                        "HTTP /v1/completions call to the agent endpoint (the same token counts)")
     s = sub.choices["step"]
     s.add_argument("--prompts", type=int, default=8)
     s.add_argument("--generations", type=int, default=8)
@@ -259,7 +264,7 @@ def bench_rollout(args) -> dict:
     from rlcu.engine.llm_engine import EngineConfig, LLMEngine
     from rlcu.rollout.base import SamplingParams
 
-    model, _ = build_model(args.model, args.device, args.dtype)
+    model, tok = build_model(args.model, args.device, args.dtype)
     model.eval()
     n_prompts = -(-args.sequences // args.generations)
     prompts = random_prompt_ids(n_prompts, args.prompt_len, model.config.vocab_size)
@@ -275,17 +280,21 @@ def bench_rollout(args) -> dict:
     continuation = None
     if args.turns > 1:
         sampling, continuation = episodes(args, model.config.vocab_size)
-    runs = []
+    elif args.http:
+        raise ValueError("--http runs episodes: give --turns 2 or more")
+    runs, http_runs = [], []
     for i in range(1 + args.repeats):
-        _sync(args.device)
-        start = time.perf_counter()
-        out = engine.generate(requests, sampling, continuation)
-        _sync(args.device)
-        runs.append(time.perf_counter() - start)
-        tokens = sum(map(sum, out.tool_mask)) if out.tool_mask else sum(len(c) for c in out.completion_ids)
-        print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {runs[-1]:.2f} s "
-              f"= {tokens / runs[-1]:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
+        tokens, seconds = timed_rollout(args, engine, requests, sampling, continuation, i)
+        runs.append(seconds)
+        if args.http:
+            http_runs.append(timed_http_rollout(args, engine, requests, sampling, tok, model.config.vocab_size, i,
+                                                tokens))
     best = min(runs[1:]) if args.repeats else runs[0]
+    http = {}
+    if args.http:
+        http_best = min(http_runs[1:]) if args.repeats else http_runs[0]
+        http = dict(http=True, http_seconds=round(http_best, 3), http_tok_per_s=round(tokens / http_best),
+                    http_ratio=round(best / http_best, 3))
     profile = profile_rollout(args, engine, requests, sampling, continuation) if args.profile else {}
     return dict(bench="rollout", model=args.model, path="native", sequences=args.sequences,
                 generations=args.generations, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -294,8 +303,72 @@ def bench_rollout(args) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, exact_logprobs=args.exact_logprobs, tokens=tokens,
                 seconds=round(best, 3), tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
-                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device),
+                peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device), **http,
                 **({"profile": profile} if profile else {}))
+
+
+def timed_rollout(args, engine, requests, sampling, continuation, i: int) -> tuple[int, float]:
+    """(sampled tokens, seconds) of one rollout, printed as run `i`."""
+    _sync(args.device)
+    start = time.perf_counter()
+    out = engine.generate(requests, sampling, continuation)
+    _sync(args.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(map(sum, out.tool_mask)) if out.tool_mask else sum(len(c) for c in out.completion_ids)
+    print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {seconds:.2f} s "
+          f"= {tokens / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
+    return tokens, seconds
+
+
+def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: int, i: int, tokens: int) -> float:
+    """Seconds of the same episodes as `episodes()` makes them, each run by an agent program that calls the agent
+    endpoint once a turn over HTTP (aiohttp; token ids in, `token_ids` out), from the endpoint's start to its stop.
+    `tokens`: what the in-process run sampled; the HTTP run must sample as many."""
+    from dataclasses import replace
+
+    from rlcu.agents.programs import ProgramRunner
+
+    _sync(args.device)
+    start = time.perf_counter()
+    program = http_episode(args, sampling.max_turn_tokens, vocab_size)
+    runner = ProgramRunner([{"prompt": ids} for ids in requests], program, None, "bench", sampling.max_tokens,
+                           timeout=3600, tokenizer=tokenizer)
+    try:
+        out = engine.generate(runner.prompt_ids, replace(sampling, first_turn_tokens=runner.first_turn_tokens),
+                              runner)
+        runner.record()
+    finally:
+        runner.close()
+    _sync(args.device)
+    seconds = time.perf_counter() - start
+    sampled = sum(map(sum, out.tool_mask))
+    if sampled != tokens:
+        raise RuntimeError(f"the HTTP episodes sampled {sampled} tokens, the in-process ones {tokens}")
+    print(f"  run {i} over HTTP{' (warm-up)' if i == 0 else ''}: {sampled} tokens in {seconds:.2f} s "
+          f"= {sampled / seconds:,.0f} tok/s", file=sys.stderr)
+    return seconds
+
+
+def http_episode(args, per_turn: int, vocab_size: int):
+    """An agent program of `args.turns` /v1/completions calls of `per_turn` tokens each, the prompt growing by the
+    served token ids and then `episodes()`'s `args.turn_tokens` environment tokens (sent as the next prompt's
+    addition, which the endpoint masks out of the loss as the in-process continuation's are)."""
+    appended = random_prompt_ids(1, args.turn_tokens, vocab_size, seed=1)[0]
+
+    async def agent(endpoint, row):
+        import aiohttp
+
+        ids = list(row["prompt"])
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {endpoint.api_key}"}) as session:
+            for turn in range(args.turns):
+                body = {"model": endpoint.model, "prompt": ids, "max_tokens": per_turn}
+                async with session.post(endpoint.base_url + "/completions", json=body) as response:
+                    out = await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"HTTP {response.status}: {out}")
+                ids += out["choices"][0]["token_ids"] + (appended if turn < args.turns - 1 else [])
+
+    return agent
 
 
 def bench_reference_rollout(args, model, requests) -> dict:

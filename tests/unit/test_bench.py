@@ -44,6 +44,32 @@ def test_bench_rollout_runs_multi_turn_episodes(tmp_path, capsys):
     assert out["turns"] == 4 and out["tokens"] == 4 * 12  # sampled tokens only: the appended ones do not count
 
 
+def test_bench_rollout_runs_the_same_episodes_over_http(tmp_path, capsys, monkeypatch):
+    """--http: each episode a program making its four turns as /v1/completions calls to the agent endpoint, beside
+    the in-process run; both sample the same tokens (the bench checks it), and every call went over HTTP."""
+    import rlcu.agents.programs as programs
+    import rlcu.bench as bench
+
+    calls = []
+    real = programs.ProgramRunner.completion
+
+    async def counted(self, episode, body):
+        calls.append(len(body["prompt"]))
+        return await real(self, episode, body)
+
+    monkeypatch.setattr(programs.ProgramRunner, "completion", counted)
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "4",
+          "--generations", "2", "--prompt_len", "5", "--new_tokens", "12", "--turns", "4", "--turn_tokens", "3",
+          "--repeats", "1", "--http"])
+    out = last_json(capsys)
+    assert out["http"] is True and out["tokens"] == 4 * 12 and out["http_tok_per_s"] > 0 and out["http_ratio"] > 0
+    assert len(calls) == 2 * 4 * 4  # two runs (warm-up, timed) of 4 episodes of 4 calls
+    assert sorted(set(calls)) == [5, 5 + 3 + 3, 5 + 2 * (3 + 3), 5 + 3 * (3 + 3)]  # each prompt: served + appended
+    with pytest.raises(ValueError, match="--http runs episodes"):
+        bench.run(["rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--http"])
+
+
 def test_bench_step_reports_each_phase(tmp_path, capsys):
     folder = tiny_hf_folder(tmp_path, "llama")
     main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
