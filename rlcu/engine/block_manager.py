@@ -1,5 +1,10 @@
 """Fixed-size KV blocks with reference counts. Forked sequences (the G samples of one prompt) share
-the prompt's blocks; a shared partial last block is copied before the first write into it."""
+the prompt's blocks; a shared partial last block is copied before the first write into it.
+
+Where every attention layer has a sliding window (Mistral v0.1, Phi-3-mini), a sequence's blocks that no later
+query can see go back to the pool as it grows (`release_outside`): its table keeps their places, marked
+RELEASED, which the attention kernels never read (their key tiles start at the window's first key, rounded
+down to a tile, and the release stops a tile short of it)."""
 from __future__ import annotations
 
 from collections import deque
@@ -9,6 +14,9 @@ from rlcu.engine.sequence import Sequence
 
 class OutOfBlocks(RuntimeError):
     pass
+
+
+RELEASED = -1  # a block_table entry whose block went back to the pool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -67,18 +75,31 @@ class BlockManager:
 
     def fork(self, parent: Sequence) -> Sequence:
         child = parent.fork()
-        for block in child.block_table:
+        for block in child.block_table[child.released:]:
             self.ref_counts[block] += 1
         return child
 
+    def release_outside(self, seq: Sequence, window: int, tile: int) -> None:
+        """Give back the blocks of `seq` wholly before what its next query may read: the keys from `window` - 1
+        before it, from a multiple of `tile` tokens (the kernels' key tiles start there)."""
+        first_read = max(0, seq.num_computed_tokens + 1 - window) // tile * tile
+        end = min(first_read // self.block_size, len(seq.block_table))
+        for i in range(seq.released, end):
+            self._unref(seq.block_table[i])
+            seq.block_table[i] = RELEASED
+        seq.released = max(seq.released, end)
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free.append(block)
+        elif self.ref_counts[block] < 0:
+            raise AssertionError(f"block {block} freed more often than taken")
+
     def free_sequence(self, seq: Sequence) -> None:
-        for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free.append(block)
-            elif self.ref_counts[block] < 0:
-                raise AssertionError(f"block {block} freed more often than taken")
-        seq.block_table = []
+        for block in reversed(seq.block_table[seq.released:]):
+            self._unref(block)
+        seq.block_table, seq.released = [], 0
         seq.num_computed_tokens = 0
 
     def slot(self, seq: Sequence, position: int) -> int:

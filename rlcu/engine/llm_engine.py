@@ -36,9 +36,13 @@ from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.engine.states import bytes_per_slot
+from rlcu.kernels.decode_attention import DECODE_BLOCK_N_FP8
 from rlcu.models.decoder import CausalLM
 
 log = logging.getLogger(__name__)
+# the widest key tile of the attention kernels (FP8 decode's; prefill's is 64): a sliding window's first key is read
+# from a multiple of it
+KEY_TILE = DECODE_BLOCK_N_FP8
 STOP_CHECK_STEPS = 16  # decode steps between looks at the stop flag: about 30 ms on an H200, well under a second on CPU
 
 
@@ -310,7 +314,8 @@ class LLMEngine:
         on_end = None if on_finished is None else (lambda seq: on_finished(as_turn(seq)))
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end,
-                                   before_free=self._keep_routing if self.model.config.is_moe else None)
+                                   before_free=self._keep_routing if self.model.config.is_moe else None,
+                                   window=self._release_window())
         self._turns_ended: list[Sequence] = []
         for seq in parents:
             self.scheduler.add(seq)
@@ -318,6 +323,15 @@ class LLMEngine:
         self._seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item())
         self._ahead = None  # (sequences, logits) of a decode step launched before the host saw the previous tokens
         self._steps = self._lookahead_steps = 0
+
+    def _release_window(self) -> tuple[int, int] | None:
+        """(keys, tile) where every attention layer has a sliding window: the blocks before a sequence's window go
+        back to the pool as it grows. Not for MoE models, whose routing record lives in the blocks until the end."""
+        cfg = self.model.config
+        windows = [cfg.window(i) for i in cfg.attention_layers]
+        if not windows or None in windows or cfg.is_moe:
+            return None
+        return max(windows), KEY_TILE
 
     def _keep_routing(self, seq: Sequence) -> None:
         """Before a finished sequence's blocks go back: the experts that served each position whose output gave a

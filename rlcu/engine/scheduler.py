@@ -31,13 +31,15 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  stop_strings: StopStrings | None = None, parks: bool = False,
                  on_end: Callable[[Sequence], None] | None = None,
-                 before_free: Callable[[Sequence], None] | None = None):
+                 before_free: Callable[[Sequence], None] | None = None, window: tuple[int, int] | None = None):
+        """`window`: (keys, tile) where every attention layer sees only its last `keys` keys, read by kernels in tiles
+        of `tile` tokens: blocks before them go back to the pool as sequences grow (`BlockManager.release_outside`)."""
         self.bm = block_manager
         self.on_end = on_end  # told of each request as it finishes, from the engine's loop: it must be quick
         self.before_free = before_free  # reads what a finished sequence left in its blocks before they go back
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.stop_strings = stop_strings
-        self.parks = parks
+        self.parks, self.window = parks, window
         self.finished: dict[int, Sequence] = {}  # request index -> its finished sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -47,7 +49,10 @@ class Scheduler:
         self.version = 0  # the policy version the next sampled tokens are drawn under (streaming GRPO's)
 
     def add(self, seq: Sequence) -> None:
-        worst = blocks_for(seq.num_prompt_tokens + seq.max_tokens, self.bm.block_size)
+        tokens = seq.num_prompt_tokens + seq.max_tokens
+        if self.window is not None:  # what a step's chunk may hold at once: its window, a tile, the chunk, a block
+            tokens = min(tokens, sum(self.window) + self.max_num_batched_tokens + self.bm.block_size)
+        worst = blocks_for(tokens, self.bm.block_size)
         if worst > self.bm.num_blocks:
             raise ValueError(f"a request of {seq.num_prompt_tokens} prompt + {seq.max_tokens} new tokens needs "
                              f"{worst} KV blocks but the pool has {self.bm.num_blocks}; give the engine more "
@@ -77,6 +82,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
+            self._release(seq)
             if self.bm.tail_has_room(seq):
                 batch.append((seq, 1))  # nothing to reserve
                 budget -= 1
@@ -94,6 +100,7 @@ class Scheduler:
                 budget -= 1
         while self.waiting and budget > 0 and self._admits(self.waiting[0]):
             seq = self.waiting[0]
+            self._release(seq)
             chunk = min(seq.num_uncomputed_tokens, budget, self._capacity(seq))
             if chunk <= 0:
                 if not self.running and self._reclaim():
@@ -111,6 +118,11 @@ class Scheduler:
             else:
                 break  # a partial chunk used the rest of the budget or of the pool
         return Scheduled(batch, decode_only=not prefilled)
+
+    def _release(self, seq: Sequence) -> None:
+        """Before `seq` computes its next tokens: the blocks no query of theirs reads go back (a sliding window)."""
+        if self.window is not None and seq.block_table:
+            self.bm.release_outside(seq, *self.window)
 
     def _reclaim(self) -> bool:
         """Free the blocks of one idle sequence: a parked one, else one waiting behind the queue's head."""

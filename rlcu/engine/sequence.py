@@ -29,6 +29,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
+    released: int = 0  # block_table's first entries given back, outside every layer's window (`BlockManager.RELEASED`)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -91,7 +92,8 @@ class Sequence:
         """A sibling sharing everything computed so far (the caller shares the blocks)."""
         return Sequence(list(self.token_ids), self.num_prompt_tokens, self.max_tokens, self.stop_token_ids,
                         self.request_index, status=self.status, block_table=list(self.block_table),
-                        num_computed_tokens=self.num_computed_tokens, logprobs=list(self.logprobs),
+                        released=self.released, num_computed_tokens=self.num_computed_tokens,
+                        logprobs=list(self.logprobs),
                         turn_limit=self.turn_limit, appended=list(self.appended), versions=list(self.versions),
                         seed=self.seed, first_request=self.first_request)
 

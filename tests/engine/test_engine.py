@@ -328,3 +328,34 @@ def test_repetition_penalty_greedy_equals_transformers_generate(tmp_path, penalt
     if penalty > 1:  # the tiny model's greedy tokens repeat: a penalty above 1 changes them
         plain = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS]))
         assert plain.completion_ids != got.completion_ids
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])
+def test_a_windowed_model_gives_back_the_blocks_before_its_window(tmp_path, monkeypatch, tight):
+    """Mistral with a window of 3 in every layer, blocks of 2 tokens and key tiles of 2 (the kernels' are 128): each
+    sequence holds a few blocks whatever its length, so 4 sequences of 150 new tokens (76 blocks for the shortest)
+    run in 16 blocks (6 with preemptions), forks and multi-turn episodes included; greedy tokens equal
+    transformers'."""
+    import rlcu.engine.llm_engine as llm_engine
+    from rlcu.contracts import Reply
+
+    monkeypatch.setattr(llm_engine, "KEY_TILE", 2)
+    folder = tiny_hf_folder(tmp_path, "mistral", sliding_window=3)
+    model = load_model(folder)[0]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = EngineConfig(block_size=2, num_blocks=6 if tight else 16, max_num_seqs=4, max_num_batched_tokens=4)
+    engine = LLMEngine(model, config)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[2], PROMPTS[3]]  # the middle two: forks sharing a prompt's blocks
+    out = engine.generate(prompts, SamplingParams(max_tokens=150, temperature=0))
+    for prompt, got in zip(prompts, out.completion_ids):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=150, do_sample=False, eos_token_id=None,
+                            pad_token_id=62)[0, len(prompt):].tolist()
+        assert got == want
+    assert (engine.stats["preemptions"] > 0) == tight  # generate() itself raises if any block leaked
+    episodes = engine.generate(prompts, SamplingParams(max_tokens=150, max_turn_tokens=40, temperature=0),
+                               lambda turn: Reply([5, 6, 7]) if len(turn.completion_ids) < 100 else Reply(None))
+    assert all(len(c) > 100 for c in episodes.completion_ids)
+    unwindowed = LLMEngine(model, EngineConfig(block_size=2, num_blocks=16, max_num_seqs=4))
+    monkeypatch.setattr(llm_engine.LLMEngine, "_release_window", lambda self: None)
+    with pytest.raises(ValueError, match="needs 76 KV blocks but the pool has 16"):
+        unwindowed.generate(prompts, SamplingParams(max_tokens=150, temperature=0))
