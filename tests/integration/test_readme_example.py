@@ -80,7 +80,7 @@ def test_agents_guide_program_example_trains_one_step(tmp_path):
     pytest.importorskip("openai")
     model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE))
     scope: dict = {"model": model, "tokenizer": tokenizer}
-    exec(python_blocks(README.parent / "docs" / "agents.md")[1], scope)
+    exec(python_blocks(README.parent / "docs" / "agents.md")[2], scope)
     metrics = fit(scope["module"], toy_rows(4), steps=1, log_dir=tmp_path)
     assert any("rewards/agent/mean" in m for m in metrics)
 
@@ -93,7 +93,7 @@ def test_agents_guide_text_program_example_trains_one_step_on_a_model_without_a_
     pytest.importorskip("openai")
     model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3"))
     scope: dict = {}
-    exec(python_blocks(README.parent / "docs" / "agents.md")[3], scope)
+    exec(python_blocks(README.parent / "docs" / "agents.md")[4], scope)
     module = GRPOModule(model, tokenizer=tokenizer, agent=scope["continue_text"], num_generations=4,
                         max_completion_length=24)
     metrics = fit(module, [{"prompt": f"t{i} t{i + 1}", "answer": f"t{i + 2}"} for i in range(4)], steps=1,
@@ -110,7 +110,7 @@ def test_agents_guide_smolagents_example_trains_one_step(tmp_path):
     model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE,
                                                  max_position_embeddings=8192))
     example = tmp_path / "agent_example.py"  # smolagents reads a tool's source: the block runs from a file
-    example.write_text(python_blocks(README.parent / "docs" / "agents.md")[2])
+    example.write_text(python_blocks(README.parent / "docs" / "agents.md")[3])
     scope = runpy.run_path(str(example))
     module = GRPOModule(model, tokenizer=tokenizer, agent=scope["solve"], agent_history="served",
                         tool_format="hermes", num_generations=2, max_completion_length=2000, max_call_tokens=8,
