@@ -238,6 +238,18 @@ def _linear_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(out, linear_layers=[i for i, kind in enumerate(layer_types) if kind == "linear_attention"])
 
 
+def _softcap_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's soft caps on attention scores and on logits, where the config sets them."""
+    out = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = hf.get(key)
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ValueError(f"config.json: {key}={cap!r} must be a positive number (or null: no capping)")
+            out[key] = float(cap)
+    return out
+
+
 def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The fields only some families set; a family that lacks one reads its default."""
     out: dict[str, Any] = {}
@@ -265,12 +277,7 @@ def _family_fields(hf: dict[str, Any]) -> dict[str, Any]:
     for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         if hf.get(key) is not None:
             out[key] = float(hf[key])
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            cap = hf[key]
-            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-                raise ValueError(f"config.json: {key}={cap!r} must be a positive number (or null: no capping)")
-            out[key] = float(cap)
+    out.update(_softcap_fields(hf))
     out.update(_linear_fields(hf))
     experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
     if experts:

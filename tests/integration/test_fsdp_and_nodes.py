@@ -91,5 +91,5 @@ def test_bench_step_under_fsdp2_on_two_processes(tmp_path):
 
     out = json.loads(lines[0])
     assert out["devices"] == 2 and out["strategy"] == "fsdp2" and out["adam_state_dtype"] == "bfloat16"
-    assert set(out["steady"]) == {"total", "generate", "score", "train", "gather", "reshard"}
+    assert set(out["steady"]) == {"total", "generate", "score", "train", "gather", "reshard", "idle"}
     assert "rank 1 step 1" in done.stderr

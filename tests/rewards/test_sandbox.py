@@ -204,8 +204,9 @@ def test_a_chatty_program_costs_the_caller_no_memory_and_keeps_its_time_limit():
 
     chatty = ("import os\nchunk = b'x' * (1 << 20)\nfor _ in range(1024):\n    os.write(1, chunk)\n"
               "    os.write(2, chunk)\nos.write(1, b'\\nlast line\\n')\nos.write(2, b'\\nlast error\\n')")
-    probe = ("import json, resource, time\nfrom rlcu.rewards import sandbox\n"
-             "peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024\n"
+    # the probe's own high-water mark (VmHWM starts anew at exec; getrusage's ru_maxrss keeps the forking worker's)
+    probe = ("import json, time\nfrom rlcu.rewards import sandbox\n"
+             "peak = lambda: int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) // 1024\n"
              "before, start = peak(), time.perf_counter()\n"
              f"r = sandbox.run({chatty!r}, timeout=4.0)\n"
              "print(json.dumps([r.timed_out, r.stdout.splitlines()[-1:], r.stderr.splitlines()[-1:], "
