@@ -264,11 +264,12 @@ TOY_STEPS = 120  # lr 5e-3: every variant rises on seeds 0-2 with both backends 
 TOY_WINDOW = 10
 
 
-def toy_model(path: Path):
-    """(model, tokenizer) of the toy task: a tiny llama over 32 tokens, its tokenizer with CHAT_TEMPLATE."""
+def toy_model(path: Path, family: str = "llama"):
+    """(model, tokenizer) of the toy task: a tiny llama (or `family`) over 32 tokens, its tokenizer with
+    CHAT_TEMPLATE."""
     from rlcu.models import load_model
 
-    return load_model(tiny_hf_folder(path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
+    return load_model(tiny_hf_folder(path, family, vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
                                      chat_template=CHAT_TEMPLATE))
 
 

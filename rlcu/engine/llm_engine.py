@@ -141,7 +141,7 @@ class LLMEngine:
             state_bytes = slots * bytes_per_slot(self.model.config, self.model.compute_dtype()) if slots else 0
             self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held(), state_bytes),
                                  slots)
-            self._start(parents, sampling, continuation is not None, on_finished)
+            self._start(parents, sampling, continuation is not None, on_finished, state_slots=slots)
             self._should_stop = should_stop
             if continuation is None:
                 while not self.scheduler.is_finished():
@@ -309,13 +309,14 @@ class LLMEngine:
         self.runner.param_addresses = addresses
 
     def _start(self, parents: list[Sequence], sampling: SamplingParams, episodes: bool = False,
-               on_finished: Callable[[Turn], None] | None = None, num_blocks: int | None = None) -> None:
+               on_finished: Callable[[Turn], None] | None = None, num_blocks: int | None = None,
+               state_slots: int = 0) -> None:
         bm = BlockManager(num_blocks or self.runner.k_cache.shape[1], self.config.block_size)
         on_end = None if on_finished is None else (lambda seq: on_finished(as_turn(seq)))
         self.scheduler = Scheduler(bm, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    StopStrings(self.tokenizer, sampling.stop), parks=episodes, on_end=on_end,
                                    before_free=self._keep_routing if self.model.config.is_moe else None,
-                                   window=self._release_window())
+                                   window=self._release_window(), state_slots=state_slots)
         self._turns_ended: list[Sequence] = []
         for seq in parents:
             self.scheduler.add(seq)

@@ -105,7 +105,7 @@ class ModelRunner:
         linear-attention layers; None for other models."""
         if self.states is None:
             return None
-        slots = to_device([s.request_index for s in seqs], self.device)
+        slots = to_device([s.state_slot for s in seqs], self.device)
         fresh_t = to_device(fresh, self.device).bool() if fresh is not None and any(fresh) else None
         return cu, slots, fresh_t, decode
 
@@ -164,7 +164,7 @@ class ModelRunner:
             if not len(groups[2]):  # nothing shared this step: the plain kernel
                 groups = None
         if self.graphs is not None and self.graphs.fits(len(seqs), table.shape[1]):
-            state_slots = None if self.states is None else torch.tensor([s.request_index for s in seqs])
+            state_slots = None if self.states is None else torch.tensor([s.state_slot for s in seqs])
             return self.graphs.run(ids_t, pos_t, slots_t, ctx_t, table, groups, state_slots), seqs
         dev = self.device
         prefix_splits = None

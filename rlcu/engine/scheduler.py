@@ -31,15 +31,19 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  stop_strings: StopStrings | None = None, parks: bool = False,
                  on_end: Callable[[Sequence], None] | None = None,
-                 before_free: Callable[[Sequence], None] | None = None, window: tuple[int, int] | None = None):
+                 before_free: Callable[[Sequence], None] | None = None, window: tuple[int, int] | None = None,
+                 state_slots: int = 0):
         """`window`: (keys, tile) where every attention layer sees only its last `keys` keys, read by kernels in tiles
-        of `tile` tokens: blocks before them go back to the pool as sequences grow (`BlockManager.release_outside`)."""
+        of `tile` tokens: blocks before them go back to the pool as sequences grow (`BlockManager.release_outside`).
+        `state_slots`: a hybrid's recurrent-state slots; a sequence takes one (and its forks theirs) when admitted
+        and gives it back when it ends, and a sequence waits for slots as for room in the running batch."""
         self.bm = block_manager
         self.on_end = on_end  # told of each request as it finishes, from the engine's loop: it must be quick
         self.before_free = before_free  # reads what a finished sequence left in its blocks before they go back
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.stop_strings = stop_strings
         self.parks, self.window = parks, window
+        self.free_slots = deque(range(state_slots)) if state_slots else None
         self.finished: dict[int, Sequence] = {}  # request index -> its finished sequence
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -100,6 +104,7 @@ class Scheduler:
                 budget -= 1
         while self.waiting and budget > 0 and self._admits(self.waiting[0]):
             seq = self.waiting[0]
+            self._take_slots(seq)
             self._release(seq)
             chunk = min(seq.num_uncomputed_tokens, budget, self._capacity(seq))
             if chunk <= 0:
@@ -119,6 +124,12 @@ class Scheduler:
                 break  # a partial chunk used the rest of the budget or of the pool
         return Scheduled(batch, decode_only=not prefilled)
 
+    def _take_slots(self, seq: Sequence) -> None:
+        """A hybrid's sequence, admitted for the first time: its recurrent-state slot and its forks'."""
+        if self.free_slots is not None and seq.state_slot is None:
+            seq.state_slot = self.free_slots.popleft()
+            seq.fork_slots = [self.free_slots.popleft() for _ in range(seq.pending_forks)]
+
     def _release(self, seq: Sequence) -> None:
         """Before `seq` computes its next tokens: the blocks no query of theirs reads go back (a sliding window)."""
         if self.window is not None and seq.block_table:
@@ -137,6 +148,8 @@ class Scheduler:
         """Room among the running sequences for `seq` and the samples it will fork, counting the samples still
         to fork from those admitted earlier in this step."""
         forks = sum(s.pending_forks for s in self.running)
+        if self.free_slots is not None and seq.state_slot is None and len(self.free_slots) < 1 + seq.pending_forks:
+            return False
         return not self.running or len(self.running) + forks + 1 + seq.pending_forks <= self.max_num_seqs
 
     def _capacity(self, seq: Sequence) -> int:
@@ -156,10 +169,12 @@ class Scheduler:
             for k in range(seq.pending_forks):
                 child = self.bm.fork(seq)
                 child.request_index = seq.request_index + 1 + k
-                self.bm.pending_state_copies.append((seq.request_index, child.request_index))
+                if seq.state_slot is not None:
+                    child.state_slot = seq.fork_slots[k]
+                    self.bm.pending_state_copies.append((seq.state_slot, child.state_slot))
                 self.running.append(child)
                 family.append(child)
-            seq.pending_forks = 0
+            seq.pending_forks, seq.fork_slots = 0, []
             rows += [row] * len(family)
             owners += family
         return owners, rows
@@ -199,6 +214,9 @@ class Scheduler:
         if self.before_free is not None:
             self.before_free(seq)
         self.bm.free_sequence(seq)
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
         self.finished[seq.request_index] = seq
         if self.on_end is not None:
             self.on_end(seq)

@@ -42,6 +42,9 @@ class Sequence:
     seed: int | None = None
     first_request: int = 0
     routing: object = None  # a finished MoE sequence's routing record on the device (`engine/routing.py`)
+    # a hybrid's recurrent-state slot (`engine/states.py`), taken at admission with its forks' and kept until it ends
+    state_slot: int | None = None
+    fork_slots: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.turn_limit = min(self.turn_limit or self.max_tokens, self.max_tokens)

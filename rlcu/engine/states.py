@@ -1,9 +1,10 @@
 """Recurrent state beside the paged KV cache, for hybrids' linear-attention layers (Qwen3.5, Qwen3-Next).
 
 A linear-attention layer keeps, per sequence, the short convolution's last inputs and the delta rule's matrix per
-value head: a fixed size, whatever the sequence's length. The pool holds one slot per request of a rollout (the
-request's index), so a sequence keeps its state for its whole life: across prefill chunks, while parked between
-turns, and when forked (the fork copies its parent's slot, so that a shared prompt is prefilled once). A
+value head: a fixed size, whatever the sequence's length. A sequence takes a slot when the scheduler admits it
+(one for each request of a rollout; a stream's, one for each sequence in flight, recycled as they end) and keeps
+it for its whole life: across prefill chunks, while parked between turns, and when forked (the fork copies its
+parent's slot into its own, so that a shared prompt is prefilled once). A
 sequence whose blocks were taken back (preemption, a reclaimed parked episode) restarts from zero state at its
 first token, as its KV does."""
 from __future__ import annotations

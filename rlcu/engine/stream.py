@@ -10,7 +10,9 @@ token records the policy version it was drawn under (`version`, which the caller
 Between runs the pool (and the CUDA graphs) are given back as after a rollout (`release`, with the engine's
 release_memory): the sequences in flight are preempted, and recomputed from their tokens when the stream runs
 again, so that training has the memory it has in a synchronous run. With release_memory=False the pool is kept,
-with the keys and values computed so far. A generate() on the same engine is refused until the stream is closed."""
+with the keys and values computed so far. A generate() on the same engine is refused until the stream is closed.
+A hybrid's recurrent states take a slot for each sequence in flight (`max_sequences` of them), recycled as
+sequences end."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,6 +22,7 @@ import torch
 from rlcu.contracts import SamplingParams
 from rlcu.engine.pool import pool_size
 from rlcu.engine.sequence import Sequence
+from rlcu.engine.states import bytes_per_slot
 
 
 class EngineStream:
@@ -28,14 +31,15 @@ class EngineStream:
         `max_prompt_tokens`: what the pool is sized for (the scheduler preempts and recomputes beyond it)."""
         if engine.stream is not None:
             raise RuntimeError("a stream is already open on this engine")
-        if engine.model.config.linear_layers:
-            raise ValueError("streaming keeps requests across rollouts, which the recurrent-state pool of a "
-                             "linear-attention hybrid (one slot per request of a rollout) does not: train "
-                             f"{engine.model.config.model_type} with streaming=false")
         self.engine, self.sampling = engine, sampling
         shape = Sequence([0], max_prompt_tokens, sampling.max_tokens, frozenset(), 0)
-        self.num_blocks = pool_size([shape] * max_sequences, engine.config, engine.model, engine._pool_bytes_held())
-        engine._start([], sampling, num_blocks=self.num_blocks)  # the pool itself is taken when decoding starts
+        # a hybrid's recurrent states: a slot for each sequence in flight, recycled as sequences end
+        self.state_slots = max_sequences if engine.model.config.linear_layers else 0
+        state_bytes = self.state_slots * bytes_per_slot(engine.model.config, engine.model.compute_dtype())
+        self.num_blocks = pool_size([shape] * max_sequences, engine.config, engine.model, engine._pool_bytes_held(),
+                                    state_bytes)
+        # the pool itself is taken when decoding starts
+        engine._start([], sampling, num_blocks=self.num_blocks, state_slots=self.state_slots)
         engine.stream = self
         self.next_request = 0
         self.decode_steps = self.decoded_rows = 0  # since the last take_stats()
@@ -63,7 +67,7 @@ class EngineStream:
         engine = self.engine
         engine._should_stop = should_stop
         with torch.inference_mode(False), torch.no_grad():
-            engine._prepare_runner(self.num_blocks)  # after a release: a new pool, the same number of blocks
+            engine._prepare_runner(self.num_blocks, self.state_slots)  # after a release: a new pool, the same size
             while not engine.scheduler.is_finished() and not until():
                 self._step()
             engine._pausing = True  # the step launched ahead (on this version's weights) is taken, none is launched

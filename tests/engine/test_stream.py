@@ -1,6 +1,6 @@
-"""The engine's stream (streaming GRPO's rollout): submissions draw what a rollout of each alone draws, runs stop
-between decode steps with nothing launched ahead, each token records the weights' version, and closing frees the
-pool; a hybrid is refused with the way out."""
+"""The engine's stream (streaming GRPO's rollout): submissions draw what a rollout of each alone draws (a hybrid's
+too, its recurrent-state slots recycled), runs stop between decode steps with nothing launched ahead, each token
+records the weights' version, and closing frees the pool."""
 import pytest
 import torch
 
@@ -13,15 +13,17 @@ from tests.helpers import EOS, PROMPTS, tiny_hf_folder
 SAMPLING = SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=[EOS])
 
 
-@pytest.mark.parametrize("config", [dict(), dict(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=16)],
-                         ids=["roomy", "preempting"])
-def test_each_submission_draws_what_it_draws_alone(tmp_path, config):
-    model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
+@pytest.mark.parametrize("family,config,slots", [
+    ("llama", dict(), None), ("llama", dict(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=16), None),
+    # a hybrid with fewer state slots than the submissions' sequences: slots are recycled as sequences end
+    ("qwen3_5_text", dict(max_num_seqs=4), 6)], ids=["roomy", "preempting", "hybrid-recycling-slots"])
+def test_each_submission_draws_what_it_draws_alone(tmp_path, family, config, slots):
+    model, _ = load_model(tiny_hf_folder(tmp_path, family))
     engine = LLMEngine(model, EngineConfig(**config))
     first, second = [p for p in PROMPTS for _ in range(2)], PROMPTS[::-1]
     alone = [engine.generate(first, SamplingParams(**{**vars(SAMPLING), "seed": 11})),
              engine.generate(second, SamplingParams(**{**vars(SAMPLING), "seed": 12}))]
-    stream = EngineStream(engine, SAMPLING, max_sequences=len(first) + len(second), max_prompt_tokens=8)
+    stream = EngineStream(engine, SAMPLING, max_sequences=slots or len(first) + len(second), max_prompt_tokens=8)
     a = stream.submit(first, seed=11)
     stream.run(lambda: engine._steps >= 4)  # a pause part-way; the second submission joins in flight
     engine.release()  # the pool goes back for training: the sequences in flight are recomputed after
@@ -31,6 +33,8 @@ def test_each_submission_draws_what_it_draws_alone(tmp_path, config):
     got = [[stream.pop(a + i).completion_token_ids for i in range(len(first))],
            [stream.pop(b + i).completion_token_ids for i in range(len(second))]]
     assert got == [alone[0].completion_ids, alone[1].completion_ids]
+    if slots:
+        assert len(first) + len(second) > slots and sorted(engine.scheduler.free_slots) == list(range(slots))
     bm = engine.scheduler.bm
     stream.close()
     assert bm.num_free == bm.num_blocks and engine.stream is None
@@ -65,13 +69,10 @@ def test_a_pause_leaves_no_step_ahead_and_tokens_record_the_version_they_were_dr
     stream.close()
 
 
-def test_generate_while_a_stream_is_open_and_a_hybrid_stream_are_refused(tmp_path):
+def test_generate_while_a_stream_is_open_is_refused(tmp_path):
     model, _ = load_model(tiny_hf_folder(tmp_path, "llama"))
     engine = LLMEngine(model)
     stream = EngineStream(engine, SAMPLING, max_sequences=2, max_prompt_tokens=8)
     with pytest.raises(RuntimeError, match="close it before generate"):
         engine.generate(PROMPTS[:1], SAMPLING)
     stream.close()
-    hybrid, _ = load_model(tiny_hf_folder(tmp_path / "h", "qwen3_5_text"))
-    with pytest.raises(ValueError, match="streaming=false"):
-        EngineStream(LLMEngine(hybrid), SAMPLING, max_sequences=2, max_prompt_tokens=8)

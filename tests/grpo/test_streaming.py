@@ -25,10 +25,12 @@ def weights(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
 
 
-def test_max_staleness_0_is_the_synchronous_run_step_for_step(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])  # a hybrid: its recurrent states' slots recycled
+def test_max_staleness_0_is_the_synchronous_run_step_for_step(tmp_path, family):
     runs = []
     for streaming in (False, True):
-        module = make(toy_model(tmp_path / "m"), streaming=streaming, max_staleness=0, max_completion_length=6)
+        module = make(toy_model(tmp_path / "m", family), streaming=streaming, max_staleness=0,
+                      max_completion_length=6)
         metrics = fit(module, toy_rows(12, seed=2), steps=3, log_dir=tmp_path / str(streaming))
         runs.append((weights(module), [m["reward"] for m in metrics if "reward" in m]))
     (sync, sync_rewards), (stream, stream_rewards) = runs
