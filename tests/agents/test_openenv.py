@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.contracts import SamplingParams
@@ -78,64 +77,33 @@ def server():
     thread.join(10)
 
 
-def counter_factory(url: str):
-    class OpenEnvCounter:  # TRL's OpenEnv pattern: the environment_factory class wraps the environment's client
-        def __init__(self):
-            self.client = CounterClient(base_url=url).sync()
-            self.client.connect()
-            self.reward = 0.0
-
-        def reset(self, **kwargs) -> str | None:
-            self.client.reset()
-            self.reward = 0.0
-            return None
-
-        def increment(self, step: int) -> int:
-            """
-            Adds to the counter.
-
-            Args:
-                step: How much to add.
-
-            Returns:
-                The counter's new value.
-            """
-            result = self.client.step(CounterAction(step=step))
-            self.reward = result.reward
-            return result.observation.count
-
-    return OpenEnvCounter
-
-
-def from_environment(environments, **kwargs) -> list[float]:
-    return [env.reward for env in environments]
-
-
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_folder):
-    return AutoTokenizer.from_pretrained(smollm2_folder)
-
-
-def test_an_openenv_environment_answers_each_tool_call_from_its_server(server, tokenizer):
-    rows = [{"prompt": [{"role": "user", "content": "Count to 5."}]}] * 2
-    agent = AgentOptions.build(tokenizer, environment_factory=counter_factory(server), tool_format_name="hermes",
-                               max_completion_length=300)
-    runner = EpisodeRunner(rows, agent)
-    script = lambda history, turn: call("increment", step=turn + 2) if turn < 2 else "Done.<|im_end|>"  # noqa: E731
-    ScriptedRollout(tokenizer, script).generate(runner.prompt_ids, SamplingParams(max_tokens=300), runner)
-    assert [m["content"] for m in runner.completions[0] if m["role"] == "tool"] == ["2", "5"]
-    assert [env.client.state().step_count for env in runner.environments] == [2, 2]  # the server's own episode
-    assert from_environment(runner.environments) == [5.0, 5.0]
-
-
-@pytest.mark.slow
-def test_the_agents_guide_openenv_example_trains_a_grpo_step_on_the_engine(server, smollm2_folder, tmp_path):
+def guide(server, smollm2_folder):
+    """docs/agents.md's OpenEnv example, run on SmolLM2 against the server: its namespace (`Counter`, `module`)."""
     from tests.integration.test_readme_example import README, python_blocks
 
     model, tok = load_model(smollm2_folder)
     scope = {"model": model, "tokenizer": tok, "server_url": server, "CounterClient": CounterClient,
              "CounterAction": CounterAction}
     exec(python_blocks(README.parent / "docs" / "agents.md")[1], scope)
+    return scope
+
+
+def test_an_openenv_environment_answers_each_tool_call_from_its_server(guide):
+    tokenizer = guide["tokenizer"]
+    rows = [{"prompt": [{"role": "user", "content": "Count to 5."}]}] * 2
+    agent = AgentOptions.build(tokenizer, environment_factory=guide["Counter"], tool_format_name="hermes",
+                               max_completion_length=300)
+    runner = EpisodeRunner(rows, agent)
+    script = lambda history, turn: call("increment", step=turn + 2) if turn < 2 else "Done.<|im_end|>"  # noqa: E731
+    ScriptedRollout(tokenizer, script).generate(runner.prompt_ids, SamplingParams(max_tokens=300), runner)
+    assert [m["content"] for m in runner.completions[0] if m["role"] == "tool"] == ["2", "5"]
+    assert [env.client.state().step_count for env in runner.environments] == [2, 2]  # the server's own episode
+    assert guide["from_environment"](runner.environments) == [5.0, 5.0]
+
+
+@pytest.mark.slow
+def test_the_agents_guide_openenv_example_trains_a_grpo_step_on_the_engine(guide, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": "Count to 5 with the tool."}]}] * 2
-    metrics = fit(scope["module"], rows, 1, tmp_path)[-1]
+    metrics = fit(guide["module"], rows, 1, tmp_path)[-1]
     assert "rewards/from_environment/mean" in metrics and "episodes/mean_turns" in metrics
