@@ -161,22 +161,23 @@ def add_progress_bar(cfg) -> None:
 
 
 def check_output_folders(cfg) -> None:
-    """Where the run writes (the trainer's root, each logger's save_dir) takes files, before anything starts."""
+    """Where the run writes (the trainer's root, each logger's save_dir) takes files, before anything starts; the
+    folders made for the check go again (the run makes them as it writes)."""
     from rlcu.paths import check_writable_folder
 
     trainer = cfg.trainer
     if trainer.get("default_root_dir"):
-        check_writable_folder(trainer.default_root_dir, "--trainer.default_root_dir")
+        check_writable_folder(trainer.default_root_dir, "--trainer.default_root_dir", keep=False)
     loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
     for lg in loggers:
         save_dir = getattr(getattr(lg, "init_args", None), "save_dir", None)
         if save_dir:
-            check_writable_folder(save_dir, f"the save_dir of {str(lg.class_path).rsplit('.', 1)[-1]}")
+            check_writable_folder(save_dir, f"the save_dir of {str(lg.class_path).rsplit('.', 1)[-1]}", keep=False)
     callbacks = trainer.callbacks if isinstance(trainer.callbacks, list) else [trainer.callbacks]
     for cb in callbacks:  # checkpoint folders: at set-up, not at the first save a step later
         dirpath = getattr(getattr(cb, "init_args", None), "dirpath", None)
         if dirpath:
-            check_writable_folder(dirpath, f"the dirpath of {str(cb.class_path).rsplit('.', 1)[-1]}")
+            check_writable_folder(dirpath, f"the dirpath of {str(cb.class_path).rsplit('.', 1)[-1]}", keep=False)
 
 
 def explicit_model_flags(args: list[str]) -> list[str]:

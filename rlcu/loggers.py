@@ -37,10 +37,17 @@ class WandbLogger(_LightningWandbLogger):
             offline = not has_wandb_key()
         # absolute, because wandb's long-lived service process resolves relative paths against its own cwd
         save_dir = str(Path(save_dir).resolve())
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(project=project, name=name, save_dir=save_dir, offline=offline, **kwargs)
         if self._wandb_init.get("anonymous") is None:  # Lightning passes None, which wandb warns about at every run
             self._wandb_init.pop("anonymous", None)
+
+    @property
+    def experiment(self):
+        # the folder is made when the run begins, not when the option is read: a run whose model or data fails to
+        # build leaves no empty runs/ behind
+        if self._experiment is None:
+            Path(self.save_dir).mkdir(parents=True, exist_ok=True)
+        return super().experiment
 
     def log_metrics(self, metrics, step=None) -> None:
         self._logged_any = True

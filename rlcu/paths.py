@@ -15,8 +15,12 @@ def check_writable_file(path: str | Path, option: str) -> Path:
     return path
 
 
-def check_writable_folder(folder: str | Path, option: str, shown: str | Path | None = None) -> Path:
+def check_writable_folder(folder: str | Path, option: str, shown: str | Path | None = None,
+                          keep: bool = True) -> Path:
+    """`keep` False: the folders made for the check are removed after it (a run's output folders, which the run
+    makes again as it writes: a run that fails to start leaves none behind)."""
     folder = Path(folder)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".rlcu-write-check-")
@@ -25,4 +29,10 @@ def check_writable_folder(folder: str | Path, option: str, shown: str | Path | N
     except OSError as e:
         raise ValueError(f"{option} {shown or folder}: cannot write there ({e.strerror or e}); "
                          "choose a writable path") from None
+    finally:
+        for path in made if not keep else ():
+            try:
+                path.rmdir()
+            except OSError:
+                break  # not made here after all, or not empty: keep it and what is above it
     return folder

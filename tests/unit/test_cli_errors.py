@@ -131,6 +131,15 @@ def test_a_failed_start_leaves_no_empty_run_folder(tiny, folder, capsys):
     assert not list((folder / "runs").rglob("version_*")), "an empty version folder was left behind"
 
 
+def test_a_start_that_fails_to_build_the_model_leaves_no_folder(tiny, folder, capsys):
+    """The output folders are checked before anything starts, and the check takes back what it made: an unknown
+    reward (the module fails to build) leaves no empty runs/ (the default wandb logger's) in the working folder."""
+    with pytest.raises(SystemExit):
+        run(tiny, "--model.rewards=[no_such_reward]", f"--trainer.logger.save_dir={folder / 'out' / 'runs'}")
+    assert "unknown reward 'no_such_reward'" in capsys.readouterr().err
+    assert not (folder / "out").exists()
+
+
 def test_the_progress_bar_says_no_negative_epoch(tiny, folder, capsys):
     run(tiny, "--trainer.enable_progress_bar=true", "--trainer.logger=false", "--trainer.callbacks=[]")
     captured = capsys.readouterr()
