@@ -1,6 +1,6 @@
 """Streaming on the GPU: the engine's stream decodes through CUDA graphs across in-place weight changes and pool
-releases (each version's tokens drawn under that version's weights, every block back at the end), and a streaming
-GRPO run trains on CUDA with bf16 weights."""
+releases (each version's tokens drawn under that version's weights, every block back at the end), a hybrid's too
+(its recurrent-state slots recycled), and a streaming GRPO run trains on CUDA with bf16 weights."""
 import pytest
 import torch
 
@@ -13,11 +13,14 @@ from tests.helpers import PROMPTS, fit, match_target, tiny_hf_folder, toy_model,
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_the_stream_runs_on_graphs_across_updates_and_releases(tmp_path):
-    model = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=512, hidden=256, heads=4, kv_heads=2,
+@pytest.mark.parametrize("family,slots", [("llama", 64), ("qwen3_5_text", 24)])
+def test_the_stream_runs_on_graphs_across_updates_and_releases(tmp_path, family, slots):
+    if family == "qwen3_5_text":
+        pytest.importorskip("fla", reason="the hybrids' CUDA path needs flash-linear-attention")
+    model = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, heads=4, kv_heads=2,
                                       head_dim=64))[0].cuda().to(torch.bfloat16)
     engine = LLMEngine(model, EngineConfig(cuda_graphs=True))
-    stream = EngineStream(engine, SamplingParams(max_tokens=48, temperature=1.0), max_sequences=64,
+    stream = EngineStream(engine, SamplingParams(max_tokens=48, temperature=1.0), max_sequences=slots,
                           max_prompt_tokens=16)
     first = stream.submit([p for p in PROMPTS for _ in range(8)], seed=3)
     drawn = []
