@@ -64,9 +64,11 @@ class WandbLogger(_LightningWandbLogger):
             experiment.finish(exit_code=0 if status == "success" else 1)
             if status == "failed" and not getattr(self, "_logged_any", False) and run_dir.name.startswith("offline-"):
                 shutil.rmtree(run_dir, ignore_errors=True)  # a run that failed before logging anything: nothing to sync
-                latest = run_dir.parent / "latest-run"
-                if latest.is_symlink() and not latest.exists():
-                    latest.unlink()
+                for name in ("latest-run", "debug.log", "debug-internal.log"):  # wandb's links into that run
+                    link = run_dir.parent / name
+                    if link.is_symlink() and not link.exists():
+                        link.unlink()
+                _prune_empty(run_dir.parent)
         except Exception as e:  # noqa: BLE001
             log.warning("could not close the wandb run: %s", e)
 
@@ -85,3 +87,14 @@ def discard_empty_logs(trainer) -> None:
         if {p.name for p in folder.iterdir()} <= {"config.yaml", "hparams.yaml", "metrics.csv"} and (
                 not metrics.exists() or len(metrics.read_text().splitlines()) <= 1):
             shutil.rmtree(folder, ignore_errors=True)
+            _prune_empty(folder.parent)
+
+
+def _prune_empty(folder: Path) -> None:
+    """`folder` and the folders above it, inside the working folder, while a discarded run left them empty (its
+    logger's name folder, `runs/wandb`, `runs/`)."""
+    cwd = Path.cwd().resolve()
+    folder = folder.resolve()
+    while folder != cwd and cwd in folder.parents and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent

@@ -131,6 +131,15 @@ def test_a_failed_start_leaves_no_empty_run_folder(tiny, folder, capsys):
     assert not list((folder / "runs").rglob("version_*")), "an empty version folder was left behind"
 
 
+def test_a_run_that_fails_in_its_first_step_leaves_no_folder(tiny, folder, capsys):
+    """A reward that fails the first step: the wandb run, its links (latest-run, debug logs) and the folders made
+    for them go, as the empty version folder does."""
+    with pytest.raises(SystemExit):
+        run(tiny, "--model.rewards=[my_rewards.one_float]")
+    assert "reward 'one_float' returned 1.0" in capsys.readouterr().err
+    assert not (folder / "runs").exists(), sorted(str(p) for p in (folder / "runs").rglob("*"))
+
+
 def test_a_start_that_fails_to_build_the_model_leaves_no_folder(tiny, folder, capsys):
     """The output folders are checked before anything starts, and the check takes back what it made: an unknown
     reward (the module fails to build) leaves no empty runs/ (the default wandb logger's) in the working folder."""
