@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Agents on one H200: multi-turn rollout throughput against single-turn rollouts of the same sampled token
 # count (bench), the calculator recipe (calculator) beside TRL's GRPOTrainer(tools=...) on the same config
-# (trl), and the guess-number recipe (guess). Needs the SmolLM2 GGUF at $RLCU_SMOLLM2_GGUF.
-#   benchmarks/agents_h200.sh OUT PART...      PART: bench | calculator | trl | guess
-# CALC_MINUTES / GUESS_MINUTES bound the recipe runs (defaults 3.5 and 5).
+# (trl), the calculator-agent recipe (calculator-agent: the same task through an openai-client program and the
+# endpoint) and the guess-number recipe (guess). Needs the SmolLM2 GGUF at $RLCU_SMOLLM2_GGUF.
+#   benchmarks/agents_h200.sh OUT PART...      PART: bench | calculator | trl | calculator-agent | guess
+# CALC_MINUTES / GUESS_MINUTES bound the recipe runs (defaults 3.5 and 5; CALC_MINUTES both calculator recipes).
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT"
@@ -25,6 +26,10 @@ for part in "$@"; do
       rlcu run calculator --trainer.max_time="$(hms "$CALC_MINUTES")" --trainer.enable_progress_bar=false \
         > "$OUT/calculator.log" 2>&1
       cp runs/calculator/version_0/metrics.csv "$OUT/calculator-metrics.csv" ;;
+    calculator-agent)
+      rlcu run calculator-agent --trainer.max_time="$(hms "$CALC_MINUTES")" --trainer.enable_progress_bar=false \
+        > "$OUT/calculator-agent.log" 2>&1
+      cp runs/calculator-agent/version_0/metrics.csv "$OUT/calculator-agent-metrics.csv" ;;
     trl)
       python3 recipes/trl_baseline.py calculator --out "$OUT/calculator-trl.csv" --max_minutes "$CALC_MINUTES" \
         > "$OUT/calculator-trl.log" 2>&1 ;;

@@ -20,14 +20,16 @@ def main(out: Path) -> None:
             a, b = json.loads(one.read_text()), json.loads(four.read_text())
             print(f"rollout {n} x 512: 1 turn {a['tok_per_s']:,} tok/s, 4 turns {b['tok_per_s']:,} tok/s "
                   f"({b['tok_per_s'] / a['tok_per_s']:.0%})")
-    for name, accuracy in (("calculator", "eval/accuracy"), ("guess", "eval/accuracy")):
+    for name, accuracy in (("calculator", "eval/accuracy"), ("calculator-agent", "eval/accuracy"),
+                           ("guess", "eval/accuracy")):
         table = rows(out / f"{name}-metrics.csv")
         if table:
             acc, steps = series(table, accuracy), series(table, "step")
-            calls = series(table, "tools/call_frequency")
+            # the program's calls per episode (2: it called the tool and answered), else tool calls per episode
+            calls = series(table, "episodes/mean_calls") or series(table, "tools/call_frequency")
             turns = series(table, "episodes/mean_turns")
             print(f"{name}: {int(max(steps, default=0))} steps, held-out greedy accuracy {acc[:1]} -> {acc[-1:]}, "
-                  f"tool calls/episode {calls[:1]} -> {calls[-5:]}, turns {turns[:1]} -> {turns[-3:]}")
+                  f"calls/episode {calls[:1]} -> {calls[-5:]}, turns {turns[:1]} -> {turns[-3:]}")
     trl = rows(out / "calculator-trl.csv")
     if trl:
         print(f"TRL calculator: {trl[-1]['step']} steps in {trl[-1]['seconds']} s, reward {trl[0]['reward']} -> "

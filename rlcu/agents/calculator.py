@@ -21,3 +21,34 @@ def calculator(expression: str) -> str:
         raise ValueError(f"cannot evaluate {expression!r}: use integers, + - * / and parentheses")
     value = found[0]
     return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+
+
+# The calculator as an OpenAI tool, written out as a program against the OpenAI API writes it.
+CALCULATOR_TOOL = {"type": "function", "function": {
+    "name": "calculator",
+    "description": "Evaluates an arithmetic expression with integers, + - * / and parentheses.",
+    "parameters": {"type": "object", "required": ["expression"], "properties": {
+        "expression": {"type": "string", "description": 'The expression to evaluate, for example "123 * 456".'}}}}}
+
+
+async def openai_agent(endpoint, row):
+    """The calculator task as an agent program on the `openai` client (the calculator-agent recipe): ask with the
+    tool, run the calls the model makes, ask once more with their results. Returns None: the run's rewards score
+    the episode's messages, as they score the calculator recipe's tool episodes."""
+    import json
+
+    client = endpoint.client()
+    messages = list(row["prompt"])
+    reply = await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL])
+    message = reply.choices[0].message
+    if not message.tool_calls:
+        return None
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls:
+        try:
+            result = calculator(**json.loads(call.function.arguments))
+        except Exception as e:  # noqa: BLE001  (the model is told what went wrong, as a tool runner tells it)
+            result = {"error": str(e)}
+        messages.append({"role": "tool", "tool_call_id": call.id, "name": "calculator", "content": str(result)})
+    await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL])
+    return None

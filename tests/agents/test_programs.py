@@ -4,6 +4,7 @@ engine's logprobs equal a fresh forward, streaming and tool calls come back in O
 get HTTP errors while the rollout goes on."""
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -116,6 +117,32 @@ def test_tool_calls_come_back_in_openai_schema_and_tool_results_extend_the_episo
     assert [m["role"] for m in episodes.completions[0]] == ["assistant", "tool", "assistant"]
     assert 0 in out.tool_mask[0] and out.tool_mask[0][-1] == 1
 
+
+def test_the_calculator_recipes_openai_agent_calls_the_tool_and_its_episode_earns_both_rewards(smollm2_folder):
+    """The calculator-agent recipe's program (rlcu.agents.calculator:openai_agent) on the real openai client and
+    SmolLM2's template, with a scripted model that makes the call the question shows, then answers with its result:
+    math_answer and tool_use score the episode's messages as they score the calculator recipe's tool episodes."""
+    from rlcu.agents.calculator import openai_agent
+    from rlcu.data.tasks import calculator
+    from rlcu.rewards.math import MathAnswer
+    from rlcu.rewards.tools import ToolUse
+
+    tok = AutoTokenizer.from_pretrained(smollm2_folder)
+    row = calculator(n=1, seed=3)[0]
+    a, b = re.findall(r"(\d+) \* (\d+)", row["prompt"][0]["content"])[0]
+    script = lambda text, turn: (call("calculator", expression=f"{a} * {b}") if turn == 0  # noqa: E731
+                                 else f"The answer is {int(a) * int(b)}<|im_end|>")
+    runner = runner_for([row], openai_agent, tok, budget=200, fmt="hermes")
+    try:
+        ScriptedRollout(tok, script).generate(runner.prompt_ids, SamplingParams(max_tokens=200), continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    messages = episodes.completions[0]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"]
+    assert messages[1]["content"] == row["answer"] and messages[2]["content"] == f"The answer is {row['answer']}"
+    assert MathAnswer()([row["prompt"]], [messages], None, answer=[row["answer"]]) == [1.0]
+    assert ToolUse()([row["prompt"]], [messages], None) == [1.0]
 
 def _post(url, body: bytes, key: str | None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})

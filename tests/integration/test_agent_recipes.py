@@ -1,5 +1,6 @@
 """The agent recipes' CPU smoke commands (their READMEs give them), one GRPO step each on the real SmolLM2:
-the calculator recipe with its tool, the guess-number recipe through the rlcu.environments plugin."""
+the calculator recipe with its tool, the calculator-agent recipe through an openai-client program and the
+endpoint, the guess-number recipe through the rlcu.environments plugin."""
 import csv
 
 import pytest
@@ -15,17 +16,19 @@ SMOKE = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.
 
 @pytest.mark.slow
 # calculator's recipe names its ModelCheckpoint, which Lightning will not run beside enable_checkpointing=false
-@pytest.mark.parametrize("recipe, accuracy, own", [
-    ("calculator", "rewards/math_answer/mean", []),
-    ("guess-number", "rewards/GuessNumber/mean", ["--trainer.enable_checkpointing=false"])])
-def test_agent_recipe_smoke_command_trains_a_step(recipe, accuracy, own, smollm2_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe, accuracy, episodes, own", [
+    ("calculator", "rewards/math_answer/mean", "tools/call_frequency", []),
+    ("calculator-agent", "rewards/math_answer/mean", "episodes/mean_calls", []),
+    ("guess-number", "rewards/GuessNumber/mean", "tools/call_frequency", ["--trainer.enable_checkpointing=false"])])
+def test_agent_recipe_smoke_command_trains_a_step(recipe, accuracy, episodes, own, smollm2_folder, tmp_path,
+                                                  monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     cli.main(["run", recipe, *SMOKE, *own])
     metrics = [r for r in csv.DictReader(open(next(tmp_path.glob(f"runs/{recipe}/version_*/metrics.csv"))))]
     trained = [r for r in metrics if r.get(accuracy)]
-    assert trained and trained[0]["episodes/mean_turns"] and trained[0]["tools/call_frequency"] != ""
+    assert trained and trained[0]["episodes/mean_turns"] and trained[0][episodes] != ""
     assert any(r.get("eval/accuracy") for r in metrics)
 
 
