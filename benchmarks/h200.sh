@@ -15,7 +15,9 @@
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them),
-# fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8),
+# fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
+# synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
+# profile), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
@@ -103,6 +105,15 @@ case $part in
       done
       if (( gpus > 1 )); then wait; elif [[ $sides == *" trl "* ]]; then trl; fi
     done ;;
+  streaming)
+    for mode in "" --streaming; do
+      log step8x8${mode:+-stream} rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 16 \
+        --stop_tokens 512 $mode
+    done
+    log step8x8-stream-prof rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 8 --stop_tokens 512 \
+      --streaming --profile "$out/prof-stream" --profile_steps 4 ;;
+  http)
+    log turns4-http rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http ;;
   fp8)
     for kv in auto fp8; do
       log rollout64-$kv rlcu bench rollout --sequences 64 --new_tokens 512 --kv_cache_dtype $kv

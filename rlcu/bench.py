@@ -217,6 +217,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts", type=int, default=8)
     s.add_argument("--generations", type=int, default=8)
     s.add_argument("--steps", type=int, default=4, help="GRPO steps; the first is reported apart as warm-up")
+    s.add_argument("--profile_steps", type=int, default=1,
+                   help="with --profile: this many extra steps under one profile (a pattern of slow steps shows)")
     # a micro-batch of 64 x 640 tokens keeps the H200 busy (smaller ones leave it waiting on the host's
     # kernel launches) and stays under the peer's memory at both standard workloads
     s.add_argument("--micro_batch_size", type=int, default=64)
@@ -452,7 +454,8 @@ def bench_step(args) -> dict:
     rank = int(os.environ.get("LOCAL_RANK", 0))
     device = f"cuda:{rank}" if args.device == "cuda" and args.devices > 1 else args.device
     model, tok = build_model(args.model, device, args.dtype)
-    total_steps = args.steps + (1 if args.profile else 0)
+    profiled = args.profile_steps if args.profile else 0
+    total_steps = args.steps + profiled
     # streaming reads ahead: the batches that fill the stream come on top of the steps (the streamer's own count)
     ahead = (Streamer(None, args.generations, args.max_staleness, args.max_inflight_tasks).steps_in_flight(
         args.prompts // args.devices) if args.streaming else 1)
@@ -485,9 +488,10 @@ def bench_step(args) -> dict:
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if args.profile and batch_idx == args.steps:
+            if args.profile and len(steps) == args.steps and getattr(self, "prof", None) is None:
                 self.prof = profiler(args.profile).__enter__()
             _sync(args.device)
+            self.retries = _alloc_retries(args.device)
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -499,6 +503,8 @@ def bench_step(args) -> dict:
             steps.append(dict(total=time.perf_counter() - self.start, **{k: float(m[f"timing/{k}"]) for k in PHASES
                                                                        if f"timing/{k}" in m}))
             steps[-1]["tokens"] = float(m["num_tokens"])
+            # the caching allocator freed its cache and retried a cudaMalloc (each retry synchronizes the device)
+            steps[-1]["alloc_retries"] = _alloc_retries(args.device) - self.retries
             if "streaming/decode_batch_mean" in m:
                 steps[-1].update(staleness=float(m["streaming/staleness_mean"]),
                                  dropped=float(m["streaming/dropped_stale"]),
@@ -514,9 +520,9 @@ def bench_step(args) -> dict:
                 if f"memory/{phase}_GB" in m:
                     steps[-1][f"peak_{phase}_GB"] = float(m[f"memory/{phase}_GB"])
             phases = ", ".join(f"{k} {steps[-1][k]:.2f}" for k in PHASES if k in steps[-1])
-            print(f"  rank {trainer.global_rank} step {batch_idx}: {steps[-1]['total']:.2f} s ({phases})",
-                  file=sys.stderr)
-            if getattr(self, "prof", None) is not None:
+            print(f"  rank {trainer.global_rank} step {batch_idx}: {steps[-1]['total']:.2f} s ({phases}; "
+                  f"{steps[-1]['tokens']:.0f} tokens, {steps[-1]['alloc_retries']} allocator retries)", file=sys.stderr)
+            if getattr(self, "prof", None) is not None and len(steps) == total_steps:
                 self.prof.__exit__(None, None, None)
                 phases = phase_kernels(self.prof)
                 print_phase_kernels(phases, file=sys.stderr)
@@ -534,7 +540,7 @@ def bench_step(args) -> dict:
         trainer.fit(module, DataLoader(rows, batch_size=args.prompts // args.devices, collate_fn=collate_rows))
     if not trainer.is_global_zero:
         return None  # rank 0 reports (its memory, its timings: the ranks wait for each other at every step)
-    steps = steps[:args.steps]  # without the profiled one
+    steps = steps[:args.steps]  # without the profiled ones
     # streaming's first steps train on groups the stream decoded while it filled: steady from the first step after
     steady = steps[ahead if args.streaming else 1:] or steps
     mean = {k: round(sum(s[k] for s in steady) / len(steady), 3) for k in ("total", *PHASES) if k in steady[0]}
@@ -604,6 +610,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _alloc_retries(device: str) -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device.startswith("cuda") else 0
+
+
 def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
@@ -624,6 +634,8 @@ def run(argv: list[str]) -> dict:
     for name in ("prompt_len", "new_tokens", "generations"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1")
+    if getattr(args, "profile_steps", 1) < 1:
+        raise ValueError("--profile_steps must be >= 1")
     if args.profile:  # before any work: a folder that cannot be made fails now, not after the timed runs
         try:
             os.makedirs(args.profile, exist_ok=True)

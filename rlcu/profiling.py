@@ -21,8 +21,12 @@ def phase_kernels(prof: torch.profiler.profile) -> dict[str, dict]:
     of each phase. An event belongs to the phase whose range (host time) holds its start: each phase ends
     on a synchronisation, so its kernels have run before the next phase's range opens."""
     events = prof.events()
-    ranges = [(e.name[len(PREFIX):], e.time_range.start, e.time_range.end) for e in events
-              if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU]
+    ranges, seen = [], defaultdict(int)
+    for e in sorted((e for e in events if e.name.startswith(PREFIX) and e.device_type == torch.autograd.DeviceType.CPU),
+                    key=lambda e: e.time_range.start):
+        name = e.name[len(PREFIX):]
+        seen[name] += 1  # a profile of several steps holds each phase once a step: "train", "train 2", ...
+        ranges.append((name if seen[name] == 1 else f"{name} {seen[name]}", e.time_range.start, e.time_range.end))
     out = {name: {"wall_ms": (end - start) / 1e3, "busy_ms": 0.0, "kernels": defaultdict(lambda: [0.0, 0]),
                   "host": defaultdict(lambda: [0.0, 0])} for name, start, end in ranges}
     for e in events:

@@ -114,6 +114,21 @@ def test_bench_step_profiles_an_extra_step_by_phase(tmp_path, capsys):
     assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
 
 
+def test_bench_step_profiles_several_steps_each_phase_apart(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    main(["bench", "step", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--prompts", "2",
+          "--generations", "2", "--prompt_len", "4", "--new_tokens", "3", "--steps", "1", "--profile",
+          str(tmp_path / "prof"), "--profile_steps", "2"])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(out["step_seconds"]) == 1
+    assert set(out["profile"]) == {"generate", "score", "train", "generate 2", "score 2", "train 2"}
+    assert "allocator retries" in captured.err
+    with pytest.raises(SystemExit):
+        main(["bench", "step", "--model", str(folder), "--device", "cpu", "--profile_steps", "0"])
+    assert "--profile_steps must be >= 1" in capsys.readouterr().err
+
+
 def test_standard_tokenizer_round_trips_every_id():
     tok = word_tokenizer(1000)
     ids = [0, 5, 997, 123]
