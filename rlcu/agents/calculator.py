@@ -37,11 +37,13 @@ async def openai_agent(endpoint, row):
     the episode's messages, as they score the calculator recipe's tool episodes."""
     import json
 
+    import openai
+
     client = endpoint.client()
     messages = list(row["prompt"])
     reply = await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL])
     message = reply.choices[0].message
-    if not message.tool_calls:
+    if not message.tool_calls or reply.choices[0].finish_reason == "length":  # answered, or the episode's budget ended
         return None
     messages.append(message.model_dump(exclude_none=True))
     for call in message.tool_calls:
@@ -50,5 +52,9 @@ async def openai_agent(endpoint, row):
         except Exception as e:  # noqa: BLE001  (the model is told what went wrong, as a tool runner tells it)
             result = {"error": str(e)}
         messages.append({"role": "tool", "tool_call_id": call.id, "name": "calculator", "content": str(result)})
-    await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL])
+    try:
+        await client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR_TOOL])
+    except openai.BadRequestError as e:  # the result left no room to answer (context_length_exceeded)
+        if e.code != "context_length_exceeded":
+            raise
     return None

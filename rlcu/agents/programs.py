@@ -279,7 +279,8 @@ class ProgramRunner:
             if ep.waiting is None:
                 ep.open = False
             waiting = ep.waiting
-        finish = "tool_calls" if calls else ("stop" if turn.finish_reason == "stop" else "length")
+        # a spent budget is "length" even where a complete tool call was parsed: no call can follow it
+        finish = "length" if spent else "tool_calls" if calls else "stop" if turn.finish_reason == "stop" else "length"
         respond = self._text_response if ep.text_mode else self._response
         ep.answer.set_result(respond(ep, served, ids, finish, logprobs))
         if waiting is None:

@@ -144,6 +144,42 @@ def test_the_calculator_recipes_openai_agent_calls_the_tool_and_its_episode_earn
     assert MathAnswer()([row["prompt"]], [messages], None, answer=[row["answer"]]) == [1.0]
     assert ToolUse()([row["prompt"]], [messages], None) == [1.0]
 
+@pytest.mark.parametrize("cut", [-1, 0], ids=["budget-spent-by-the-call", "no-room-for-the-result"])
+def test_a_tool_call_at_the_end_of_the_budget_ends_the_calculator_episode_cleanly(smollm2_folder, cut):
+    """A call whose tool call spends the episode's budget is finish_reason "length" (no call can follow it; it was
+    "tool_calls", and the next call got 404); one that leaves no room for the result gets OpenAI's 400
+    context_length_exceeded. The calculator-agent program ends its episode on either, and the rollout goes on."""
+    from rlcu.agents.calculator import openai_agent
+    from rlcu.data.tasks import calculator
+
+    tok = AutoTokenizer.from_pretrained(smollm2_folder)
+    row = calculator(n=1, seed=3)[0]
+    text = call("calculator", expression="1 * 2")
+    budget = len(tok(text, add_special_tokens=False)["input_ids"]) + cut
+    seen = []
+
+    async def agent(endpoint, row):
+        client = endpoint.client()
+        original = client.chat.completions.create
+
+        async def create(**kwargs):
+            reply = await original(**kwargs)
+            seen.append(reply.choices[0].finish_reason)
+            return reply
+        endpoint.client = lambda: client
+        client.chat.completions.create = create
+        return await openai_agent(endpoint, row)
+
+    runner = runner_for([row], agent, tok, budget=budget, fmt="hermes")
+    try:
+        ScriptedRollout(tok, lambda text_, turn: text).generate(runner.prompt_ids, SamplingParams(max_tokens=budget),
+                                                                 continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    assert seen == ["length" if cut < 0 else "tool_calls"]
+    assert [m["role"] for m in episodes.completions[0]] == ["assistant"]
+
 def _post(url, body: bytes, key: str | None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     try:
