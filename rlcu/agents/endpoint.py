@@ -23,6 +23,15 @@ BODY_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 1.0
 
 
+async def _within(awaitable, seconds: float):
+    """`awaitable`'s result, TimeoutError after `seconds`: asyncio.timeout where there is one (Python 3.11), which
+    runs it in the calling task; wait_for makes a task of it, a cost on every call of a busy endpoint."""
+    if not hasattr(asyncio, "timeout"):
+        return await asyncio.wait_for(awaitable, seconds)
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
 class HTTPError(Exception):
     """An error the client gets as OpenAI's `{"error": {...}}` with this status."""
 
@@ -120,7 +129,7 @@ class Endpoint:
 
     async def _body(self, request) -> dict:
         try:
-            body = await asyncio.wait_for(request.json(), self.body_timeout)
+            body = await _within(request.json(), self.body_timeout)
         except (ValueError, UnicodeDecodeError) as e:
             raise HTTPError(400, f"the request body is not JSON ({e})") from None
         except TimeoutError:

@@ -420,9 +420,10 @@ def _prompt(body: dict, vocab_size: int) -> str | list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
+    # map, set, min and max run in C: a long episode's prompt is checked on every call
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
             raise HTTPError(400, f"prompt token ids {bad[:3]} are outside the vocabulary (0..{vocab_size - 1})")
         return prompt
     raise HTTPError(400, "'prompt' must be one non-empty string or one non-empty list of token ids (an episode is "
