@@ -82,6 +82,32 @@ def test_a_three_call_episode_is_one_sample_with_its_tokens_as_sampled(tiny):
     assert not runner.endpoint.loop, "the endpoint is left running"
 
 
+def test_the_episodes_clients_share_one_connection_pool_and_a_programs_own_loop_gets_its_own(tiny):
+    """endpoint.client() on the programs' loop is a copy of one client (a new one costs tens of milliseconds of the
+    interpreter, every episode); from a program's own thread and event loop it is a client of its own, which works
+    there (connections cannot cross event loops)."""
+    model, tok = tiny
+    pools = []
+
+    async def agent(endpoint, row):
+        client = endpoint.client()
+        pools.append(client._client)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = await client.chat.completions.create(model=endpoint.model, messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "t20"}]
+
+        async def in_own_loop():
+            own = endpoint.client()
+            assert own._client not in pools
+            return await own.chat.completions.create(model=endpoint.model, messages=messages)
+
+        second = await asyncio.to_thread(asyncio.run, in_own_loop())
+        return float(bool(second.choices[0].message.content is not None))
+
+    out, episodes = run_episodes(model, runner_for(ROWS, agent, tok), max_turn_tokens=5)
+    assert episodes.columns["agent_returns"] == [1.0, 1.0]
+    assert len(pools) == 2 and pools[0] is pools[1]
+
 def test_tool_calls_come_back_in_openai_schema_and_tool_results_extend_the_episode(smollm2_folder):
     """SmolLM2's real tokenizer and chat template (hermes tool format) and a scripted model that calls a tool,
     then answers."""
