@@ -133,6 +133,9 @@ class ProgramEpisode:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+TEARDOWN_S = 10.0  # what close() waits for the programs' teardown once every program returned
+
+
 class ProgramRunner:
     """Runs one agent program per row (rows already repeated per generation) against an endpoint, for one
     rollout: `prompt_ids` once every program made its first call, then the continuation (`__call__`), then
@@ -183,7 +186,10 @@ class ProgramRunner:
             finally:
                 await shared.close()
 
-        self._loop.run_until_complete(all_programs())
+        try:
+            self._loop.run_until_complete(all_programs())
+        except asyncio.CancelledError:  # close() cancelled the programs that had not returned
+            pass
 
     def _ended(self, ep: ProgramEpisode) -> None:
         with self.lock:
@@ -411,9 +417,12 @@ class ProgramRunner:
         return self.tokenizer.decode(rest, skip_special_tokens=True) if isinstance(rest, list) else rest
 
     def close(self) -> None:
+        returned = all(ep.done.is_set() for ep in self.episodes)
         for ep in self.episodes:
             self._ended(ep)
         self.endpoint.stop()
+        if returned:  # the programs' own teardown (their shared client, an environment's servers) ends by itself
+            self._thread.join(TEARDOWN_S)
         if self._thread.is_alive():
             for task in asyncio.all_tasks(self._loop) if not self._loop.is_closed() else []:
                 self._loop.call_soon_threadsafe(task.cancel)
