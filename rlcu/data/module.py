@@ -84,7 +84,10 @@ class PromptDataModule(L.LightningDataModule):
         super().__init__()
         if hold_out_by not in HOLD_OUT_BY:
             raise ValueError(f"hold_out_by must be one of {HOLD_OUT_BY}, got {hold_out_by!r}")
-        self.save_hyperparameters(ignore=not_plain(dataset=dataset))
+        # the seed logged as data_seed: Lightning merges the data module's hyperparameters with the GRPO module's,
+        # whose `seed` (the sampler's, 42 by default as TRL's) is another setting, and refuses a run where they differ
+        self.save_hyperparameters(ignore=[*not_plain(dataset=dataset), "seed"])
+        self.save_hyperparameters({"data_seed": seed})
         self.dataset, self.dataset_args, self.split = dataset, dataset_args, split
         self.batch_size, self.shuffle, self.seed, self.max_samples = batch_size, shuffle, seed, max_samples
         self.required_columns, self.as_chat, self.system_prompt = list(required_columns), as_chat, system_prompt

@@ -109,6 +109,15 @@ def fast_run(tiny_model, tmp_path, *extra):
             "--trainer.enable_progress_bar=false", "--model.max_prompt_length=64", *extra]
 
 
+def test_a_sampler_seed_other_than_the_data_seed_runs_and_logs_both(capsys, tiny_model, tmp_path, monkeypatch):
+    """Lightning merges the data module's hyperparameters with the module's for the loggers, and refused a run whose
+    two `seed`s differ (rlcu run quickstart --model.seed=42 ended in a traceback); the data seed is data_seed."""
+    monkeypatch.chdir(tmp_path)
+    cli.main(fast_run(tiny_model, tmp_path, "--model.seed=42", "--trainer.max_steps=1"))
+    hparams = next(tmp_path.glob("lightning_logs/version_*/hparams.yaml")).read_text()
+    assert "\nseed: 42" in hparams and "\ndata_seed: 0" in hparams
+
+
 def test_unknown_plugin_lists_available(capsys, tiny_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, err = run_main(fast_run(tiny_model, tmp_path, "--model.rewards=[math_answr]"), capsys)
