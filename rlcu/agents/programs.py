@@ -92,10 +92,13 @@ class AgentEndpoint:
         return _openai().AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
 
 
-def load_program(spec: str | Callable) -> Callable:
-    """An agent program given as a callable or an import path ('my_pkg.agents:solve')."""
+def load_program(spec: str | dict | Callable) -> Callable:
+    """An agent program given as a callable, an import path ('my_pkg.agents:solve'), or a class to build, as
+    LightningCLI writes one: {'class_path': 'rlcu.agents.verifiers.VerifiersEnvironment', 'init_args': {...}}."""
     if callable(spec):
         return spec
+    if isinstance(spec, dict):
+        return _build(spec)
     module, _, name = str(spec).partition(":")
     if not name:
         raise ValueError(f"agent {spec!r}: give an import path 'package.module:function' or a callable")
@@ -107,6 +110,23 @@ def load_program(spec: str | Callable) -> Callable:
     if not callable(fn):
         raise ValueError(f"agent {spec!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _build(spec: dict) -> Callable:
+    path, args = spec.get("class_path"), spec.get("init_args") or {}
+    module, _, name = str(path).rpartition(".")
+    if not module or set(spec) - {"class_path", "init_args"} or not isinstance(args, dict):
+        raise ValueError(f"agent {spec!r}: give {{'class_path': 'package.module.Class', 'init_args': {{...}}}}")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent class {path!r} cannot be imported ({e}); check the path and that the package is "
+                         "installed") from None
+    program = cls(**args)
+    if not callable(program):
+        raise ValueError(f"agent class {path!r} builds a {type(program).__name__}, which is not callable as "
+                         "(endpoint, row)")
+    return program
 
 
 @dataclass

@@ -72,6 +72,13 @@ class VerifiersEnvironment:
         return sum(trace.reward for trace in episode.traces) / len(episode.traces)
 
 
+def taskset_rows(env: Any, runtime: str = "subprocess") -> list[dict]:
+    """The rows of a verifiers environment's tasks, as a data source (`dataset: rlcu.agents.verifiers:taskset_rows`,
+    `dataset_args: {env: my_taskset}`), beside `agent: {class_path: rlcu.agents.verifiers.VerifiersEnvironment,
+    init_args: {env: my_taskset}}`."""
+    return VerifiersEnvironment(env, runtime).rows()
+
+
 class _Served:
     """The environment's serving resources (`env.serving()`: its interception server, shared tools), held by one
     rollout's episodes together on their event loop: entered by the first, left by the last. An env holds one

@@ -65,3 +65,49 @@ def test_a_row_without_a_task_is_one_clear_error(example):
 
     with pytest.raises(ValueError, match="give the data module VerifiersEnvironment.rows"):
         asyncio.run(example["env"](AgentEndpoint("http://127.0.0.1:1/v1", "k", "policy"), {"prompt": "x"}))
+
+
+def test_a_verifiers_environment_trains_from_a_yaml_config(example, tmp_path, monkeypatch):
+    """`rlcu run CONFIG`: the agent as LightningCLI writes a class (class_path, init_args), the rows from the
+    taskset_rows data source."""
+    import csv
+
+    from rlcu import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = tmp_path / "vf.yaml"
+    config.write_text(f"""
+trainer:
+  max_steps: 1
+  accelerator: cpu
+  precision: 32-true
+  enable_checkpointing: false
+  enable_progress_bar: false
+  log_every_n_steps: 1
+  logger: [{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: runs, name: vf}}}}]
+model:
+  model: {tmp_path / "m"}
+  agent: {{class_path: rlcu.agents.verifiers.VerifiersEnvironment, init_args: {{env: my_arith}}}}
+  num_generations: 2
+  max_completion_length: 24
+  max_call_tokens: 8
+  micro_batch_size: 4
+  max_prompt_length: 64
+data:
+  dataset: rlcu.agents.verifiers:taskset_rows
+  dataset_args: {{env: my_arith}}
+  batch_size: 2
+""")
+    cli.main(["run", str(config)])
+    rows = list(csv.DictReader(open(next(tmp_path.glob("runs/vf/version_*/metrics.csv")))))
+    assert any(r.get("rewards/agent/mean") not in (None, "") and r.get("episodes/mean_calls") == "2.0" for r in rows)
+
+
+def test_a_wrong_agent_class_is_one_clear_error():
+    from rlcu.agents.programs import load_program
+
+    with pytest.raises(ValueError, match="agent class 'rlcu.agents.verifiers.NoSuch' cannot be imported"):
+        load_program({"class_path": "rlcu.agents.verifiers.NoSuch"})
+    with pytest.raises(ValueError, match="give {'class_path'"):
+        load_program({"class_path": "VerifiersEnvironment", "args": {}})
