@@ -102,11 +102,7 @@ def load_program(spec: str | dict | Callable) -> Callable:
     module, _, name = str(spec).partition(":")
     if not name:
         raise ValueError(f"agent {spec!r}: give an import path 'package.module:function' or a callable")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent {spec!r} cannot be imported ({e}); check the path and that the package is "
-                         "installed") from None
+    fn = _imported(module, name, f"agent {spec!r}")
     if not callable(fn):
         raise ValueError(f"agent {spec!r} is a {type(fn).__name__}, not a function")
     return fn
@@ -117,16 +113,19 @@ def _build(spec: dict) -> Callable:
     module, _, name = str(path).rpartition(".")
     if not module or set(spec) - {"class_path", "init_args"} or not isinstance(args, dict):
         raise ValueError(f"agent {spec!r}: give {{'class_path': 'package.module.Class', 'init_args': {{...}}}}")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent class {path!r} cannot be imported ({e}); check the path and that the package is "
-                         "installed") from None
-    program = cls(**args)
+    program = _imported(module, name, f"agent class {path!r}")(**args)
     if not callable(program):
         raise ValueError(f"agent class {path!r} builds a {type(program).__name__}, which is not callable as "
                          "(endpoint, row)")
     return program
+
+
+def _imported(module: str, name: str, what: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} cannot be imported ({e}); check the path and that the package is installed") \
+            from None
 
 
 @dataclass
