@@ -116,4 +116,9 @@ def test_a_window_keeps_the_sums_of_a_decode_query_and_a_prefill_tile_equal():
         one = paged_attention_triton(q[pos:pos + 1], k, v, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
                                      torch.tensor([pos + 1], dtype=torch.int32, device=DEVICE), table, 0.125,
                                      window=window)
-        assert torch.equal(one[0], whole[pos])
+        if DEVICE == "cpu":
+            # the interpreter's tl.dot is numpy's BLAS, whose one-row and many-row kernels may round a last bit
+            # apart on some CPUs (OpenBLAS picks them by CPU); a tile-dependent window would be off by far more
+            torch.testing.assert_close(one[0], whole[pos], rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(one[0], whole[pos])
