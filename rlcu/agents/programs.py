@@ -55,8 +55,8 @@ def _openai():
 
 class SharedClient:
     """One `openai.AsyncOpenAI` for a rollout's programs, made on their event loop when the first asks: each
-    episode's client is a copy on its own base URL that shares its connections. A new client a call costs tens of
-    milliseconds of the interpreter (its HTTP client and TLS context); 128 episodes a step paid seconds."""
+    episode's client is a copy on its own base URL that shares its connections: a client made anew costs tens of
+    milliseconds of the interpreter (its HTTP client and TLS context), beside the engine, on every episode."""
 
     def __init__(self, api_key: str, loop: asyncio.AbstractEventLoop):
         self.api_key, self.loop, self.base = api_key, loop, None
