@@ -137,7 +137,7 @@ class GRPOModule(L.LightningModule):
                              "run synchronously: set streaming=false")
         require(self.rollout, "streaming", "streaming", "use rollout: native, or set streaming=false")
         return Streamer(self, s.num_generations, st.max_staleness, st.max_inflight_tasks,
-                        self.options.model.score_during_generation)
+                        self.options.model.score_during_generation, s.max_completion_length)
 
     # ---- what the streamer asks of the module (streaming.Host) ----------------------------------------------
     def open_stream(self, max_sequences: int):

@@ -9,7 +9,10 @@ decoding resumes (`EngineStream.release`).
 
 How far the stream runs ahead: `max_inflight_tasks` samples (TRL's AsyncGRPOTrainer's name; -1: max(max_staleness,
 1) steps' worth), counted in whole steps. Until that many are in flight the first steps only admit their prompts
-(no optimizer step, so Lightning's step count does not move). With one step's worth (max_staleness=0) the stream
+and decode (no optimizer step, so Lightning's step count does not move). Every step decodes at least its share of
+a completion, max_completion_length / steps in flight decode steps, before it looks for finished groups: the
+batches in flight stay that far apart, so that the steps take even time, where otherwise the batches admitted
+while older ones were finished would start together and finish together, in one long step every few. With one step's worth (max_staleness=0) the stream
 is the synchronous rollout: each step decodes its own prompts to the end, with the same seeds.
 
 Staleness: each token records the policy version (optimizer steps) it was sampled under; a sample's staleness
@@ -132,8 +135,9 @@ class Prescored:
 
 class Streamer:
     def __init__(self, host: Host, num_generations: int, max_staleness: int, max_inflight_tasks: int,
-                 score_during_generation: bool = False):
-        self.host, self.score_during_generation = host, score_during_generation
+                 score_during_generation: bool = False, max_tokens: int = 0):
+        """`max_tokens`: a completion's most tokens; each step decodes at least its share of them (0: none)."""
+        self.host, self.score_during_generation, self.max_tokens = host, score_during_generation, max_tokens
         self.scorer: GroupScorer | None = None
         self.g, self.max_staleness, self.max_inflight_tasks = num_generations, max_staleness, max_inflight_tasks
         self.stream: RolloutStream | None = None
@@ -154,21 +158,36 @@ class Streamer:
         self.pending += [Group(row, self.batches) for row in rows]
         self.batches += 1
         need, steps = len(rows), self.steps_in_flight(len(rows))
-        self._submit(version, steps * need * self.g)  # decoding starts with the first step
-        if len(self.pending) < steps * need:
-            return None
+        self._submit(version, steps * need * self.g)
+        pace = -(-self.max_tokens // steps)
         self.dropped_now = 0
+        if len(self.pending) < steps * need:  # the stream fills: its share of decoding, no training yet
+            self._run(lambda: True, pace, should_stop)
+            return None
+        self._run(lambda: self._ready(version) >= need, pace, should_stop)
+        return self._take(need, version)
+
+    def _run(self, ready: Callable[[], bool], pace: int, should_stop: Callable[[], bool] | None) -> None:
+        """Decode at least `pace` steps (one step's share of a completion's tokens, so that the batches in flight
+        stay a step's share apart instead of finishing together in one long step every `steps` steps), then
+        until `ready()`."""
+        asked = 0
+
+        def until() -> bool:
+            nonlocal asked
+            asked += 1
+            return asked > pace and ready()
+
         interval = sys.getswitchinterval()
         if self.scorer is not None:  # the decode loop gets the interpreter back within a fraction of a step
             sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         try:
-            self.stream.run(lambda: self._ready(version) >= need, should_stop)
+            self.stream.run(until, should_stop)
         except BaseException:  # interrupted (SIGTERM): the pending prompts stay for the checkpoint
             self.close()
             raise
         finally:
             sys.setswitchinterval(interval)
-        return self._take(need, version)
 
     def _submit(self, version: int, max_sequences: int = 0) -> None:
         """Open the stream if needed (its pool sized for `max_sequences`) and submit the groups not in it, each

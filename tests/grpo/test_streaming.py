@@ -97,6 +97,16 @@ def test_stale_groups_are_dropped_counted_and_sampled_again(tmp_path):
         assert {"streaming/staleness_mean", "streaming/queue_groups", "streaming/decode_batch_mean"} <= set(m)
 
 
+def test_each_step_decodes_its_share_so_the_steps_stay_even(tmp_path):
+    """Three steps in flight and completions of 24 tokens: each step decodes at least 24 / 3 steps. Without that
+    share the batches admitted while older ones stood finished started together, and one step in three decoded
+    a whole completion while the other two decoded nothing (24, 0, 0, 24, ...)."""
+    module = make(toy_model(tmp_path / "m"), streaming=True, max_staleness=3, max_completion_length=24)
+    rows = fit(module, toy_rows(60, seed=1), steps=8, log_dir=tmp_path, batch_size=2)
+    steps = [int(r["streaming/decode_steps"]) for r in rows if "streaming/decode_steps" in r]
+    assert len(steps) == 8 and all(8 <= n <= 10 for n in steps[1:]), steps  # 8 a step, +1 for the step ahead
+
+
 def recorder(seen: list):
     def reward(prompts, completions, completion_ids, target, row_id, **kwargs):
         seen.extend(row_id)
