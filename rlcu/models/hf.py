@@ -1,8 +1,9 @@
 """The transformers fallback: any causal LM that transformers runs and rlcu has no native family for trains
 on its own HF modules and parameters. Training takes its logits from the HF forward (so whatever the
 family does after the last layer, soft-capping or scaling, holds); rollouts come from the reference
-backend, which drives the same module with transformers' KV cache (`incremental`). Slower than the native
-path (no paged engine, no fused kernels), and said so in a log line; docs list the native families."""
+backend, which drives the same module (`incremental`): with rlcu's attention over a static cache where the
+model allows (`hf_decode.py`), else with transformers' KV cache. Slower than the native path (no paged
+engine, no fused kernels), and said so in a log line; docs list the native families."""
 from __future__ import annotations
 
 import functools
@@ -50,6 +51,7 @@ class HFCausalLM(nn.Module):
 
     native = False
     logits_from_forward = True
+    static_decoding = True  # False once the model's attention asked for what rlcu's static cache lacks
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -105,7 +107,14 @@ class HFCausalLM(nn.Module):
                       use_cache=False, logits_to_keep=keep)
         return out.logits
 
-    def incremental(self, batch: int, max_len: int) -> "HFIncremental":
+    def incremental(self, batch: int, max_len: int):
+        """The reference backend's decoder: rlcu's static cache inside the HF modules (`hf_decode`, CUDA
+        graphs on CUDA) where the model declares attention through transformers' interface, else
+        transformers' own cache."""
+        from rlcu.models import hf_decode
+
+        if self.static_decoding and hf_decode.supported(self.hf):
+            return hf_decode.StaticDecoder(self, batch, max_len, slow=lambda: HFIncremental(self))
         return HFIncremental(self)
 
 
@@ -150,6 +159,6 @@ def load_hf_model(folder: Path, dtype, trust_remote_code: bool = False):
         raise ValueError(f"{folder}: transformers {transformers.__version__} cannot load this model either "
                          f"({str(e).splitlines()[0]}); rlcu's native families: {native}") from None
     log.warning("%s: model_type %r has no native family in rlcu; it runs on the transformers fallback (its HF "
-                "modules for training, the reference backend over transformers' KV cache for rollouts: slower). "
+                "modules for training and rollouts, without the paged engine: slower). "
                 "Native: %s", folder.name, config.model_type, ", ".join(native_families()))
     return HFCausalLM(model), load_tokenizer(folder)

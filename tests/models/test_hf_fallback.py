@@ -9,8 +9,8 @@ import transformers
 
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.grpo.module import GRPOModule
-from rlcu.models import load_model
-from rlcu.models.hf import HFCausalLM
+from rlcu.models import hf_decode, load_model
+from rlcu.models.hf import HFCausalLM, HFIncremental
 from rlcu.rollout import SamplingParams
 from rlcu.rollout.reference import ReferenceRollout
 from tests.helpers import (
@@ -90,3 +90,54 @@ def test_a_folder_without_a_tokenizer_needs_one_to_train(tmp_path):
     assert load_model(folder)[1] is None
     with pytest.raises(ValueError, match="has no tokenizer: save one into the folder, or pass tokenizer="):
         GRPOModule(str(folder), rewards=[match_target])
+
+
+def _as_fallback(folder) -> HFCausalLM:
+    """A family rlcu runs natively, driven through the fallback instead (its HF modules)."""
+    return HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+
+
+def _greedy_hf(folder, prompts, n):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as the rollouts here: no stop token
+    return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=62)[0, len(p):].tolist()
+            for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_the_static_cache_decodes_as_transformers_generate_across_widths(tmp_path, family, monkeypatch):
+    """rlcu's attention inside the HF modules (GQA group 3 for llama), with cache widths 8 columns apart so
+    one rollout crosses several (one CUDA graph each on CUDA): tokens equal transformers' generate,
+    logprobs equal the training forward's."""
+    monkeypatch.setattr(hf_decode, "COLS", 8)
+    folder = tiny_hf_folder(tmp_path, family)
+    model = _as_fallback(folder)
+    assert isinstance(model.incremental(2, 40), hf_decode.StaticDecoder)
+    calls = []
+    monkeypatch.setattr(hf_decode.StaticDecoder, "attend", _spy(hf_decode.StaticDecoder.attend, calls))
+    out = reference_generate(model, PROMPTS, SamplingParams(max_tokens=20, temperature=0))
+    assert calls and model.static_decoding and model.hf.config._attn_implementation != hf_decode.NAME
+    assert out.completion_ids == _greedy_hf(folder, PROMPTS, 20)
+    for p, c, lp in zip(out.prompt_ids, out.completion_ids, out.logprobs):
+        ids = torch.tensor([p + c])
+        ref, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(c), 1.0)
+        assert (ref[0] - torch.tensor(lp)).abs().max() < 1e-4
+
+
+def _spy(fn, calls):
+    def spied(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return spied
+
+
+def test_a_sliding_window_model_decodes_over_transformers_cache_instead(tmp_path, caplog):
+    """Mistral's attention asks for a sliding window, which the static cache lacks: found at the prefill,
+    said once, and the rollout still equals transformers' generate."""
+    folder = tiny_hf_folder(tmp_path, "mistral")
+    model = _as_fallback(folder)
+    with caplog.at_level("WARNING"):
+        out = reference_generate(model, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
+    assert "sliding_window" in caplog.text and not model.static_decoding
+    assert out.completion_ids == _greedy_hf(folder, PROMPTS, 12)
+    assert isinstance(model.incremental(2, 40), HFIncremental)
