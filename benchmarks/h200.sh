@@ -15,6 +15,8 @@
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them),
+# scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
+# "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)),
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
@@ -86,6 +88,21 @@ case $part in
       done
     done
     wait ;;
+  scaling)
+    # issue #46: per-GPU throughput of all the host's GPUs against one, at the same batch per GPU (8 prompts x 8):
+    # the 1.7B shape under ddp, streaming at the 0.6B shape under ddp (SCALE picks "ddp", "stream", "fsdp"), the 8B
+    # shape under fsdp2 (bf16 AdamW moments, so that one GPU holds it too)
+    n=$(nvidia-smi -L | wc -l)
+    for g in 1 "$n"; do
+      s=ddp; f=fsdp2; [ "$g" = 1 ] && s=auto f=auto
+      [[ " ${SCALE:-ddp stream fsdp} " == *" ddp "* ]] && log step-1.7b-$s$g rlcu bench step --model qwen3-1.7b-random \
+        --prompts $((8 * g)) --generations 8 --new_tokens 512 --steps 3 --devices "$g" --strategy $s
+      [[ " ${SCALE:-ddp stream fsdp} " == *" stream "* ]] && log step-0.6b-stream-$s$g rlcu bench step --prompts $((8 * g)) \
+        --generations 8 --new_tokens 512 --steps 8 --stop_tokens 512 --streaming --devices "$g" --strategy $s
+      [[ " ${SCALE:-ddp stream fsdp} " == *" fsdp "* ]] && log step-8b-$f$g rlcu bench step --model qwen3-8b-random \
+        --prompts $((8 * g)) --generations 8 --new_tokens 512 --steps 3 --devices "$g" --strategy $f \
+        --adam_state_dtype bfloat16
+    done ;;
   fsdp8b)
     for state in float32 bfloat16; do
       log step-8b-fsdp2-$state rlcu bench step --model qwen3-8b-random --prompts 8 --generations 8 --new_tokens 512 \
