@@ -12,8 +12,9 @@ How far the stream runs ahead: `max_inflight_tasks` samples (TRL's AsyncGRPOTrai
 and decode (no optimizer step, so Lightning's step count does not move). Every step decodes at least its share of
 a completion, max_completion_length / steps in flight decode steps, before it looks for finished groups: the
 batches in flight stay that far apart, so that the steps take even time, where otherwise the batches admitted
-while older ones were finished would start together and finish together, in one long step every few. With one step's worth (max_staleness=0) the stream
-is the synchronous rollout: each step decodes its own prompts to the end, with the same seeds.
+while older ones were finished would start together and finish together, in one long step every few. With one
+step's worth (max_staleness=0) the stream is the synchronous rollout: each step decodes its own prompts to the end,
+with the same seeds.
 
 Staleness: each token records the policy version (optimizer steps) it was sampled under; a sample's staleness
 at training time is the current version minus its oldest token's. A finished group with a sample staler than
