@@ -155,8 +155,19 @@ def check_reply(reply, completion_length: int, max_tokens: int) -> None:
 
 
 # Called from worker threads, one call per ended turn, so that a slow tool does not hold up the decoding
-# of other episodes; calls for different requests may run at the same time.
+# of other episodes; calls for different requests may run at the same time. A continuation whose calls wait on
+# someone else (an agent program's next request) declares how many may wait at once as an int attribute
+# `waiting_turns`; backends run at least that many at once (`continuation_workers`).
 Continuation = Callable[[Turn], Reply]
+
+
+def continuation_workers(continuation: Continuation, default: int) -> int:
+    """Threads for a continuation's calls: `default` (a tool's or an environment's turn is short), or as many
+    turns as it declares may wait at once, so that no ended turn queues behind turns that wait."""
+    waiting = getattr(continuation, "waiting_turns", 0)
+    if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0:
+        raise TypeError(f"{type(continuation).__name__}.waiting_turns must be a non-negative int, got {waiting!r}")
+    return max(default, waiting)
 
 
 @dataclass

@@ -171,6 +171,8 @@ class ProgramRunner:
         self.max_completion_length, self.timeout = max_completion_length, timeout
         self.episodes = [ProgramEpisode(secrets.token_hex(8), row) for row in rows]
         self.by_id = {e.id: e for e in self.episodes}
+        # each ended turn waits in its worker for the program's next call: every episode may wait at once
+        self.waiting_turns = len(self.episodes)
         self.lock = threading.Lock()
         self.endpoint = Endpoint(self)
         self.endpoint.start()

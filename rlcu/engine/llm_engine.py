@@ -27,6 +27,7 @@ from rlcu.contracts import (
     StopStrings,
     Turn,
     check_reply,
+    continuation_workers,
     turn_bound,
 )
 from rlcu.engine.block_manager import BlockManager
@@ -217,7 +218,8 @@ class LLMEngine:
     def _run_episodes(self, continuation: Continuation) -> None:
         """Steps while continuations run beside them; when nothing is left to compute, wait for a reply."""
         pending: dict[Future, object] = {}
-        pool = ThreadPoolExecutor(self.config.continuation_workers, thread_name_prefix="rlcu-turn")
+        pool = ThreadPoolExecutor(continuation_workers(continuation, self.config.continuation_workers),
+                                  thread_name_prefix="rlcu-turn")
         try:
             while True:
                 for seq in self._turns_ended:

@@ -9,7 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 
-from rlcu.contracts import Continuation, RolloutBatch, SamplingParams, Turn, check_reply, turn_bound
+from rlcu.contracts import (
+    Continuation,
+    RolloutBatch,
+    SamplingParams,
+    Turn,
+    check_reply,
+    continuation_workers,
+    turn_bound,
+)
 from rlcu.rollout.base import capabilities_of
 
 TURN_SEED_STRIDE = 1_000_003  # each turn draws from its own seed
@@ -45,7 +53,7 @@ def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: Sam
     if len(own) != n:
         raise ValueError(f"first_turn_tokens has {len(own)} entries for {n} prompts")
     active, turn = list(range(n)), 0
-    with ThreadPoolExecutor(workers, thread_name_prefix="rlcu-turn") as pool:
+    with ThreadPoolExecutor(continuation_workers(continuation, workers), thread_name_prefix="rlcu-turn") as pool:
         while active:
             ended = _one_turn(generate, prompt_token_ids, sampling, turn, active, completions, logprobs, masks, own)
             replies = list(pool.map(continuation, [Turn(i, list(completions[i]), reason, list(logprobs[i]))

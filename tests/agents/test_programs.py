@@ -82,6 +82,47 @@ def test_a_three_call_episode_is_one_sample_with_its_tokens_as_sampled(tiny):
     assert not runner.endpoint.loop, "the endpoint is left running"
 
 
+def barrier_program(n: int):
+    """Episodes that wait for each other between their two calls, as agents of one team do: no second call
+    comes before every episode got its first answer."""
+    answered = []
+
+    async def team(endpoint, row):
+        client = endpoint.client()
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = await client.chat.completions.create(model=endpoint.model, messages=messages)
+        answered.append(1)
+        while len(answered) < n:
+            await asyncio.sleep(0.01)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "t20"}]
+        await client.chat.completions.create(model=endpoint.model, messages=messages)
+        return 1.0
+    return team
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_every_episode_may_wait_for_its_programs_next_call_at_once(tiny, backend):
+    """24 episodes, more than the 16 threads a continuation gets by default: each ended turn waits in its thread
+    for the program's next call, so with 16 the other 8 first answers were never sent and the team waited for
+    them until its timeout."""
+    from rlcu.rollout import resolve_rollout, turns
+
+    model, tok = tiny
+    rows = [{"prompt": f"t{3 + i % 20}"} for i in range(24)]
+    runner = runner_for(rows, barrier_program(len(rows)), tok, timeout=20.0)
+    try:
+        rollout = resolve_rollout(backend)
+        rollout.setup(model, tok)
+        sp = SamplingParams(max_tokens=40, max_turn_tokens=4, temperature=1.0, seed=0,
+                            first_turn_tokens=runner.first_turn_tokens)
+        out = turns.generate(rollout, runner.prompt_ids, sp, continuation=runner)
+        episodes = runner.record()
+    finally:
+        runner.close()
+    assert runner.waiting_turns == 24 and episodes.columns["agent_returns"] == [1.0] * 24
+    assert all(sum(m) == 8 for m in out.tool_mask)  # two sampled turns of 4 tokens each
+
+
 def test_the_episodes_clients_share_one_connection_pool_and_a_programs_own_loop_gets_its_own(tiny):
     """endpoint.client() on the programs' loop is a copy of one client (a new one costs tens of milliseconds of the
     interpreter, every episode); from a program's own thread and event loop it is a client of its own, which works

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcu.contracts import Reply, RolloutBatch, SamplingParams
+from rlcu.contracts import Reply, RolloutBatch, SamplingParams, continuation_workers
 from rlcu.grpo.module import GRPOModule
 from rlcu.rollout import Capabilities, capabilities_of, resolve_rollout, turns
 from tests.helpers import match_target, toy_model
@@ -102,3 +102,19 @@ def test_the_engines_numerics_are_the_modules_option_alone():
 
     with pytest.raises(ValueError, match="set exact_logprobs .*not rollout.init_args.engine.numerics"):
         NativeRollout({"numerics": "exact"})
+
+
+def test_a_continuation_declares_how_many_of_its_turns_may_wait_at_once():
+    def tools(turn):
+        return Reply(None)
+
+    class Team:
+        waiting_turns = 40
+
+        def __call__(self, turn):
+            return Reply(None)
+
+    assert continuation_workers(tools, 16) == 16 and continuation_workers(Team(), 16) == 40
+    Team.waiting_turns = "40"
+    with pytest.raises(TypeError, match="waiting_turns must be a non-negative int"):
+        continuation_workers(Team(), 16)
