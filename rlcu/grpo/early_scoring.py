@@ -7,25 +7,24 @@ The rewards then see parts of the batch (each completion with its own prompt and
 the same values for every reward that scores each completion on its own (all of rlcu's, and TRL's usual ones),
 not for one that compares completions with each other. Reward calls stay one at a time, as after the rollout.
 While the worker runs Python, the decode loop waits for the interpreter's lock to be handed over at every GPU
-wait: the switch interval is shortened while the scorer is open (`SWITCH_INTERVAL_S`), so that the loop gets
-the lock back within a fraction of a decode step. Rewards that wait without the lock (a sandbox's
+wait: the switch interval is shortened while the scorer is open (`rlcu/engine/threads.py`), so that the loop
+gets the lock back within a fraction of a decode step. Rewards that wait without the lock (a sandbox's
 subprocess, a judge behind HTTP) leave the decode loop only the worker's own Python to share the lock with
 (decoding the completions, assembling each call): on the H200 that lengthened a 32 x 8 rollout by about
 0.25 s against the 1 s of scoring it hid (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 from collections.abc import Callable
 
 import torch
 
 from rlcu.contracts import Turn
+from rlcu.engine.threads import beside_decoding
 from rlcu.grpo.batch import ScoredRollout
 from rlcu.rewards.base import RewardError
 
-SWITCH_INTERVAL_S = 2e-4  # CPython's default, 5 ms, is longer than a decode step of 64 sequences (about 2 ms)
 _STOP = -1
 
 
@@ -41,15 +40,15 @@ class EarlyScorer:
         self._error: BaseException | None = None
         self.rows_scored = 0  # so far, by the worker
         self._worker = threading.Thread(target=self._work, name="rlcu-score", daemon=True)
-        self._interval = sys.getswitchinterval()
+        self._beside = beside_decoding()
 
     def __enter__(self) -> EarlyScorer:
-        sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+        self._beside.__enter__()
         self._worker.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.setswitchinterval(self._interval)
+        self._beside.__exit__(None, None, None)
         self._queue.put(_STOP)  # a worker still in a reward call (an error elsewhere) finishes it, then stops
 
     def on_finished(self, turn: Turn) -> None:

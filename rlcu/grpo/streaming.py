@@ -33,9 +33,9 @@ on the weights it resumes with (their partial completions are not saved). A held
 it closes the stream and the next step submits the pending prompts again."""
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,8 +46,8 @@ import torch
 
 from rlcu.contracts import RolloutBatch
 from rlcu.engine.llm_engine import routing_to_host
+from rlcu.engine.threads import beside_decoding
 from rlcu.grpo.batch import Sampled, ScoredRollout
-from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S
 from rlcu.rollout.base import RolloutStream
 
 
@@ -179,16 +179,14 @@ class Streamer:
             asked += 1
             return asked > pace and ready()
 
-        interval = sys.getswitchinterval()
-        if self.scorer is not None:  # the decode loop gets the interpreter back within a fraction of a step
-            sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+        # the group scorer's Python shares the interpreter with the decode loop
+        beside = beside_decoding() if self.scorer is not None else contextlib.nullcontext()
         try:
-            self.stream.run(until, should_stop)
+            with beside:
+                self.stream.run(until, should_stop)
         except BaseException:  # interrupted (SIGTERM): the pending prompts stay for the checkpoint
             self.close()
             raise
-        finally:
-            sys.setswitchinterval(interval)
 
     def _submit(self, version: int, max_sequences: int = 0) -> None:
         """Open the stream if needed (its pool sized for `max_sequences`) and submit the groups not in it, each

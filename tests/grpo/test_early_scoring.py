@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rlcu.contracts import Turn
+from rlcu.engine.threads import SWITCH_INTERVAL_S
 from rlcu.grpo.batch import ScoredRollout
-from rlcu.grpo.early_scoring import SWITCH_INTERVAL_S, EarlyScorer
+from rlcu.grpo.early_scoring import EarlyScorer
 from rlcu.grpo.module import GRPOModule
 from rlcu.rewards.base import RewardError
 from rlcu.rollout.reference import ReferenceRollout
