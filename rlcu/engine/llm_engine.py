@@ -37,7 +37,6 @@ from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
 from rlcu.engine.states import bytes_per_slot
-from rlcu.engine.threads import beside_decoding
 from rlcu.kernels.decode_attention import DECODE_BLOCK_N_FP8
 from rlcu.models.decoder import CausalLM
 
@@ -221,24 +220,22 @@ class LLMEngine:
         pending: dict[Future, object] = {}
         pool = ThreadPoolExecutor(continuation_workers(continuation, self.config.continuation_workers),
                                   thread_name_prefix="rlcu-turn")
-        # the continuations run Python beside this loop (an agent endpoint and its programs too)
-        with beside_decoding():
-            try:
-                while True:
-                    for seq in self._turns_ended:
-                        pending[pool.submit(continuation, as_turn(seq))] = seq
-                    self._turns_ended = []
-                    idle = self.scheduler.is_finished() and self._ahead is None
-                    if idle and not pending:
-                        return
-                    done = wait(pending, return_when=FIRST_COMPLETED)[0] if idle else [f for f in pending if f.done()]
-                    for future in done:
-                        self._apply_reply(pending.pop(future), future.result())
-                    if not self.scheduler.is_finished() or self._ahead is not None:
-                        self.step()
-                        self._check_stop()
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            while True:
+                for seq in self._turns_ended:
+                    pending[pool.submit(continuation, as_turn(seq))] = seq
+                self._turns_ended = []
+                idle = self.scheduler.is_finished() and self._ahead is None
+                if idle and not pending:
+                    return
+                done = wait(pending, return_when=FIRST_COMPLETED)[0] if idle else [f for f in pending if f.done()]
+                for future in done:
+                    self._apply_reply(pending.pop(future), future.result())
+                if not self.scheduler.is_finished() or self._ahead is not None:
+                    self.step()
+                    self._check_stop()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _apply_reply(self, seq, reply: Reply) -> None:
         check_reply(reply, seq.num_completion_tokens, seq.max_tokens)

@@ -1,8 +1,10 @@
-"""Sharing the interpreter with the decode loop. Work that runs Python in other threads while the engine decodes
-(episodes' continuations, an agent endpoint and its programs, rewards scored during generation) takes the
-interpreter's lock whenever the decode loop waits on the GPU, and CPython hands it back only after its switch
-interval, 5 ms by default: longer than a decode step of 64 sequences (about 2 ms on the H200). While such work
-runs, the interval is shortened, so that the loop gets the lock back within a fraction of a step."""
+"""Sharing the interpreter with the decode loop. A worker thread that runs Python while the engine decodes (the
+rewards scored during generation, the streamer's group scorer) takes the interpreter's lock whenever the decode
+loop waits on the GPU, and CPython hands it back only after its switch interval, 5 ms by default: longer than a
+decode step of 64 sequences (about 2 ms on the H200). While such a worker runs, the interval is shortened, so
+that the loop gets the lock back within a fraction of a step. Episodes' continuations (tools, an agent
+endpoint and its programs) run with the default: shortened there, the 64 x 4-turn HTTP episodes on the H200
+gained nothing measurable and the in-process ones varied more (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import contextlib

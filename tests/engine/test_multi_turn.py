@@ -123,21 +123,3 @@ def test_the_episode_end_reason_is_the_replys(model):
     out = LLMEngine(model).generate(PROMPTS[:2], sampling(), lambda turn: Reply(None, "length"))
     assert out.finish_reasons == ["length", "length"] and out.tool_mask == [[1] * len(c) for c in out.completion_ids]
 
-
-def test_continuations_run_with_a_short_switch_interval_given_back_after(model):
-    """The continuations' Python (an agent endpoint's too) takes the interpreter while the loop waits on the
-    GPU; CPython's 5 ms switch interval is longer than a decode step, so it is shortened while they run."""
-    import sys
-
-    from rlcu.engine.threads import SWITCH_INTERVAL_S
-
-    seen, before = [], sys.getswitchinterval()
-
-    class Recording(Scripted):
-        def __call__(self, turn):
-            seen.append(sys.getswitchinterval())
-            return super().__call__(turn)
-
-    LLMEngine(model, EngineConfig()).generate(PROMPTS[:3], sampling(), Recording())
-    assert seen and all(s == pytest.approx(SWITCH_INTERVAL_S) for s in seen) and before > SWITCH_INTERVAL_S
-    assert sys.getswitchinterval() == before
