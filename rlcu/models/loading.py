@@ -153,7 +153,9 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", 
         raise ValueError(f"{folder}: tensor {wrong[0]} does not fit the config" +
                          (f", and {len(wrong) - 1} more" if len(wrong) > 1 else ""))
     dt = resolve_dtype(dtype)
-    model.load_state_dict({k: v.to(dt) for k, v in state.items()}, strict=False, assign=True)
+    # assigned as they come, so contiguous first: a family's weight map may hand over transposed views (gpt-oss's
+    # experts), which FSDP cannot shard and the grouped GEMMs would read across strides
+    model.load_state_dict({k: v.to(dt).contiguous() for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model, load_tokenizer(folder)

@@ -1,6 +1,8 @@
 """One rank of the FSDP test (started by torchrun, which Lightning's TorchElasticEnvironment detects):
 a few GRPO steps on a tiny model, rollouts by the native engine on the gathered parameters; rank 0
-saves the final weights. Usage: fsdp_worker.py MODEL_FOLDER OUT_FILE STRATEGY DEVICES BATCH_SIZE [NUM_NODES]
+saves the final weights. Usage: distributed_worker.py MODEL_FOLDER OUT_FILE STRATEGY DEVICES BATCH_SIZE [NUM_NODES];
+MODEL_FOLDER may be several folders joined by commas: each trains in turn in the same processes, and rank 0 saves
+OUT_FILE.NAME for each (NAME the folder's name).
 RLCU_WORKER_ACCELERATOR=gpu runs it on GPUs (tests/gpu); rank 0 then also writes OUT_FILE.graphs, the
 number of decode steps replayed from CUDA graphs."""
 import os
@@ -65,4 +67,7 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4], *map(int, sys.argv[4:]))
+    folders = sys.argv[1].split(",")
+    for folder in folders:
+        out = sys.argv[2] if len(folders) == 1 else f"{sys.argv[2]}.{os.path.basename(folder)}"
+        main(folder, out, sys.argv[3], *map(int, sys.argv[4:]))
