@@ -4,10 +4,10 @@ mask and keeps no cache of its own, so one decode step is the same kernels on th
 and on CUDA it runs as a CUDA graph (one per width of the cache it reads, `COLS` columns apart): the HF
 modules' launches, which bound the fallback's decode, are paid once per width, not once per token.
 
-Only models that declare `_supports_attention_backend` (their attention goes through the interface and
-their masks carry nothing but causality and padding, so no ALiBi) take this path; a model whose attention
-asks for what this function lacks (a sliding window, soft-capping, sinks) is found at its prefill and falls
-back to transformers' own cache (`HFIncremental`)."""
+Only models that declare `_supports_attention_backend` (their attention goes through the interface) take this
+path, sliding windows included; a model whose attention asks for what this function lacks (soft-capped scores,
+sinks, a position bias, a mask of its own) is found at its prefill and falls back to transformers' own cache
+(`HFIncremental`)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 NAME = "rlcu_static"
 COLS = 128  # the widths of the cache a decode step reads grow by this many columns (one CUDA graph each)
-_UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+_UNSUPPORTED = ("softcap", "s_aux", "position_bias")  # soft-capped scores, sinks, ALiBi-like biases
 _active: StaticDecoder | None = None
 
 
@@ -33,9 +33,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """transformers' attention-function contract: (output [B, q, H, D], weights or None). Dropout is not
     applied: rollouts sample from the policy without it, as the training forward computes it (p = 0)."""
     asks = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
+    if attention_mask is not None:  # transformers builds none for this function: the model made its own
+        asks.append("a mask of the model's own")
     if _active is None or asks:
         raise Unsupported(f"rlcu's static-cache attention does not run {asks or 'outside a decoder'}")
-    return _active.attend(module.layer_idx, query, key, value, scaling), None
+    return _active.attend(module.layer_idx, query, key, value, scaling, kwargs.get("sliding_window")), None
 
 
 @functools.cache
@@ -67,7 +69,10 @@ class StaticDecoder:
         self.use_graphs = model.device.type == "cuda"
         self.pool = None
 
-    def attend(self, layer: int, q, k, v, scale) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale, window: int | None = None) -> torch.Tensor:
+        """q [B, H, n, D], k/v [B, Hkv, n, D] of the forward's n new tokens -> [B, n, H, D]; a layer with a
+        sliding `window` sees the last `window` keys up to each query (real tokens are contiguous in a row, so
+        columns count positions)."""
         b, heads, n, d = q.shape
         if layer not in self.k:
             shape = (b, k.shape[1], self.max_len, d)
@@ -81,9 +86,16 @@ class StaticDecoder:
         kv_heads = keys.shape[1]
         group = heads // kv_heads  # query heads kv_heads*j .. : transformers' repeat_kv order
         q = q.reshape(b, kv_heads, group * n, d)
-        mask = self.mask if group == 1 or n == 1 else self.mask.repeat(1, 1, group, 1)
+        mask = self.mask if window is None else self.mask & self._window(n, window)
+        mask = mask if group == 1 or n == 1 else mask.repeat(1, 1, group, 1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(b, heads, n, -1).transpose(1, 2).contiguous()
+
+    def _window(self, n: int, window: int) -> torch.Tensor:
+        """[n, cols]: the keys within `window` positions of each of the forward's n queries."""
+        keys = self.arange[:self.cols]
+        queries = keys[-n:, None] if n > 1 else self.col[:, None]
+        return queries - keys[None, :] < window
 
     @contextlib.contextmanager
     def _running(self):

@@ -25,7 +25,7 @@ def _with_graphs(init, graphs):
     return patched
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+@pytest.mark.parametrize("family", ["gpt_neox", "llama", "mistral"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_graph_replays_equal_the_eager_static_decoder(tmp_path, family, autocast, monkeypatch):
     monkeypatch.setattr(hf_decode, "COLS", 8)

@@ -104,11 +104,11 @@ def _greedy_hf(folder, prompts, n):
             for p in prompts]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "mistral"])
 def test_the_static_cache_decodes_as_transformers_generate_across_widths(tmp_path, family, monkeypatch):
-    """rlcu's attention inside the HF modules (GQA group 3 for llama), with cache widths 8 columns apart so
-    one rollout crosses several (one CUDA graph each on CUDA): tokens equal transformers' generate,
-    logprobs equal the training forward's."""
+    """rlcu's attention inside the HF modules (GQA group 3 for llama, a sliding window of 5 keys for mistral),
+    with cache widths 8 columns apart so one rollout crosses several (one CUDA graph each on CUDA): tokens
+    equal transformers' generate, logprobs equal the training forward's."""
     monkeypatch.setattr(hf_decode, "COLS", 8)
     folder = tiny_hf_folder(tmp_path, family)
     model = _as_fallback(folder)
@@ -131,13 +131,13 @@ def _spy(fn, calls):
     return spied
 
 
-def test_a_sliding_window_model_decodes_over_transformers_cache_instead(tmp_path, caplog):
-    """Mistral's attention asks for a sliding window, which the static cache lacks: found at the prefill,
+def test_a_soft_capped_model_decodes_over_transformers_cache_instead(tmp_path, caplog):
+    """Gemma 2's attention asks for soft-capped scores, which the static cache lacks: found at the prefill,
     said once, and the rollout still equals transformers' generate."""
-    folder = tiny_hf_folder(tmp_path, "mistral")
+    folder = tiny_hf_folder(tmp_path, "gemma2")
     model = _as_fallback(folder)
     with caplog.at_level("WARNING"):
         out = reference_generate(model, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
-    assert "sliding_window" in caplog.text and not model.static_decoding
+    assert "softcap" in caplog.text and not model.static_decoding
     assert out.completion_ids == _greedy_hf(folder, PROMPTS, 12)
     assert isinstance(model.incremental(2, 40), HFIncremental)
