@@ -77,6 +77,9 @@ FAMILIES.update(HYBRID_FAMILIES)
 # architectures with no native path: the transformers fallback (tests/models/test_hf_fallback.py)
 FALLBACK_FAMILIES = {
     "gpt_neox": dict(cls="GPTNeoXConfig", extra=dict(tie_word_embeddings=False)),
+    # a mixture of experts with a sliding window (5 keys) in transformers' own modules
+    "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                                                    tie_word_embeddings=False)),
     "falcon": dict(cls="FalconConfig", extra=dict(head_dim=None, new_decoder_architecture=True, num_kv_heads=2,
                                                   tie_word_embeddings=False)),
 }

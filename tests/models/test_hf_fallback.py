@@ -41,6 +41,9 @@ def test_rollouts_equal_the_models_own_greedy_generate(tmp_path, family, caplog)
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=EOS,
                            pad_token_id=62)[0, len(prompt):].tolist()
         assert got == (want[:want.index(EOS) + 1] if EOS in want else want)
+    # GPT-NeoX and Mixtral (its sliding window too) decode over rlcu's static cache; Falcon, whose modules do not
+    # declare transformers' attention interface, over transformers' cache
+    assert isinstance(model.incremental(1, 8), hf_decode.StaticDecoder) == (family != "falcon")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
