@@ -46,6 +46,21 @@ def run_episodes(model, runner, **sampling):
         runner.close()
 
 
+def on_backend(backend: str, model, tok, runner, max_turn_tokens: int):
+    """The runner's episodes on a rollout backend by name, as the module asks it (`turns.generate`), each call's
+    own max_tokens honoured; then their record, the runner closed whatever happens."""
+    from rlcu.rollout import resolve_rollout, turns
+
+    try:
+        rollout = resolve_rollout(backend)
+        rollout.setup(model, tok)
+        sp = SamplingParams(max_tokens=40, max_turn_tokens=max_turn_tokens, temperature=1.0, seed=0,
+                            first_turn_tokens=runner.first_turn_tokens)
+        return turns.generate(rollout, runner.prompt_ids, sp, continuation=runner), runner.record()
+    finally:
+        runner.close()
+
+
 async def three_calls(endpoint, row):
     """Three calls of one conversation: plain, then streamed, then plain; the reward is the row's n."""
     client = endpoint.client()
@@ -105,20 +120,10 @@ def test_every_episode_may_wait_for_its_programs_next_call_at_once(tiny, backend
     """24 episodes, more than the 16 threads a continuation gets by default: each ended turn waits in its thread
     for the program's next call, so with 16 the other 8 first answers were never sent and the team waited for
     them until its timeout."""
-    from rlcu.rollout import resolve_rollout, turns
-
     model, tok = tiny
     rows = [{"prompt": f"t{3 + i % 20}"} for i in range(24)]
     runner = runner_for(rows, barrier_program(len(rows)), tok, timeout=20.0)
-    try:
-        rollout = resolve_rollout(backend)
-        rollout.setup(model, tok)
-        sp = SamplingParams(max_tokens=40, max_turn_tokens=4, temperature=1.0, seed=0,
-                            first_turn_tokens=runner.first_turn_tokens)
-        out = turns.generate(rollout, runner.prompt_ids, sp, continuation=runner)
-        episodes = runner.record()
-    finally:
-        runner.close()
+    out, episodes = on_backend(backend, model, tok, runner, max_turn_tokens=4)
     assert runner.waiting_turns == 24 and episodes.columns["agent_returns"] == [1.0] * 24
     assert all(sum(m) == 8 for m in out.tool_mask)  # two sampled turns of 4 tokens each
 
@@ -401,19 +406,9 @@ async def bounded_calls(endpoint, row):
 
 @pytest.mark.parametrize("backend", ["native", "reference"])
 def test_a_calls_max_tokens_bounds_what_it_samples(tiny, backend):
-    from rlcu.rollout import resolve_rollout, turns
-
     model, tok = tiny
     runner = runner_for(ROWS, bounded_calls, tok)
-    try:
-        rollout = resolve_rollout(backend)
-        rollout.setup(model, tok)
-        sp = SamplingParams(max_tokens=40, max_turn_tokens=5, temperature=1.0, seed=0,
-                            first_turn_tokens=runner.first_turn_tokens)
-        out = turns.generate(rollout, runner.prompt_ids, sp, continuation=runner)
-        episodes = runner.record()
-    finally:
-        runner.close()
+    out, episodes = on_backend(backend, model, tok, runner, max_turn_tokens=5)
     assert runner.first_turn_tokens == [2, 2]
     assert episodes.columns["agent_returns"] == [1.0, 1.0]  # 2, 5 (the run's max_call_tokens) and 3 tokens
     assert [sum(m) for m in out.tool_mask] == [10, 10]
