@@ -374,8 +374,8 @@ def http_episode(args, per_turn: int, vocab_size: int):
 
 
 def bench_reference_rollout(args, model, requests) -> dict:
-    """A model without a native family: the rollouts GRPOModule gives it (the reference backend over transformers'
-    KV cache, one lockstep batch)."""
+    """A model without a native family: the rollouts GRPOModule gives it (the reference backend, over rlcu's static
+    cache where the model allows, `rlcu/models/hf_decode.py`), all the sequences as one lockstep batch."""
     from rlcu.rollout.base import SamplingParams
     from rlcu.rollout.reference import ReferenceRollout
 
