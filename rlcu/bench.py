@@ -347,7 +347,7 @@ def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: 
     if sampled != tokens:
         raise RuntimeError(f"the HTTP episodes sampled {sampled} tokens, the in-process ones {tokens}")
     print(f"  run {i} over HTTP{' (warm-up)' if i == 0 else ''}: {sampled} tokens in {seconds:.2f} s "
-          f"= {sampled / seconds:,.0f} tok/s", file=sys.stderr)
+          f"= {sampled / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
     return seconds
 
 
