@@ -217,8 +217,8 @@ class GRPOModule(L.LightningModule):
         first), then handed as a value to the engine (`bind`) and to the training forward (`update.py`)."""
         backend, opts = resolve_rollout(spec), self.options.model
         if not self.policy.native and capabilities_of(backend).native_models_only:
-            log.info("%s has no native path: rollouts from the reference backend over transformers' KV cache",
-                     self.policy.config.model_type)
+            log.info("%s has no native path: rollouts from the reference backend (the model's HF modules, over "
+                     "rlcu's static cache where they allow it)", self.policy.config.model_type)
             backend = resolve_rollout("reference")
         if lora:
             require(backend, "lora", "peft_config (LoRA adapters)", "use rollout: native or rollout: reference")
