@@ -28,7 +28,6 @@ episode's KV blocks between its calls."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import secrets
 import threading
@@ -38,6 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcu import plugins
 from rlcu.agents.endpoint import Endpoint, HTTPError
 from rlcu.agents.episodes import Episodes
 from rlcu.agents.formats import ToolFormat
@@ -99,10 +99,9 @@ def load_program(spec: str | dict | Callable) -> Callable:
         return spec
     if isinstance(spec, dict):
         return _build(spec)
-    module, _, name = str(spec).partition(":")
-    if not name:
+    if ":" not in str(spec):
         raise ValueError(f"agent {spec!r}: give an import path 'package.module:function' or a callable")
-    fn = _imported(module, name, f"agent {spec!r}")
+    fn = _imported(str(spec), f"agent {spec!r}")
     if not callable(fn):
         raise ValueError(f"agent {spec!r} is a {type(fn).__name__}, not a function")
     return fn
@@ -110,19 +109,18 @@ def load_program(spec: str | dict | Callable) -> Callable:
 
 def _build(spec: dict) -> Callable:
     path, args = spec.get("class_path"), spec.get("init_args") or {}
-    module, _, name = str(path).rpartition(".")
-    if not module or set(spec) - {"class_path", "init_args"} or not isinstance(args, dict):
+    if "." not in str(path) or set(spec) - {"class_path", "init_args"} or not isinstance(args, dict):
         raise ValueError(f"agent {spec!r}: give {{'class_path': 'package.module.Class', 'init_args': {{...}}}}")
-    program = _imported(module, name, f"agent class {path!r}")(**args)
+    program = _imported(str(path), f"agent class {path!r}")(**args)
     if not callable(program):
         raise ValueError(f"agent class {path!r} builds a {type(program).__name__}, which is not callable as "
                          "(endpoint, row)")
     return program
 
 
-def _imported(module: str, name: str, what: str):
+def _imported(path: str, what: str):
     try:
-        return getattr(importlib.import_module(module), name)
+        return plugins.import_path(path)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} cannot be imported ({e}); check the path and that the package is installed") \
             from None

@@ -52,8 +52,9 @@ def supported(hf_model) -> bool:
     return bool(getattr(type(hf_model), "_supports_attention_backend", False))
 
 
-def _bucket(n: int, cap: int) -> int:
-    return min(cap, -(-n // COLS) * COLS)
+def _bucket(n: int) -> int:
+    """`n` columns rounded up to a whole number of COLS."""
+    return -(-n // COLS) * COLS
 
 
 class StaticDecoder:
@@ -61,7 +62,7 @@ class StaticDecoder:
     every row writes decode step s's key at the same column; keys of padding columns are masked out."""
 
     def __init__(self, model, batch: int, max_len: int, slow):
-        self.model, self.batch, self.max_len, self.slow = model, batch, _bucket(max_len, 1 << 62), slow
+        self.model, self.max_len, self.slow = model, _bucket(max_len), slow
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -117,7 +118,7 @@ class StaticDecoder:
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         b, p = ids.shape
         if self.max_len < p + 1:
-            self.max_len = _bucket(p + 1, 1 << 62)
+            self.max_len = _bucket(p + 1)
         self.valid = torch.ones(b, self.max_len, dtype=torch.bool, device=ids.device)
         self.valid[:, :p] = valid
         self.arange = torch.arange(self.max_len, device=ids.device)
@@ -142,7 +143,7 @@ class StaticDecoder:
         if col >= self.max_len:
             raise ValueError(f"decoding past the static cache's {self.max_len} columns")
         self.col.fill_(col)
-        cols = _bucket(col + 1, self.max_len)
+        cols = min(_bucket(col + 1), self.max_len)
         if not self.use_graphs:
             with self._running():
                 return self._decode(tok[:, None], pos, cols)
