@@ -4,7 +4,9 @@ stop handling (EOS ids, stop strings), and the turn protocol of multi-turn episo
 share these types without importing each other."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -157,8 +159,74 @@ def check_reply(reply, completion_length: int, max_tokens: int) -> None:
 # Called from worker threads, one call per ended turn, so that a slow tool does not hold up the decoding
 # of other episodes; calls for different requests may run at the same time. A continuation whose calls wait on
 # someone else (an agent program's next request) declares how many may wait at once as an int attribute
-# `waiting_turns`; backends run at least that many at once (`continuation_workers`).
+# `waiting_turns`; backends run at least that many at once (`continuation_workers`). A continuation that adds
+# requests while the rollout runs (an agent program's calls that branch) declares them as an attribute `spawns`, a
+# `Spawns`; only a backend with the `spawns` capability takes them (`continuation_spawns`).
 Continuation = Callable[[Turn], Reply]
+
+
+class RolloutEnded(RuntimeError):
+    """A request was added to a rollout's `Spawns` after the rollout ended."""
+
+
+class Spawns:
+    """The requests a continuation adds while its rollout runs: each is numbered after the rollout's own prompts
+    (from `first`, in the order added) and runs as one more episode of the same rollout, whose `RolloutBatch` then
+    has a row for it after the prompts' rows. At most `capacity` requests of at most `max_prompt_tokens` each, so
+    that the backend can size its memory before the first one comes. `add` runs on any thread; the backend takes
+    them between its decode steps and closes the queue when its rollout ends."""
+
+    def __init__(self, first: int, capacity: int, max_prompt_tokens: int):
+        self.first, self.capacity, self.max_prompt_tokens = first, capacity, max_prompt_tokens
+        self._lock = threading.Lock()
+        self._queue: list[tuple[int, list[int], int | None]] = []
+        self._added, self._closed = 0, False
+        # set when a request waits to be taken: a backend with nothing else to do waits on it
+        self.arrived: Future = Future()
+
+    def add(self, prompt_ids: list[int], first_turn_tokens: int | None = None) -> int:
+        """Queue one request (its prompt and its first turn's own bound); returns its request index."""
+        if not prompt_ids or len(prompt_ids) > self.max_prompt_tokens:
+            raise ValueError(f"a spawned request needs 1 to {self.max_prompt_tokens} prompt tokens, got "
+                             f"{len(prompt_ids)}")
+        with self._lock:
+            if self._closed:
+                raise RolloutEnded("the rollout has ended: it takes no more requests")
+            if self._added >= self.capacity:
+                raise ValueError(f"the rollout takes at most {self.capacity} spawned requests")
+            index = self.first + self._added
+            self._added += 1
+            self._queue.append((index, list(prompt_ids), first_turn_tokens))
+            if not self.arrived.done():
+                self.arrived.set_result(True)
+        return index
+
+    def take(self) -> list[tuple[int, list[int], int | None]]:
+        """The requests added since the last take: (request index, prompt ids, first turn's own bound)."""
+        with self._lock:
+            taken, self._queue = self._queue, []
+            if self.arrived.done():
+                self.arrived = Future()
+        return taken
+
+    def close(self, drop: bool = False) -> bool:
+        """End the rollout's intake, unless a request is waiting to be taken (then False: take it and run it);
+        `drop`: end it whatever waits (a rollout that failed)."""
+        with self._lock:
+            if self._queue and not drop:
+                return False
+            self._queue = []
+            self._closed = True
+            return True
+
+
+def continuation_spawns(continuation: Continuation | None) -> Spawns | None:
+    """The requests a continuation declares it may add while the rollout runs (its `spawns`), or None."""
+    spawns = getattr(continuation, "spawns", None)
+    if spawns is not None and not isinstance(spawns, Spawns):
+        raise TypeError(f"{type(continuation).__name__}.spawns must be rlcu.contracts.Spawns or None, got "
+                        f"{type(spawns).__name__}")
+    return spawns
 
 
 def continuation_workers(continuation: Continuation, default: int) -> int:

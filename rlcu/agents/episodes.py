@@ -79,6 +79,8 @@ class Episodes:
     environments: list | None  # [N] each episode's environment (TRL's `environments` column), None without
     metrics: dict[str, float]  # tools/call_frequency, tools/failure_frequency, episodes/mean_turns
     columns: dict[str, list] = field(default_factory=dict)  # [N] each, for the rewards (agent programs' returns)
+    # an agent program's branches (`programs.py`): the rollout's rows after the N episodes', each one's episode
+    branch_of: list[int] = field(default_factory=list)
 
 
 class EpisodeRunner:

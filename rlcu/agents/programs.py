@@ -12,9 +12,15 @@ One episode is one training sample: its first call's messages are the prompt; ea
 conversation so far (the messages sent before, the assistant message as served, then new messages), and only the
 new messages' tokens are added, rendered by the chat template after the served tokens. The tokens sampled for the
 agent are recorded as sampled (token in, token out: never re-tokenized from text); the appended ones are masked out
-of the loss. A call that does not extend its episode (a sub-agent, a retry on an edited history) is refused with
-HTTP 409: branching is not supported yet. Sampling settings are the run's (temperature, top_p, max_completion_length
-over the whole episode); a request's own are ignored, so that the samples are the policy's.
+of the loss. Sampling settings are the run's (temperature, top_p, max_completion_length over the whole episode); a
+request's own are ignored, so that the samples are the policy's.
+
+A call that extends none of its episode's conversations (a sub-agent, a retry on an edited history, a second
+sample of the same messages) branches: with `max_branches` above 0 it starts a conversation of its own, which later
+calls extend as they extend the first, and which becomes one more training sample of the episode's group. The rule
+(docs/agents.md): a group's advantages are computed over its episodes, as without branches, and every branch takes
+its episode's advantage: the program's one outcome credits each of its calls, and an episode that branches more
+weighs no more in its group's statistics. With `max_branches` 0 such a call gets HTTP 409.
 
 An episode may instead be text: its calls go to `/completions` with a `prompt`, a string or token ids, as vLLM
 serves them (the first prompt tokenized with the tokenizer's special tokens; `max_tokens` 16 unless given, OpenAI's
@@ -41,7 +47,7 @@ from rlcu import plugins
 from rlcu.agents.endpoint import Endpoint, HTTPError
 from rlcu.agents.episodes import Episodes
 from rlcu.agents.formats import ToolFormat
-from rlcu.contracts import Reply, Turn
+from rlcu.contracts import Reply, RolloutEnded, Spawns, Turn
 
 
 def _openai():
@@ -128,6 +134,7 @@ def _imported(path: str, what: str):
 
 @dataclass
 class ProgramEpisode:
+    """One conversation of an episode: its first, or a branch (`root` is then the first)."""
     id: str
     row: dict
     messages: list[dict] = field(default_factory=list)
@@ -147,7 +154,10 @@ class ProgramEpisode:
     first_text: int = 0  # where the first prompt ends in `text`
     result: Any = None
     error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # the program returned (a branch shares its root's)
+    root: ProgramEpisode | None = None  # a branch's episode: its first conversation
+    root_index: int = 0  # the episode's row in the rollout
+    branches: list[ProgramEpisode] = field(default_factory=list)  # a first conversation's branches, in order
 
 
 TEARDOWN_S = 10.0  # what close() waits for the programs' teardown once every program returned
@@ -159,18 +169,27 @@ class ProgramRunner:
     `record()` once the programs returned. `close()` stops the endpoint and the programs."""
 
     def __init__(self, rows: list[dict], program: Callable, fmt: ToolFormat | None, model_name: str,
-                 max_completion_length: int, timeout: float | None, tokenizer=None, history: str = "exact"):
+                 max_completion_length: int, timeout: float | None, tokenizer=None, history: str = "exact",
+                 max_branches: int = 0, max_prompt_length: int = 512):
         """`fmt`: the chat format, or None where the tokenizer has no chat template (text episodes only).
-        `history`: agent_history, what a later call's earlier assistant messages must be (`_extension`)."""
+        `history`: agent_history, what a later call's earlier assistant messages must be (`_extension`).
+        `max_branches`: conversations an episode may start besides its first (0: a call that branches gets HTTP
+        409), each one more request of the rollout (`spawns`, for a backend with the `spawns` capability) whose
+        prompt may hold `max_prompt_length` tokens and a whole episode's completion."""
         if history not in HISTORIES:
             raise ValueError(f"agent_history must be one of {HISTORIES}, got {history!r}")
+        if max_branches < 0:
+            raise ValueError(f"max_branches must be >= 0, got {max_branches}")
         self.program, self.format, self.model_name, self.history = program, fmt, model_name, history
         self.tokenizer = tokenizer if tokenizer is not None else fmt.tokenizer
-        self.max_completion_length, self.timeout = max_completion_length, timeout
-        self.episodes = [ProgramEpisode(secrets.token_hex(8), row) for row in rows]
+        self.max_completion_length, self.timeout, self.max_branches = max_completion_length, timeout, max_branches
+        self.episodes = [ProgramEpisode(secrets.token_hex(8), row, root_index=i) for i, row in enumerate(rows)]
+        self.num_episodes = len(rows)
         self.by_id = {e.id: e for e in self.episodes}
-        # each ended turn waits in its worker for the program's next call: every episode may wait at once
-        self.waiting_turns = len(self.episodes)
+        self.spawns = (Spawns(len(rows), len(rows) * max_branches, max_prompt_length + max_completion_length)
+                       if max_branches else None)
+        # each ended turn waits in its worker for the program's next call: every conversation may wait at once
+        self.waiting_turns = len(self.episodes) * (1 + max_branches)
         self.lock = threading.Lock()
         self.endpoint = Endpoint(self)
         self.endpoint.start()
@@ -179,8 +198,9 @@ class ProgramRunner:
         self._thread = threading.Thread(target=self._run_programs, name="rlcu-agents", daemon=True)
         self._thread.start()
         try:
-            self.prompt_ids = [self._first_call(e, i) for i, e in enumerate(self.episodes)]
-            self.first_turn_tokens = [e.first_limit for e in self.episodes]
+            roots = self.episodes[:self.num_episodes]
+            self.prompt_ids = [self._first_call(e, i) for i, e in enumerate(roots)]
+            self.first_turn_tokens = [e.first_limit for e in roots]
         except BaseException:
             self.close()
             raise
@@ -201,7 +221,7 @@ class ProgramRunner:
 
         async def all_programs():
             try:
-                await asyncio.gather(*(one(e) for e in self.episodes))
+                await asyncio.gather(*(one(e) for e in self.episodes[:self.num_episodes]))
             finally:
                 await shared.close()
 
@@ -211,12 +231,14 @@ class ProgramRunner:
             pass
 
     def _ended(self, ep: ProgramEpisode) -> None:
+        """The episode's program returned: none of its conversations takes another call."""
         with self.lock:
-            ep.open = False
             if not ep.started.done():
                 ep.started.set_result(False)
-            if ep.waiting is not None and not ep.waiting.done():
-                ep.waiting.set_result(None)
+            for conversation in (ep, *ep.branches):
+                conversation.open = False
+                if conversation.waiting is not None and not conversation.waiting.done():
+                    conversation.waiting.set_result(None)
             ep.done.set()  # under the lock: a turn answered after this sees it and waits for no next call
 
     def _first_call(self, ep: ProgramEpisode, index: int) -> list[int]:
@@ -235,42 +257,60 @@ class ProgramRunner:
     # ---- the endpoint's handler ----------------------------------------------------------------------
     def has_episode(self, episode: str) -> bool:
         ep = self.by_id.get(episode)
-        return ep is not None and ep.open
+        return ep is not None and (ep.open or bool(self.max_branches) and not ep.done.is_set())
 
     async def completion(self, episode: str, body: dict) -> dict:
         prompt, wants_logprobs = _prompt(body, len(self.tokenizer)), _text_logprobs_asked(body)
         limit = _max_tokens(body) or DEFAULT_TEXT_TOKENS
-        ep = self.by_id[episode]
+        root = self.by_id[episode]
         with self.lock:
-            if not ep.open:
+            if not self.has_episode(episode):
                 raise HTTPError(404, f"episode {episode!r} has ended", "episode_not_found")
-            if ep.prompt_ids is None:
-                ep.prompt_ids = list(prompt) if isinstance(prompt, list) else list(self.tokenizer(prompt).input_ids)
-                ep.text_mode, ep.text, ep.first_text, ep.first_limit = True, prompt, len(prompt), limit
-                ep.answer = Future()
-                ep.started.set_result(True)
+            if root.prompt_ids is None:
+                root.prompt_ids = list(prompt) if isinstance(prompt, list) else list(self.tokenizer(prompt).input_ids)
+                root.text_mode, root.text, root.first_text, root.first_limit = True, prompt, len(prompt), limit
+                root.answer = Future()
+                root.started.set_result(True)
+                ep = root
             else:
-                suffix, added = self._text_extension(ep, prompt)
-                ep.answer = Future()
-                ep.waiting.set_result((suffix, [], limit, added))
+                ep = self._text_call(root, prompt, limit)
             ep.calls += 1
             ep.wants_logprobs = wants_logprobs
             answer = ep.answer
         return await asyncio.wrap_future(answer)
 
-    def _text_extension(self, ep: ProgramEpisode, prompt: str | list[int]) -> tuple[list[int], str | list[int]]:
-        """(the tokens to append, what the prompt adds) of a text episode's next call; 409 where it does not
-        extend the episode."""
-        if not ep.text_mode:
+    def _text_call(self, root: ProgramEpisode, prompt: str | list[int], limit: int) -> ProgramEpisode:
+        """The conversation a later /completions call extends, its next call handed to it; else a new branch."""
+        if not root.text_mode:
             raise HTTPError(409, "a /completions call in a chat episode: an episode's calls all go to one route",
                             "episode_branch")
+        refused = None
+        for ep in (root, *root.branches):
+            if not ep.open:
+                continue
+            try:
+                suffix, added = self._text_extension(ep, prompt)
+            except HTTPError as e:
+                refused = refused or e
+                continue
+            ep.answer = Future()
+            ep.waiting.set_result((suffix, [], limit, added))
+            return ep
+        if not self.max_branches:
+            raise refused
+        ids = list(prompt) if isinstance(prompt, list) else list(self.tokenizer(prompt).input_ids)
+        return self._branch(root, ids, limit, text_mode=True, text=prompt, first_text=len(prompt))
+
+    def _text_extension(self, ep: ProgramEpisode, prompt: str | list[int]) -> tuple[list[int], str | list[int]]:
+        """(the tokens to append, what the prompt adds) of a text conversation's next call; 409 where it does not
+        extend it."""
         if ep.waiting is None or ep.waiting.done():
             raise HTTPError(409, "a call while this episode's previous call is unanswered: an episode is one "
-                                 "text, one call at a time")
+                                 "text, one call at a time (max_branches above 0 makes such a call a branch)")
         if type(prompt) is not type(ep.text) or prompt[:len(ep.text)] != ep.text:
             raise HTTPError(409, "this prompt does not extend its episode's text (the prompts sent before and the "
-                                 "completions as served, in the first prompt's form: a string or token ids); "
-                                 "branching within an episode is not supported yet", "episode_branch")
+                                 "completions as served, in the first prompt's form: a string or token ids); set "
+                                 "max_branches above 0 to train such a call as a branch", "episode_branch")
         added = prompt[len(ep.text):]
         if isinstance(added, list):
             return list(added), added
@@ -283,37 +323,89 @@ class ProgramRunner:
         wants_logprobs, limit = _logprobs_asked(body), _max_tokens(body)
         if tools is not None and not isinstance(tools, list):
             raise HTTPError(400, "'tools' must be a list of OpenAI tool schemas")
-        ep = self.by_id[episode]
+        root = self.by_id[episode]
         with self.lock:
-            if not ep.open:
+            if not self.has_episode(episode):
                 raise HTTPError(404, f"episode {episode!r} has ended", "episode_not_found")
-            if ep.text_mode:
+            if root.text_mode:
                 raise HTTPError(409, "a /chat/completions call in a text episode: an episode's calls all go to one "
                                      "route", "episode_branch")
-            if ep.prompt_ids is None:
-                try:
-                    ep.prompt_ids = self.format.prompt_ids(messages, tools)
-                except Exception as e:  # noqa: BLE001 - a template that cannot render what was sent
-                    raise HTTPError(400, f"the chat template cannot render these messages ({e})") from None
-                ep.messages, ep.tools, ep.num_prompt_messages = list(messages), tools, len(messages)
-                ep.first_limit = limit
-                ep.answer = Future()
-                ep.started.set_result(True)
+            if root.prompt_ids is None:
+                root.prompt_ids = self._chat_prompt(messages, tools)
+                root.messages, root.tools, root.num_prompt_messages = list(messages), tools, len(messages)
+                root.first_limit = limit
+                root.answer = Future()
+                root.started.set_result(True)
+                ep = root
             else:
-                if ep.waiting is None or ep.waiting.done():
-                    raise HTTPError(409, "a call while this episode's previous call is unanswered: an episode is "
-                                         "one conversation, one call at a time")
-                new = _extension(ep.messages, messages, ep.num_prompt_messages, self.history)
-                try:
-                    suffix = self.format.suffix_ids(new, ep.tools)
-                except ValueError as e:
-                    raise HTTPError(400, str(e)) from None
-                ep.answer = Future()
-                ep.waiting.set_result((suffix, new, limit, None))
+                ep = self._chat_call(root, messages, tools, limit)
             ep.calls += 1
             ep.wants_logprobs = wants_logprobs
             answer = ep.answer
         return await asyncio.wrap_future(answer)
+
+    def _chat_prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        try:
+            return self.format.prompt_ids(messages, tools)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render what was sent
+            raise HTTPError(400, f"the chat template cannot render these messages ({e})") from None
+
+    def _chat_call(self, root: ProgramEpisode, messages: list[dict], tools: list[dict] | None,
+                   limit: int | None) -> ProgramEpisode:
+        """The conversation a later chat call extends, its next call handed to it; else a new branch."""
+        refused = None
+        for ep in (root, *root.branches):
+            if not ep.open:
+                continue
+            try:
+                if ep.waiting is None or ep.waiting.done():
+                    raise HTTPError(409, "a call while this episode's previous call is unanswered: an episode is one "
+                                         "conversation, one call at a time (max_branches above 0 makes such a call "
+                                         "a branch)")
+                new = _extension(ep.messages, messages, ep.num_prompt_messages, self.history)
+            except HTTPError as e:
+                refused = refused or e
+                continue
+            try:
+                suffix = self.format.suffix_ids(new, ep.tools)
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+            ep.answer = Future()
+            ep.waiting.set_result((suffix, new, limit, None))
+            return ep
+        if not self.max_branches:
+            raise refused
+        return self._branch(root, self._chat_prompt(messages, tools), limit, messages=list(messages), tools=tools,
+                            num_prompt_messages=len(messages))
+
+    def _branch(self, root: ProgramEpisode, prompt_ids: list[int], limit: int | None, **conversation) -> ProgramEpisode:
+        """A call that extends none of the episode's conversations starts one of its own: one more request of the
+        rollout, and one more sample of the episode's group."""
+        if len(root.branches) >= self.max_branches:
+            raise HTTPError(409, f"this call starts a new conversation (a branch: it extends none of the episode's), "
+                                 f"and the episode has max_branches={self.max_branches} already; raise max_branches",
+                            "episode_branch")
+        branch = ProgramEpisode(f"{root.id}-{len(root.branches) + 1}", root.row, prompt_ids=prompt_ids,
+                                first_limit=limit, done=root.done, root=root, root_index=root.root_index,
+                                **conversation)
+        branch.started.set_result(True)
+        branch.answer = Future()
+        self.episodes.append(branch)  # before the engine can see its request: a turn of it finds it by index
+        try:
+            index = self.spawns.add(prompt_ids, limit)
+        except RolloutEnded:
+            self.episodes.pop()
+            raise HTTPError(409, "the rollout has ended (every conversation of every episode had ended): a branch "
+                                 "starts while one of its episode's conversations is still open", "episode_branch") \
+                from None
+        except ValueError as e:
+            self.episodes.pop()
+            raise HTTPError(400, f"{e} (max_prompt_length plus max_completion_length)",
+                            "context_length_exceeded") from None
+        if index != len(self.episodes) - 1:
+            raise AssertionError(f"branch request {index} is row {len(self.episodes) - 1} of the runner")
+        root.branches.append(branch)
+        return branch
 
     # ---- the continuation ----------------------------------------------------------------------------
     def __call__(self, turn: Turn) -> Reply:
@@ -403,8 +495,10 @@ class ProgramRunner:
     # ---- after the rollout ---------------------------------------------------------------------------
     def record(self) -> Episodes:
         """The episodes once every program returned: their messages, the programs' return values (the column
-        `agent_returns`, which the `agent` reward reads) and metrics. A program that raised fails the step."""
-        for i, ep in enumerate(self.episodes):
+        `agent_returns`, which the `agent` reward reads) and metrics. A program that raised fails the step.
+        Branches are rows of the rollout after the episodes' (`Episodes.branch_of`)."""
+        roots = self.episodes[:self.num_episodes]
+        for i, ep in enumerate(roots):
             remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0) + 5.0
             if not ep.done.wait(remaining):
                 raise TimeoutError(f"agent program {_name(self.program)}: episode {i} did not return within its "
@@ -418,14 +512,15 @@ class ProgramRunner:
             if ep.result is not None and not isinstance(ep.result, (int, float)):
                 raise TypeError(f"agent program {_name(self.program)} returned a {type(ep.result).__name__} in "
                                 f"episode {i}: return the episode's reward (a number) or None")
-        n = max(len(self.episodes), 1)
-        completions = [self._completion_of(e) for e in self.episodes]
+        n, branches = max(len(roots), 1), self.episodes[self.num_episodes:]
         metrics = {"episodes/mean_turns": sum(sum(m["role"] == "assistant" for m in e.messages)
                                               for e in self.episodes) / n,
                    "episodes/mean_calls": sum(e.calls for e in self.episodes) / n}
-        return Episodes(completions, None, metrics,
-                        columns={"agent_returns": [None if e.result is None else float(e.result)
-                                                   for e in self.episodes]})
+        if self.max_branches:
+            metrics["episodes/mean_branches"] = len(branches) / n
+        return Episodes([self._completion_of(e) for e in roots], None, metrics,
+                        columns={"agent_returns": [None if e.result is None else float(e.result) for e in roots]},
+                        branch_of=[b.root_index for b in branches])
 
     def _completion_of(self, ep: ProgramEpisode) -> list[dict] | str:
         """What the rewards get: a chat episode's messages after its prompt; a text episode's text after its first
@@ -437,7 +532,7 @@ class ProgramRunner:
 
     def close(self) -> None:
         returned = all(ep.done.is_set() for ep in self.episodes)
-        for ep in self.episodes:
+        for ep in self.episodes[:self.num_episodes]:
             self._ended(ep)
         self.endpoint.stop()
         if returned:  # the programs' own teardown (their shared client, an environment's servers) ends by itself

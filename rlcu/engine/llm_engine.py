@@ -24,9 +24,11 @@ from rlcu.contracts import (
     Reply,
     RolloutBatch,
     SamplingParams,
+    Spawns,
     StopStrings,
     Turn,
     check_reply,
+    continuation_spawns,
     continuation_workers,
     turn_bound,
 )
@@ -138,10 +140,15 @@ class LLMEngine:
             raise RuntimeError("a stream is open on this engine (streaming GRPO): close it before generate()")
         with torch.inference_mode(False), torch.no_grad():
             parents = self._requests(prompt_token_ids, sampling, 0, sampling.seed)
-            slots = len(prompt_token_ids) if self.model.config.linear_layers else 0
+            spawns = continuation_spawns(continuation)
+            if spawns is not None and spawns.first != len(prompt_token_ids):
+                raise ValueError(f"the continuation's spawned requests are numbered from {spawns.first}, not after "
+                                 f"the rollout's {len(prompt_token_ids)} prompts")
+            spawned = (spawns.capacity, spawns.max_prompt_tokens) if spawns is not None else (0, 0)
+            slots = len(prompt_token_ids) + spawned[0] if self.model.config.linear_layers else 0
             state_bytes = slots * bytes_per_slot(self.model.config, self.model.compute_dtype()) if slots else 0
-            self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held(), state_bytes),
-                                 slots)
+            self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held(), state_bytes,
+                                           spawned), slots)
             self._start(parents, sampling, continuation is not None, on_finished, state_slots=slots)
             self._should_stop = should_stop
             if continuation is None:
@@ -149,8 +156,8 @@ class LLMEngine:
                     self.step()
                     self._check_stop()
             else:
-                self._run_episodes(continuation)
-            return self._result(prompt_token_ids)
+                self._run_episodes(continuation, spawns)
+            return self._result(list(prompt_token_ids) + self._spawned)
 
     def release(self, force: bool = False) -> None:
         """Free the KV pool and the CUDA graphs (unless release_memory is off); the next generate() takes them again."""
@@ -215,8 +222,9 @@ class LLMEngine:
         return seqs, logits
 
     # ---- episodes ------------------------------------------------------------------------------------
-    def _run_episodes(self, continuation: Continuation) -> None:
-        """Steps while continuations run beside them; when nothing is left to compute, wait for a reply."""
+    def _run_episodes(self, continuation: Continuation, spawns: Spawns | None = None) -> None:
+        """Steps while continuations run beside them; when nothing is left to compute, wait for a reply (or for a
+        request the continuation adds, `spawns`). The rollout ends when nothing runs, waits or may still be added."""
         pending: dict[Future, object] = {}
         pool = ThreadPoolExecutor(continuation_workers(continuation, self.config.continuation_workers),
                                   thread_name_prefix="rlcu-turn")
@@ -225,17 +233,37 @@ class LLMEngine:
                 for seq in self._turns_ended:
                     pending[pool.submit(continuation, as_turn(seq))] = seq
                 self._turns_ended = []
+                if spawns is not None:
+                    self._add_spawned(spawns.take())
                 idle = self.scheduler.is_finished() and self._ahead is None
                 if idle and not pending:
-                    return
-                done = wait(pending, return_when=FIRST_COMPLETED)[0] if idle else [f for f in pending if f.done()]
+                    if spawns is None or spawns.close():
+                        return
+                    continue  # a request came in as the last episode ended: it runs first
+                if idle:
+                    done = wait([*pending, *([spawns.arrived] if spawns is not None else [])],
+                                return_when=FIRST_COMPLETED)[0]
+                else:
+                    done = [f for f in pending if f.done()]
                 for future in done:
-                    self._apply_reply(pending.pop(future), future.result())
+                    if future in pending:
+                        self._apply_reply(pending.pop(future), future.result())
                 if not self.scheduler.is_finished() or self._ahead is not None:
                     self.step()
                     self._check_stop()
         finally:
+            if spawns is not None:
+                spawns.close(drop=True)
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _add_spawned(self, taken: list[tuple[int, list[int], int | None]]) -> None:
+        """Requests a continuation added: sequences of their own, numbered after the rollout's prompts."""
+        sampling = self._sampling
+        for index, prompt, own in taken:
+            self.scheduler.add(Sequence(list(prompt), len(prompt), sampling.max_tokens,
+                                        frozenset(sampling.stop_token_ids), request_index=index,
+                                        turn_limit=turn_bound(sampling.max_turn_tokens, own) or 0, seed=sampling.seed))
+            self._spawned.append(list(prompt))
 
     def _apply_reply(self, seq, reply: Reply) -> None:
         check_reply(reply, seq.num_completion_tokens, seq.max_tokens)
@@ -320,6 +348,7 @@ class LLMEngine:
                                    before_free=self._keep_routing if self.model.config.is_moe else None,
                                    window=self._release_window(), state_slots=state_slots)
         self._turns_ended: list[Sequence] = []
+        self._spawned: list[list[int]] = []  # the prompts of requests a continuation added (`Spawns`), in order
         for seq in parents:
             self.scheduler.add(seq)
         self._sampling = sampling

@@ -53,13 +53,18 @@ def blocks_running_at_once(parents: list[Sequence], block_size: int, max_num_seq
     return (max_num_seqs + 1) * longest
 
 
-def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int = 0, state_bytes: int = 0) -> int:
+def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int = 0, state_bytes: int = 0,
+              spawned: tuple[int, int] = (0, 0)) -> int:
     """Blocks for a rollout of `parents` (sequences with their pending forks) under `config` (EngineConfig), beside
-    `state_bytes` of recurrent state (a hybrid's, `states.py`), which comes out of the same budget first."""
+    `state_bytes` of recurrent state (a hybrid's, `states.py`), which comes out of the same budget first. `spawned`:
+    (how many, prompt tokens each at most) of the requests a continuation may add as the rollout runs."""
     bs = config.block_size
     want = config.num_blocks
     if want is None:
-        want = min(blocks_all_at_once(parents, bs), blocks_running_at_once(parents, bs, config.max_num_seqs))
+        count, prompt = spawned
+        longest = [Sequence([0] * prompt, prompt, parents[0].max_tokens, frozenset(), -1)] if count else []
+        want = min(blocks_all_at_once(parents, bs) + count * blocks_for(prompt + parents[0].max_tokens, bs),
+                   blocks_running_at_once(parents + longest, bs, config.max_num_seqs))
     budget = int((available_memory(model.device) + held_bytes) * config.memory_fraction) - state_bytes
     if budget <= 0:
         raise ValueError(f"the recurrent state of {sum(1 + s.pending_forks for s in parents)} sequences "

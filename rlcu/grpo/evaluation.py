@@ -24,7 +24,7 @@ def evaluate(module, rows: list[dict]) -> dict[str, float]:
         samples = module.sample(rows, k, module.sampling_params(seed=module.options.sampling.seed))
         sampled = (module.scoring.score(rows, samples, k).rewards[:, correct_at] >= 1.0).view(len(rows), k)
     weights = torch.tensor([r.weight for r in module.rewards])
-    lengths = torch.tensor([len(c) for c in greedy.batch.completion_ids])
+    lengths = torch.tensor([len(c) for c in greedy.batch.completion_ids[:len(per_func)]])  # not its branches
     return eval_metrics(per_func[:, correct_at] >= 1.0, grpo_loss.combine_rewards(per_func, weights), lengths, sampled)
 
 

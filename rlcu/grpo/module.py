@@ -222,9 +222,13 @@ class GRPOModule(L.LightningModule):
             backend = resolve_rollout("reference")
         if lora:
             require(backend, "lora", "peft_config (LoRA adapters)", "use rollout: native or rollout: reference")
-        if opts.score_during_generation and self.agent is not None:
+        if opts.score_during_generation and (self.agent is not None or self.program is not None):
             raise ValueError("score_during_generation scores single-turn completions as they end; episodes (tools, "
-                             "environment_factory) are scored after the rollout: set score_during_generation=false")
+                             "environment_factory, agent) are scored after the rollout: set "
+                             "score_during_generation=false")
+        if self.program is not None and self.options.agents.max_branches:
+            require(backend, "spawns", "max_branches (an agent program's branches)",
+                    "use rollout: native, or set max_branches=0")
         if opts.score_during_generation:
             require(backend, "on_finished", "score_during_generation",
                     "use rollout: native, or set score_during_generation=false")
@@ -524,9 +528,10 @@ class GRPOModule(L.LightningModule):
         """`g` episodes per row of the agent program, each through the endpoint, which stops with the rollout."""
         program, fmt = self.program
         limits = self.options.agents
+        s = self.options.sampling
         runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
-                               self.options.sampling.max_completion_length, limits.agent_timeout, self.tokenizer,
-                               limits.agent_history)
+                               s.max_completion_length, limits.agent_timeout, self.tokenizer, limits.agent_history,
+                               limits.max_branches, s.max_prompt_length)
         try:
             for i, ids in enumerate(runner.prompt_ids[::g]):
                 self.check_prompt_length(len(ids), i)

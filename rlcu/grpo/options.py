@@ -316,6 +316,10 @@ class AgentLimits(OptionGroup):
                                          "place (served: for frameworks that write them back in a form of their own, "
                                          "as smolagents does; the sample keeps the served tokens)",
                                 choices=AGENT_HISTORIES)
+    max_branches: int = option(0, "conversations an agent program's episode may start besides its first (a "
+                                  "sub-agent, a retry, another sample of the same messages), each trained as one more "
+                                  "sample of the episode's group with the episode's advantage; 0: such a call gets "
+                                  "HTTP 409 (docs/agents.md)", minimum=0)
     max_call_tokens: int | None = option(None, "tokens one call of an agent program may sample (a call cut there "
                                                "ends with finish_reason length); None: the episode's remaining "
                                                "max_completion_length", minimum=1)

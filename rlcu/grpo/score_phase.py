@@ -32,6 +32,7 @@ class Host(Protocol):
     """What scoring asks of the Lightning module it runs in (GRPOModule)."""
     device: torch.device
     world_size: int
+    global_rank: int
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor: ...
 
@@ -89,15 +90,21 @@ class Scoring:
         else:
             _, is_std_zero = grpo_loss.reward_spread(rewards, g, loss.scale_rewards)
             scored.advantages = self.estimator.advantages(rewards, g, loss.scale_rewards)
+        # an agent program's branches (rows after the episodes') train with their episode's advantage
+        by_row = torch.arange(len(scored.advantages))
+        if sampled.episodes is not None and sampled.episodes.branch_of:
+            by_row = torch.cat([by_row, torch.tensor(sampled.episodes.branch_of, dtype=torch.long)])
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages, pad, loss.mask_truncated_completions)
-        keep = ~is_std_zero if loss.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
+        grpo_batch = GRPOBatch.from_rollout(rollout, scored.advantages[by_row], pad, loss.mask_truncated_completions)
+        keep = ~is_std_zero[by_row] if loss.filter_zero_std_groups else torch.ones(len(rollout), dtype=torch.bool)
         metrics = reward_metrics(scored.rewards, [r.name for r in self.rewards], rewards, is_std_zero)
         metrics.update(completion_metrics(grpo_batch.lengths, grpo_batch.truncated))
         metrics.update(self.log.means())
         scored.extra = dict(self.log.extra)
         if sampled.episodes is not None:
             metrics.update(sampled.episodes.metrics)
+        if self.host.world_size > 1:
+            grpo_batch, keep = self._same_rows_on_every_rank(grpo_batch, keep)
         if self.host.world_size > 1 and loss.filter_zero_std_groups:
             # DDP: every rank runs the same micro-batches (each backward is a collective), so the filtered
             # rows stay and lose their loss mask; the step is skipped only when no rank kept anything
@@ -109,7 +116,23 @@ class Scoring:
     def score(self, rows: list[dict], sampled: Sampled, g: int | None = None) -> ScoredRollout:
         """Each reward of each completion; rows[i]'s columns go to its `g` completions (TRL's contract). An
         episode's completion is its messages after the prompt; rewards also get `environments` (TRL's)."""
-        return self.score_completions(rows, sampled.batch.completion_ids, g, sampled.episodes)
+        episodes = sampled.episodes
+        n = len(sampled.batch) - (len(episodes.branch_of) if episodes is not None else 0)
+        return self.score_completions(rows, sampled.batch.completion_ids[:n], g, episodes)
+
+    def _same_rows_on_every_rank(self, batch: GRPOBatch, keep: torch.Tensor) -> tuple[GRPOBatch, torch.Tensor]:
+        """DDP runs the same micro-batches on every rank (each backward is a collective): where ranks hold different
+        counts of rows (an agent program's branches), each one's is made up to the largest with rows that carry no
+        loss (copies of its first, masked)."""
+        counts = torch.zeros(self.host.world_size, dtype=torch.long, device=self.host.device)
+        counts[self.host.global_rank] = len(batch)
+        most = int(self.host.reduce_sum(counts).max())
+        if most == len(batch):
+            return batch, keep
+        extra = most - len(batch)
+        batch = batch.rows(torch.cat([torch.arange(len(batch)), torch.zeros(extra, dtype=torch.long)]))
+        batch.loss_mask[-extra:] = 0
+        return batch, torch.cat([keep, torch.ones(extra, dtype=torch.bool)])
 
     def score_completions(self, rows: list[dict], completion_ids: list[list[int]], g: int | None = None,
                           episodes: Episodes | None = None) -> ScoredRollout:

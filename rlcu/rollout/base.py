@@ -25,6 +25,9 @@ class Capabilities:
     # generate(..., should_stop=) looks at should_stop() between decode steps and raises GenerationInterrupted
     interruptible: bool = False
     native_models_only: bool = False  # runs rlcu's native families only (not the transformers fallback)
+    # with `continuation`: takes the requests a continuation adds while the rollout runs (`contracts.Spawns`: an agent
+    # program's calls that branch), each a row of the batch after the prompts' rows
+    spawns: bool = False
 
     def names(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name)]
@@ -34,7 +37,8 @@ HELP = {"continuation": "runs multi-turn episodes itself (generate(..., continua
         "on_finished": "reports each completion as it ends (generate(..., on_finished=))",
         "exact_numerics": "computes with the trainer's own kernels",
         "lora": "runs LoRA adapters", "streaming": "takes optimizer steps between decode steps",
-        "interruptible": "stops between decode steps when asked (generate(..., should_stop=))"}
+        "interruptible": "stops between decode steps when asked (generate(..., should_stop=))",
+        "spawns": "takes the requests a continuation adds while the rollout runs (contracts.Spawns)"}
 
 
 @runtime_checkable

@@ -12,7 +12,8 @@ from rlcu.rollout.base import Capabilities
 
 class NativeRollout:
     capabilities = Capabilities(continuation=True, on_finished=True, exact_numerics=True, lora=True,
-                                interruptible=True, native_models_only=True, streaming=True)
+                                interruptible=True, native_models_only=True, streaming=True,
+                                spawns=True)
 
     def __init__(self, engine: EngineConfig | dict | None = None):
         """`engine`: the engine's settings (`EngineConfig`, or its fields as a mapping, as YAML gives them:

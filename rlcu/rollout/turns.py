@@ -15,6 +15,7 @@ from rlcu.contracts import (
     SamplingParams,
     Turn,
     check_reply,
+    continuation_spawns,
     continuation_workers,
     turn_bound,
 )
@@ -32,6 +33,10 @@ def generate(backend, prompt_token_ids: list[list[int]], sampling: SamplingParam
     `should_stop` reaches a backend that stops between decode steps when asked (`interruptible`)."""
     caps = capabilities_of(backend)
     asked = {"should_stop": should_stop} if should_stop is not None and caps.interruptible else {}
+    if continuation_spawns(continuation) is not None and not (caps.continuation and caps.spawns):
+        raise ValueError(f"{type(continuation).__name__} adds requests while the rollout runs (spawns: an agent "
+                         f"program's branches), which {type(backend).__name__} does not take: use rollout: native, "
+                         "or set max_branches=0")
     if continuation is not None:
         if caps.continuation:
             return backend.generate(prompt_token_ids, sampling, continuation=continuation, **asked)

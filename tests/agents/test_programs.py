@@ -541,3 +541,112 @@ def test_text_content_parts_render_as_the_joined_text(tiny):
                                                 {"role": "user", "content": "t3\nt4"}], None)
     assert episodes.completions[0][1] == {"role": "user", "content": "t20\nt21"}
     assert "only text content parts are supported, got one of type 'image_url'" in rows[0]["refused"]
+
+
+async def branching(endpoint, row):
+    """An episode of three conversations: the first (two calls), a retry of its first call's messages, and a
+    sub-agent (two calls); the reward is the row's n."""
+    client = endpoint.client()
+
+    async def call(messages):
+        return (await client.chat.completions.create(model=endpoint.model, messages=messages)).choices[0].message
+
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await call(messages)
+    await call(messages)  # the same messages again: another sample, a branch
+    await call(messages + [first.model_dump(exclude_none=True), {"role": "user", "content": "t20"}])
+    sub = [{"role": "user", "content": "t30 t31"}]
+    answer = await call(sub)
+    await call(sub + [answer.model_dump(exclude_none=True), {"role": "user", "content": "t40"}])
+    return float(row["n"])
+
+
+def test_calls_that_branch_become_samples_of_their_own_with_their_tokens_as_sampled(tiny):
+    model, tok = tiny
+    runner = ProgramRunner(ROWS, branching, tool_format("template", tok), "policy", 40, 60.0, max_branches=2)
+    out, episodes = run_episodes(model, runner, max_turn_tokens=5)
+    assert len(out) == 6 and sorted(episodes.branch_of) == [0, 0, 1, 1]
+    assert episodes.columns["agent_returns"] == [1.0, 2.0] and episodes.metrics["episodes/mean_branches"] == 2.0
+    fmt = tool_format("template", tok)
+    t20, t40 = (fmt.suffix_ids([{"role": "user", "content": t}], None) for t in ("t20", "t40"))
+    for j, root in enumerate(episodes.branch_of):
+        i = 2 + j
+        retry = out.prompt_ids[i] == out.prompt_ids[root]
+        if not retry:  # the sub-agent's own conversation, rendered by the chat template
+            assert out.prompt_ids[i] == fmt.prompt_ids([{"role": "user", "content": "t30 t31"}], None)
+        assert out.tool_mask[i] == ([1] * 5 if retry else [1] * 5 + [0] * len(t40) + [1] * 5)
+        if not retry:
+            assert out.completion_ids[i][5:5 + len(t40)] == t40
+    for i in range(2):
+        assert out.tool_mask[i] == [1] * 5 + [0] * len(t20) + [1] * 5
+    for p, c, lp, mask in zip(out.prompt_ids, out.completion_ids, out.logprobs, out.tool_mask):
+        fresh, _ = completion_logprobs(model, torch.tensor([p + c]), None, len(c), 1.0)
+        real = torch.tensor(mask, dtype=torch.bool)
+        assert (fresh[0][real] - torch.tensor(lp)[real]).abs().max() < 1e-5
+    assert not runner.endpoint.loop, "the endpoint is left running"
+
+
+def test_branches_past_max_branches_and_text_branches(tiny):
+    """A third conversation with max_branches=1 gets HTTP 409 naming the option; a /completions prompt that extends
+    nothing branches in token ids."""
+    model, tok = tiny
+    statuses = []
+
+    async def program(endpoint, row):
+        client = endpoint.client()
+        first = await client.completions.create(model=endpoint.model, prompt=[5, 6, 7], max_tokens=3)
+        second = await client.completions.create(model=endpoint.model, prompt=[5, 6, 8], max_tokens=2)
+        await client.completions.create(model=endpoint.model, prompt=[5, 6, 8] + second.choices[0].token_ids + [9],
+                                        max_tokens=2)
+        try:
+            await client.completions.create(model=endpoint.model, prompt=[4], max_tokens=2)
+        except openai.APIStatusError as e:
+            statuses.append((e.status_code, "max_branches=1" in str(e)))
+        return float(len(first.choices[0].token_ids))
+
+    runner = ProgramRunner([{"prompt": "x"}], program, tool_format("template", tok), "policy", 20, 60.0,
+                           max_branches=1)
+    out, episodes = run_episodes(model, runner, first_turn_tokens=runner.first_turn_tokens)
+    assert statuses == [(409, True)] and episodes.branch_of == [0]
+    assert out.prompt_ids == [[5, 6, 7], [5, 6, 8]]
+    assert out.tool_mask[1] == [1, 1, 0, 1, 1] and out.completion_ids[1][2] == 9
+
+
+async def retries(endpoint, row):
+    """Two samples of the row's prompt (the second a branch); the reward is the first answer's length in characters,
+    modulo 5 (it varies between episodes)."""
+    client = endpoint.client()
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return float(len(first.choices[0].message.content) % 5)
+
+
+def test_a_grpo_step_trains_branches_with_their_episodes_advantage(tmp_path, monkeypatch):
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.grpo.score_phase import Scoring
+    from tests.helpers import fit, toy_rows
+
+    seen = []
+    score = Scoring.__call__
+
+    def keep(self, rows, sampled, scorer=None):
+        out = score(self, rows, sampled, scorer)
+        seen.append((sampled, out))
+        return out
+
+    monkeypatch.setattr(Scoring, "__call__", keep)
+    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE))
+    module = GRPOModule(model, tokenizer=tok, agent=retries, num_generations=4, max_completion_length=16,
+                        max_call_tokens=6, max_branches=1, learning_rate=1e-2, micro_batch_size=8, temperature=1.5)
+    metrics = fit(module, toy_rows(2), steps=1, log_dir=tmp_path, batch_size=2)
+    sampled, step = seen[0]
+    n, branch_of = 8, sampled.episodes.branch_of
+    assert len(step.batch) == len(sampled.batch) == 16 and sorted(branch_of) == list(range(8))
+    advantages = step.batch.advantages
+    assert torch.equal(advantages[n:], advantages[torch.tensor(branch_of)]) and advantages[:n].abs().sum() > 0
+    assert torch.equal(step.scored.advantages, advantages[:n]) and len(step.scored.completions) == n
+    assert (step.batch.loss_mask[n:].sum(1) > 0).all()  # the branches' sampled tokens train
+    assert any(m.get("episodes/mean_branches") == 1.0 for m in metrics)
+    with pytest.raises(ValueError, match="max_branches .* needs a rollout backend with the 'spawns' capability"):
+        GRPOModule(model, tokenizer=tok, agent=retries, max_branches=1, rollout="reference")

@@ -1,18 +1,20 @@
 """Multi-turn episodes in the engine: a scripted continuation appends tokens after each turn. The engine
 keeps each episode's KV between turns and prefills only what was appended; its greedy episodes equal the
 turn-by-turn loop over the reference backend; no block leaks, under memory pressure too; a slow reply does
-not hold up the other episodes; the sampled tokens' logprobs equal a fresh forward over the episode."""
+not hold up the other episodes; the sampled tokens' logprobs equal a fresh forward over the episode; requests a
+continuation adds as the rollout runs (`Spawns`) run as episodes of their own."""
 import threading
+import time
 
 import pytest
 import torch
 
-from rlcu.contracts import Reply, SamplingParams, Turn
+from rlcu.contracts import Reply, RolloutEnded, SamplingParams, Spawns, Turn
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.grpo.logprobs import completion_logprobs
 from rlcu.models import load_model
 from rlcu.rollout.reference import ReferenceRollout
-from rlcu.rollout.turns import generate_in_turns
+from rlcu.rollout.turns import generate, generate_in_turns
 from tests.helpers import EOS, PROMPTS, tiny_hf_folder
 
 TURNS = 3
@@ -123,3 +125,78 @@ def test_the_episode_end_reason_is_the_replys(model):
     out = LLMEngine(model).generate(PROMPTS[:2], sampling(), lambda turn: Reply(None, "length"))
     assert out.finish_reasons == ["length", "length"] and out.tool_mask == [[1] * len(c) for c in out.completion_ids]
 
+
+
+class Spawning(Scripted):
+    """Scripted episodes; each of the rollout's own requests adds one request (its prompt reversed) when its first
+    turn ends, a request that runs as an episode of its own."""
+
+    def __init__(self, prompts, capacity=None):
+        super().__init__()
+        self.prompts = prompts
+        self.spawns = Spawns(len(prompts), len(prompts) if capacity is None else capacity, 64)
+        self.added: dict[int, list[int]] = {}
+
+    def __call__(self, turn: Turn) -> Reply:
+        if turn.request < len(self.prompts) and turn.request not in self.turns:
+            prompt = self.prompts[turn.request][::-1] + [9]
+            self.added[self.spawns.add(prompt, 4)] = prompt
+        return super().__call__(turn)
+
+
+@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(num_blocks=10, max_num_seqs=4,
+                                                                 max_num_batched_tokens=16)],
+                         ids=["roomy", "tight-pool"])
+def test_requests_added_while_the_rollout_runs_are_episodes_of_their_own(model, config):
+    prompts = PROMPTS[:5]
+    spawning = Spawning(prompts)
+    out = LLMEngine(model, config).generate(prompts, sampling(), spawning)
+    assert len(out) == 2 * len(prompts) and sorted(spawning.added) == list(range(5, 10))
+    assert out.prompt_ids[5:] == [spawning.added[i] for i in range(5, 10)]
+    # each added request runs as it would have had it been one of the rollout's prompts, its first turn bounded by
+    # its own 4 tokens
+    alone = LLMEngine(model).generate(out.prompt_ids, sampling(first_turn_tokens=[None] * 5 + [4] * 5), Scripted())
+    assert out.completion_ids == alone.completion_ids and out.tool_mask == alone.tool_mask
+    assert [sum(m[:5]) for m in out.tool_mask[5:]] == [4] * 5
+    with pytest.raises(RolloutEnded):  # the rollout's intake closed with it
+        spawning.spawns.add([5])
+
+
+def test_a_request_added_while_the_engine_waits_wakes_it(model):
+    """Request 1's reply waits a second; request 0's continuation adds a request from a thread of its own 0.2 s in:
+    the engine, with nothing else to compute, runs it before request 1's reply comes."""
+    spawns = Spawns(2, 1, 8)
+    ended: dict[int, float] = {}
+
+    def reply(turn: Turn) -> Reply:
+        ended.setdefault(turn.request, time.monotonic())
+        if turn.request == 0:
+            threading.Timer(0.2, spawns.add, ([7, 7, 7],)).start()
+        if turn.request == 1:
+            time.sleep(1.0)
+            ended["reply 1"] = time.monotonic()
+        return Reply(None)
+
+    reply.spawns = spawns
+    out = LLMEngine(model).generate(PROMPTS[:2], sampling(), reply)
+    assert len(out) == 3 and out.prompt_ids[2] == [7, 7, 7]
+    assert ended[2] < ended["reply 1"]
+
+
+def test_spawned_requests_are_numbered_after_the_prompts_and_taken_by_backends_that_say_so(model):
+    def reply(turn):
+        return Reply(None)
+
+    reply.spawns = Spawns(3, 1, 8)
+    with pytest.raises(ValueError, match="numbered from 3, not after the rollout's 2 prompts"):
+        LLMEngine(model).generate(PROMPTS[:2], sampling(), reply)
+    reply.spawns = Spawns(2, 1, 8)
+    backend = ReferenceRollout()
+    backend.model = model
+    with pytest.raises(ValueError, match="ReferenceRollout does not take"):
+        generate(backend, PROMPTS[:2], sampling(), reply)
+    with pytest.raises(ValueError, match="1 to 8 prompt tokens"):
+        reply.spawns.add([1] * 9)
+    reply.spawns.add([1])
+    with pytest.raises(ValueError, match="at most 1 spawned"):
+        reply.spawns.add([1])

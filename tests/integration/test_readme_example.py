@@ -85,6 +85,23 @@ def test_agents_guide_program_example_trains_one_step(tmp_path):
     assert any("rewards/agent/mean" in m for m in metrics)
 
 
+def test_agents_guide_branching_example_trains_each_branch_as_a_row(tmp_path, monkeypatch):
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.grpo.score_phase import Scoring
+    from rlcu.models import load_model
+    from tests.helpers import CHAT_TEMPLATE, fit, tiny_hf_folder, toy_rows
+
+    pytest.importorskip("openai")
+    rows, score = [], Scoring.__call__
+    monkeypatch.setattr(Scoring, "__call__", lambda self, *a: rows.append(score(self, *a)) or rows[-1])
+    model, tokenizer = load_model(tiny_hf_folder(tmp_path / "m", "qwen3", chat_template=CHAT_TEMPLATE))
+    scope: dict = {"model": model, "tokenizer": tokenizer}
+    exec(python_blocks(README.parent / "docs" / "agents.md")[7], scope)
+    assert isinstance(scope["module"], GRPOModule)
+    metrics = fit(scope["module"], toy_rows(2), steps=1, log_dir=tmp_path, batch_size=1)
+    assert len(rows[0].batch) == 8 and any(m.get("episodes/mean_branches") == 1.0 for m in metrics)
+
+
 def test_agents_guide_text_program_example_trains_one_step_on_a_model_without_a_chat_template(tmp_path):
     from rlcu.grpo.module import GRPOModule
     from rlcu.models import load_model

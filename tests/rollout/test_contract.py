@@ -44,7 +44,7 @@ def test_capabilities_are_declared_and_default_to_none():
     assert capabilities_of(Plain()) == Capabilities()
     assert capabilities_of(resolve_rollout("native")).names() == ["continuation", "on_finished", "exact_numerics",
                                                                  "lora", "streaming", "interruptible",
-                                                                 "native_models_only"]
+                                                                 "native_models_only", "spawns"]
     assert capabilities_of(resolve_rollout("reference")).names() == ["lora", "interruptible"]
     bad = Plain()
     bad.capabilities = {"lora": True}
