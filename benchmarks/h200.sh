@@ -59,7 +59,7 @@ case $part in
     # step, then TRL's step on the same transformers model (benchmarks/trl_family.py); FAMILIES picks them; the 7B
     # trains LoRA r=16 on both sides (TRL's fp32 full fine-tuning of 7B does not fit); pythia-1b is the fallback
     for f in ${FAMILIES:-gemma3-1b smollm3-3b phi4-mini mistral-7b pythia-1b}; do
-      lora=0; [ "$f" = mistral-7b ] && lora=16
+      lora=0; case $f in mistral-7b|olmo3-7b) lora=16 ;; esac
       log rollout64-$f rlcu bench rollout --model "$f-random" --sequences 64 --new_tokens 512
       log rollout512-$f rlcu bench rollout --model "$f-random" --sequences 512 --new_tokens 512
       log step8x8-$f rlcu bench step --model "$f-random" --prompts 8 --generations 8 --new_tokens 512 --steps 3 \

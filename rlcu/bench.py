@@ -60,6 +60,17 @@ FAMILY_SHAPES = {
                              num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
                              partial_rotary_factor=0.75, max_position_embeddings=131072, tie_word_embeddings=True,
                              sliding_window=262144),
+    "olmo2-1b-random": dict(model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192,
+                            num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                            max_position_embeddings=4096, tie_word_embeddings=False),
+    # three sliding-window layers (4096 keys) to one global, transformers' Olmo3Config default layout
+    "olmo3-7b-random": dict(model_type="olmo3", vocab_size=100278, hidden_size=4096, intermediate_size=11008,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, sliding_window=4096,
+                            max_position_embeddings=65536, tie_word_embeddings=False),
+    "granite-3.3-2b-random": dict(model_type="granite", vocab_size=49159, hidden_size=2048, intermediate_size=8192,
+                                  num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                                  embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                                  logits_scaling=8.0, max_position_embeddings=131072, tie_word_embeddings=True),
     "pythia-1b-random": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048, intermediate_size=8192,
                              num_hidden_layers=16, num_attention_heads=8, max_position_embeddings=2048,
                              rotary_pct=0.25),
@@ -318,7 +329,9 @@ def timed_rollout(args, engine, requests, sampling, continuation, i: int) -> tup
     seconds = time.perf_counter() - start
     tokens = sum(map(sum, out.tool_mask)) if out.tool_mask else sum(len(c) for c in out.completion_ids)
     print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {seconds:.2f} s "
-          f"= {tokens / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
+          f"= {tokens / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps, "
+          f"{engine.stats['waiting_s']:.2f} s waiting for replies (a reply {engine.stats['mean_reply_ms']:.1f} ms "
+          "after its turn ended)", file=sys.stderr)
     return tokens, seconds
 
 
@@ -347,7 +360,9 @@ def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: 
     if sampled != tokens:
         raise RuntimeError(f"the HTTP episodes sampled {sampled} tokens, the in-process ones {tokens}")
     print(f"  run {i} over HTTP{' (warm-up)' if i == 0 else ''}: {sampled} tokens in {seconds:.2f} s "
-          f"= {sampled / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps", file=sys.stderr)
+          f"= {sampled / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps, "
+          f"{engine.stats['waiting_s']:.2f} s waiting for replies (a reply {engine.stats['mean_reply_ms']:.1f} ms "
+          "after its turn ended)", file=sys.stderr)
     return seconds
 
 

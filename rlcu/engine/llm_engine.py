@@ -11,6 +11,7 @@ turn. Parked blocks are taken back under memory pressure, and every block is fre
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -225,13 +226,13 @@ class LLMEngine:
     def _run_episodes(self, continuation: Continuation, spawns: Spawns | None = None) -> None:
         """Steps while continuations run beside them; when nothing is left to compute, wait for a reply (or for a
         request the continuation adds, `spawns`). The rollout ends when nothing runs, waits or may still be added."""
-        pending: dict[Future, object] = {}
+        pending: dict[Future, tuple[Sequence, float]] = {}  # a turn's continuation call: its sequence, when submitted
         pool = ThreadPoolExecutor(continuation_workers(continuation, self.config.continuation_workers),
                                   thread_name_prefix="rlcu-turn")
         try:
             while True:
                 for seq in self._turns_ended:
-                    pending[pool.submit(continuation, as_turn(seq))] = seq
+                    pending[pool.submit(continuation, as_turn(seq))] = seq, time.perf_counter()
                 self._turns_ended = []
                 if spawns is not None:
                     self._add_spawned(spawns.take())
@@ -241,13 +242,17 @@ class LLMEngine:
                         return
                     continue  # a request came in as the last episode ended: it runs first
                 if idle:
+                    start = time.perf_counter()
                     done = wait([*pending, *([spawns.arrived] if spawns is not None else [])],
                                 return_when=FIRST_COMPLETED)[0]
+                    self._waiting_s += time.perf_counter() - start
                 else:
                     done = [f for f in pending if f.done()]
                 for future in done:
                     if future in pending:
-                        self._apply_reply(pending.pop(future), future.result())
+                        seq, submitted = pending.pop(future)
+                        self._reply_s.append(time.perf_counter() - submitted)
+                        self._apply_reply(seq, future.result())
                 if not self.scheduler.is_finished() or self._ahead is not None:
                     self.step()
                     self._check_stop()
@@ -355,6 +360,8 @@ class LLMEngine:
         self._seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item())
         self._ahead = None  # (sequences, logits) of a decode step launched before the host saw the previous tokens
         self._steps = self._lookahead_steps = 0
+        self._waiting_s = 0.0  # episodes: seconds with nothing to compute, waiting for a continuation's reply
+        self._reply_s: list[float] = []  # episodes: each turn's seconds from its end to its reply's taking
 
     def _release_window(self) -> tuple[int, int] | None:
         """(keys, tile) where every attention layer has a sliding window: the blocks before a sequence's window go
@@ -376,7 +383,8 @@ class LLMEngine:
         scheduler, bm = self.scheduler, self.scheduler.bm
         self.stats = {"steps": self._steps, "lookahead_steps": self._lookahead_steps,
                       "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks,
-                      "prefill_tokens": scheduler.num_prefill_tokens}
+                      "prefill_tokens": scheduler.num_prefill_tokens, "waiting_s": self._waiting_s,
+                      "mean_reply_ms": 1e3 * sum(self._reply_s) / max(len(self._reply_s), 1)}
         self.scheduler = None
         if bm.num_free != bm.num_blocks:
             raise AssertionError(f"{bm.num_blocks - bm.num_free} KV blocks leaked")

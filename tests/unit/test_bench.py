@@ -191,7 +191,8 @@ def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch)
 # parameters of the released checkpoints whose shapes FAMILY_SHAPES copies (from their model cards), in billions
 PUBLIC_SIZES = {"gemma3-1b-random": 1.00, "gemma2-2b-random": 2.61, "smollm3-3b-random": 3.08,
                 "mistral-7b-random": 7.25, "phi4-mini-random": 3.84, "pythia-1b-random": 1.01,
-                "qwen3-30b-a3b-random": 30.5, "gpt-oss-20b-random": 20.9}
+                "qwen3-30b-a3b-random": 30.5, "gpt-oss-20b-random": 20.9, "olmo2-1b-random": 1.48,
+                "olmo3-7b-random": 7.30, "granite-3.3-2b-random": 2.53}
 # copied from Qwen3.5-2B's config.json, or transformers' defaults ("Qwen3.5-9B style", "Qwen3-Next-80B-A3B style"): the
 # model cards give totals with the vision tower
 HYBRID_SHAPES = {"qwen3.5-2b-random", "qwen3.5-9b-random", "qwen3-next-80b-a3b-random"}
