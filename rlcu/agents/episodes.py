@@ -9,7 +9,7 @@ length ends the episode. `max_tool_calling_iterations` bounds the rounds of tool
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rlcu import plugins
@@ -74,8 +74,9 @@ class Episode:
 @dataclass
 class Episodes:
     """A rollout's episodes after they ran: plain data for scoring and metrics."""
-    completions: list[list[dict] | str]  # [N] each episode's messages after its prompt (TRL's `completions[i]`),
-    # or a text episode's text after its first prompt
+    # [N] each episode's messages after its prompt (TRL's `completions[i]`), or a text episode's text after its first
+    # prompt; a sequence that may compute them when read (an agent program's text episodes are decoded then)
+    completions: Sequence[list[dict] | str]
     environments: list | None  # [N] each episode's environment (TRL's `environments` column), None without
     metrics: dict[str, float]  # tools/call_frequency, tools/failure_frequency, episodes/mean_turns
     columns: dict[str, list] = field(default_factory=dict)  # [N] each, for the rewards (agent programs' returns)

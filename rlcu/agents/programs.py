@@ -38,6 +38,7 @@ import itertools
 import secrets
 import threading
 import time
+from collections import abc
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -518,7 +519,7 @@ class ProgramRunner:
                    "episodes/mean_calls": sum(e.calls for e in self.episodes) / n}
         if self.max_branches:
             metrics["episodes/mean_branches"] = len(branches) / n
-        return Episodes([self._completion_of(e) for e in roots], None, metrics,
+        return Episodes(Later(lambda i: self._completion_of(roots[i]), len(roots)), None, metrics,
                         columns={"agent_returns": [None if e.result is None else float(e.result) for e in roots]},
                         branch_of=[b.root_index for b in branches])
 
@@ -541,6 +542,34 @@ class ProgramRunner:
             for task in asyncio.all_tasks(self._loop) if not self._loop.is_closed() else []:
                 self._loop.call_soon_threadsafe(task.cancel)
             self._thread.join(10)
+
+
+class Later(abc.Sequence):
+    """Items computed when first read: the episodes' completions, which the score phase reads, so that decoding a
+    text episode's tokens is the score phase's time and not the rollout's."""
+
+    def __init__(self, make: Callable[[int], Any], n: int):
+        self._make, self._n = make, n
+        self._made: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
+            raise IndexError(i)
+        if j not in self._made:
+            self._made[j] = self._make(j)
+        return self._made[j]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (abc.Sequence)) and not isinstance(other, str) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 def agent_reward(agent_returns, **kwargs) -> list[float | None]:

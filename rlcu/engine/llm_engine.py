@@ -127,6 +127,7 @@ class LLMEngine:
         self._should_stop: Callable[[], bool] | None = None  # the generate() in progress's
         self.stream = None  # an open EngineStream (engine/stream.py), which holds the scheduler between its runs
         self._pausing = False  # no decode step is launched ahead: the stream is about to hand the GPU to training
+        self._turns: tuple[ThreadPoolExecutor, int] | None = None  # continuations' threads, and how many it may run
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None, on_finished: Callable[[Turn], None] | None = None,
@@ -227,8 +228,8 @@ class LLMEngine:
         """Steps while continuations run beside them; when nothing is left to compute, wait for a reply (or for a
         request the continuation adds, `spawns`). The rollout ends when nothing runs, waits or may still be added."""
         pending: dict[Future, tuple[Sequence, float]] = {}  # a turn's continuation call: its sequence, when submitted
-        pool = ThreadPoolExecutor(continuation_workers(continuation, self.config.continuation_workers),
-                                  thread_name_prefix="rlcu-turn")
+        pool = self._turn_pool(continuation_workers(continuation, self.config.continuation_workers))
+        ended = False
         try:
             while True:
                 for seq in self._turns_ended:
@@ -239,6 +240,7 @@ class LLMEngine:
                 idle = self.scheduler.is_finished() and self._ahead is None
                 if idle and not pending:
                     if spawns is None or spawns.close():
+                        ended = True
                         return
                     continue  # a request came in as the last episode ended: it runs first
                 if idle:
@@ -259,7 +261,19 @@ class LLMEngine:
         finally:
             if spawns is not None:
                 spawns.close(drop=True)
-            pool.shutdown(wait=False, cancel_futures=True)
+            if not ended:  # a continuation may still hold a thread: the next rollout gets threads of its own
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._turns = None
+
+    def _turn_pool(self, workers: int) -> ThreadPoolExecutor:
+        """The threads that run continuations, kept from one rollout to the next: agent programs' turns each wait in
+        a thread for the program's next call, and starting that many threads anew every rollout holds up its decode
+        loop (each start waits for its thread, under the interpreter lock)."""
+        if self._turns is None or self._turns[1] < workers:
+            if self._turns is not None:
+                self._turns[0].shutdown(wait=False)
+            self._turns = ThreadPoolExecutor(workers, thread_name_prefix="rlcu-turn"), workers
+        return self._turns[0]
 
     def _add_spawned(self, taken: list[tuple[int, list[int], int | None]]) -> None:
         """Requests a continuation added: sequences of their own, numbered after the rollout's prompts."""

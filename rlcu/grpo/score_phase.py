@@ -140,7 +140,7 @@ class Scoring:
         g = self.options.sampling.num_generations if g is None else g
         prompts = [r["prompt"] for r in rows for _ in range(g)]
         if episodes is not None:
-            completions = episodes.completions
+            completions = list(episodes.completions)  # a text episode's text is decoded here (`Episodes`)
         else:
             texts = decode_completions(self.tokenizer, completion_ids)
             completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t

@@ -650,3 +650,16 @@ def test_a_grpo_step_trains_branches_with_their_episodes_advantage(tmp_path, mon
     assert any(m.get("episodes/mean_branches") == 1.0 for m in metrics)
     with pytest.raises(ValueError, match="max_branches .* needs a rollout backend with the 'spawns' capability"):
         GRPOModule(model, tokenizer=tok, agent=retries, max_branches=1, rollout="reference")
+
+
+def test_episode_completions_are_made_when_read():
+    """A text episode's completion is decoded when the score phase reads it, once, not as the rollout ends."""
+    from rlcu.agents.programs import Later
+
+    made = []
+    later = Later(lambda i: made.append(i) or f"text {i}", 3)
+    assert made == [] and len(later) == 3
+    assert later[-1] == "text 2" and later[1:] == ["text 1", "text 2"] and list(later) == ["text 0", "text 1", "text 2"]
+    assert made == [2, 1, 0] and later == ["text 0", "text 1", "text 2"] and later != "text 0"
+    with pytest.raises(IndexError):
+        later[3]

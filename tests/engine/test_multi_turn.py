@@ -178,9 +178,12 @@ def test_a_request_added_while_the_engine_waits_wakes_it(model):
         return Reply(None)
 
     reply.spawns = spawns
-    out = LLMEngine(model).generate(PROMPTS[:2], sampling(), reply)
+    engine = LLMEngine(model)
+    out = engine.generate(PROMPTS[:2], sampling(), reply)
     assert len(out) == 3 and out.prompt_ids[2] == [7, 7, 7]
     assert ended[2] < ended["reply 1"]
+    # the engine waited, with nothing to compute, for most of reply 1's second; a reply came 1/3 s late on average
+    assert 0.5 < engine.stats["waiting_s"] < 1.5 and engine.stats["mean_reply_ms"] > 300
 
 
 def test_spawned_requests_are_numbered_after_the_prompts_and_taken_by_backends_that_say_so(model):
@@ -200,3 +203,31 @@ def test_spawned_requests_are_numbered_after_the_prompts_and_taken_by_backends_t
     reply.spawns.add([1])
     with pytest.raises(ValueError, match="at most 1 spawned"):
         reply.spawns.add([1])
+
+
+def test_continuation_threads_are_kept_between_rollouts_and_dropped_after_a_failure(model):
+    """Agent programs' turns each wait in a thread: the engine keeps its threads from one rollout to the next (a
+    rollout that started them anew held up its decode loop), and gives them up when a continuation failed (it may
+    still hold one)."""
+    threads = []
+
+    def reply(turn: Turn) -> Reply:
+        threads.append(threading.current_thread())
+        return Reply(None)
+
+    reply.waiting_turns = 20
+    engine = LLMEngine(model)
+    engine.generate(PROMPTS[:4], sampling(), reply)
+    first, threads[:] = set(threads), []
+    engine.generate(PROMPTS[:4], sampling(), reply)
+    assert set(threads) <= first and engine._turns[1] == 20
+
+    def broken(turn):
+        raise RuntimeError("tool broke")
+
+    broken.waiting_turns = 20
+    with pytest.raises(RuntimeError, match="tool broke"):
+        engine.generate(PROMPTS[:2], sampling(), broken)
+    assert engine._turns is None
+    engine.generate(PROMPTS[:4], sampling(), reply)
+    assert not set(threads[-4:]) & first
