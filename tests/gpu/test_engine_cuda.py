@@ -169,3 +169,25 @@ def test_families_greedy_on_cuda_equal_transformers(tmp_path, family):
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=EOS,
                             pad_token_id=62)[0, len(prompt):].tolist()
         assert got == (want[:want.index(EOS) + 1] if EOS in want else want)
+
+
+def test_requests_added_mid_rollout_sample_on_graphs_as_they_would_up_front(tmp_path):
+    """A continuation's spawned requests (an agent program's branches) join running decode graphs mid-rollout and
+    draw the same tokens as the same prompts given up front: exact numerics make each row's bits independent of
+    the batch it runs in, so the two rollouts agree token for token at temperature 1."""
+    from dataclasses import replace
+
+    from rlcu.contracts import Numerics
+    from tests.engine.test_multi_turn import Scripted, Spawning
+
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", hidden=128, heads=8, kv_heads=2, head_dim=32))
+    model.cuda()
+    prompts = PROMPTS[:5]
+    sp = SamplingParams(max_tokens=40, max_turn_tokens=6, temperature=1.0, seed=3, stop_token_ids=[EOS])
+    config = EngineConfig(numerics=Numerics.EXACT)
+    spawning = Spawning(prompts)
+    out = LLMEngine(model, config).generate(prompts, sp, spawning)
+    assert len(out) == 10 and out.prompt_ids[5:] == [spawning.added[i] for i in range(5, 10)]
+    alone = LLMEngine(model, config).generate(out.prompt_ids, replace(sp, first_turn_tokens=[None] * 5 + [4] * 5),
+                                              Scripted())
+    assert out.completion_ids == alone.completion_ids and out.tool_mask == alone.tool_mask
