@@ -115,7 +115,8 @@ class EpisodeRunner:
     # ---- the continuation ----------------------------------------------------------------------------
     def __call__(self, turn: Turn) -> Reply:
         ep = self.episodes[turn.request]
-        message, calls = self.options.format.parse(turn.completion_ids[ep.consumed:])
+        message, calls = self.options.format.parse(turn.completion_ids[ep.consumed:],
+                                                   self.prompt_ids[turn.request] + turn.completion_ids[:ep.consumed])
         ep.consumed = len(turn.completion_ids)
         ep.messages.append(message)
         ep.turns += 1

@@ -3,8 +3,9 @@
 `template` (the default) is the tokenizer's own chat template, as TRL uses it: `apply_chat_template(...,
 tools=...)` renders the tools, and calls are read with the tokenizer's response parser where it has one
 (`response_template` / `response_schema`), else by the `<tool_call>{json}</tool_call>` convention that
-Qwen's and Hermes' templates use. A template that cannot render a tool-calling conversation is an error
-that names `hermes`, never a silent fallback.
+Qwen's and Hermes' templates use; a tokenizer of OpenAI's harmony format (gpt-oss: `<|channel|>`, `<|message|>`,
+`<|call|>`) without a response parser has its turns read by `parse_harmony`. A template that cannot render a
+tool-calling conversation is an error that names `hermes`, never a silent fallback.
 
 `hermes` is rlcu's documented format for models whose template has no tool format (SmolLM2's ignores
 `tools`): a system block lists the tools' JSON schemas between <tools> tags, the model calls one with
@@ -53,6 +54,48 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     return content, calls
 
 
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|call|>")  # what a tokenizer of the harmony format holds
+HARMONY_END = re.compile(r"<\|(?:end|call|return)\|>")
+
+
+def parse_harmony(text: str) -> tuple[dict, list[ToolCall]]:
+    """An assistant turn in OpenAI's harmony format (gpt-oss), decoded with its special tokens: messages
+    `<|channel|>CHANNEL to=functions.NAME <|constrain|>json<|message|>BODY<|call|>` one after another, each after
+    `<|start|>assistant` (the recipient may come before the channel, as gpt-oss's template writes it). A message to
+    `functions.NAME` calls NAME with BODY's JSON arguments; the analysis channel is the turn's reasoning (`thinking`,
+    as the template names it); the final channel, and commentary to no one, its content."""
+    content, thinking, calls = [], [], []
+    for part in text.split("<|start|>"):
+        if "<|message|>" not in part:
+            continue
+        head, body = part.split("<|message|>", 1)
+        body = HARMONY_END.split(body, maxsplit=1)[0]
+        channel = re.search(r"<\|channel\|>\s*(\w+)", head)
+        recipient = re.search(r"\bto=functions\.([^\s<]+)", head)
+        if recipient:
+            calls.append(_harmony_call(recipient.group(1), body))
+        elif channel is not None and channel.group(1) == "analysis":
+            thinking.append(body)
+        else:
+            content.append(body)
+    message = {"role": "assistant", "content": "".join(content)}
+    if thinking:
+        message["thinking"] = "".join(thinking)
+    if calls:
+        message["tool_calls"] = openai_calls(calls)
+    return message, calls
+
+
+def _harmony_call(name: str, body: str) -> ToolCall:
+    try:
+        arguments = json.loads(body) if body.strip() else {}
+    except ValueError as e:
+        return ToolCall(name, error=f"the arguments of the call are not valid JSON ({e})")
+    if not isinstance(arguments, dict):
+        return ToolCall(name, error=f"the arguments of the call are a JSON {type(arguments).__name__}, not an object")
+    return ToolCall(name, arguments)
+
+
 def openai_calls(calls: list[ToolCall]) -> list[dict]:
     return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls if c.error is None]
@@ -73,8 +116,9 @@ class ToolFormat:
     def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
         return self.ids(self.render(messages, tools, add_generation_prompt=True))
 
-    def parse(self, ids: list[int]) -> tuple[dict, list[ToolCall]]:
-        """An assistant turn's tokens as a message (TRL's shape) and the tool calls in it."""
+    def parse(self, ids: list[int], prefix: list[int] | None = None) -> tuple[dict, list[ToolCall]]:
+        """An assistant turn's tokens as a message (TRL's shape) and the tool calls in it; `prefix`: the tokens
+        before the turn (its prompt), which a tokenizer's response template reads."""
         content, calls = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True))
         message = {"role": "assistant", "content": content}
         if calls:
@@ -104,6 +148,8 @@ class TemplateFormat(ToolFormat):
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         super().__init__(tokenizer, template_kwargs)
         self.checked = False
+        vocab = tokenizer.get_vocab()
+        self.harmony = all(t in vocab for t in HARMONY_TOKENS)
 
     def render(self, messages, tools, add_generation_prompt):
         if tools and not self.checked:
@@ -127,12 +173,17 @@ class TemplateFormat(ToolFormat):
                              "template supports tools")
         self.checked = True
 
-    def parse(self, ids):
+    def parse(self, ids, prefix=None):
         tok = self.tokenizer
-        if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
+        template = getattr(tok, "response_template", None)
+        if template is None and getattr(tok, "response_schema", None) is None:
+            if self.harmony:
+                return parse_harmony(tok.decode(ids, skip_special_tokens=False))
             return super().parse(ids)
         try:
-            message = dict(tok.parse_response(ids))
+            # a response template (transformers >= 5.13) reads the prompt before the turn; a legacy schema does not
+            message = dict(tok.parse_response(ids, prefix=list(prefix or [])) if template is not None
+                           else tok.parse_response(ids))
         except (ValueError, TypeError):  # a malformed call: the text, as TRL falls back
             return {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}, []
         message["content"] = (message.get("content") or "").removesuffix(tok.eos_token or "")

@@ -416,7 +416,7 @@ class ProgramRunner:
         if ep.text_mode:
             message, calls = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}, []
         else:
-            message, calls = self.format.parse(ids)
+            message, calls = self.format.parse(ids, ep.prompt_ids + turn.completion_ids[:ep.consumed])
         ep.consumed = len(turn.completion_ids)
         served = message if ep.text_mode else _openai_message(message, ep.calls)
         # a turn cut by the turn limit is a call that ended by length (OpenAI's meaning): the episode goes on until

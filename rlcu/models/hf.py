@@ -27,7 +27,7 @@ def _cache_name() -> str:
 class HFConfigView:
     """What rlcu reads of a model's config, from a transformers config."""
 
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, generation_config=None):
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.hf = hf_config
         self.model_type = hf_config.model_type
@@ -37,6 +37,12 @@ class HFConfigView:
         self.num_hidden_layers = getattr(text, "num_hidden_layers", None)
         self.bos_token_id, self.pad_token_id = text.bos_token_id, text.pad_token_id
         self.eos_token_id = text.eos_token_id
+        # the ids generation_config.json adds (gpt-oss's <|call|>, Llama 3's <|eot_id|>), as transformers' generate
+        # stops at them
+        more = getattr(generation_config, "eos_token_id", None)
+        if more is not None:
+            ids = self.eos_token_ids
+            self.eos_token_id = ids + [i for i in ([more] if isinstance(more, int) else more) if i not in ids]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -56,7 +62,7 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf = hf_model.train()
-        self.config = HFConfigView(hf_model.config)
+        self.config = HFConfigView(hf_model.config, getattr(hf_model, "generation_config", None))
         for m in hf_model.modules():  # as rlcu's own models (and TRL's disable_dropout): the sampler's logprobs
             if isinstance(m, nn.Dropout):  # must be the trainer's
                 m.p = 0.0

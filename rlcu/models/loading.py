@@ -119,6 +119,18 @@ def load_tokenizer(folder: Path):
     return tok
 
 
+def with_generation_stops(eos: int | list[int] | None, folder: Path) -> int | list[int] | None:
+    """`eos` (config.json's eos_token_id) and the end-of-sequence ids of the folder's generation_config.json, which
+    transformers' `generate` and vLLM stop at too: gpt-oss ends a tool call with `<|call|>` and Llama 3 a turn with
+    `<|eot_id|>`, which only that file names."""
+    path = folder / "generation_config.json"
+    more = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    if more is None:
+        return eos
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return ids + [i for i in ([more] if isinstance(more, int) else more) if i not in ids]
+
+
 def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False):
     """Load (model, tokenizer) from any supported source: rlcu's own `CausalLM` for a native family, else the
     transformers fallback (`hf.py`), said in a log line."""
@@ -128,7 +140,8 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", 
         from rlcu.models.hf import load_hf_model
 
         return load_hf_model(folder, dtype, trust_remote_code)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = ModelConfig.from_hf({**hf_config, "eos_token_id": with_generation_stops(hf_config.get("eos_token_id"),
+                                                                                   folder)})
     log.info("%s: %s runs on rlcu's native decoder", folder.name, cfg.model_type)
     with torch.device("meta"):
         model = CausalLM(cfg)
