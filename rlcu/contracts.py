@@ -161,8 +161,32 @@ def check_reply(reply, completion_length: int, max_tokens: int) -> None:
 # someone else (an agent program's next request) declares how many may wait at once as an int attribute
 # `waiting_turns`; backends run at least that many at once (`continuation_workers`). A continuation that adds
 # requests while the rollout runs (an agent program's calls that branch) declares them as an attribute `spawns`, a
-# `Spawns`; only a backend with the `spawns` capability takes them (`continuation_spawns`).
+# `Spawns`; only a backend with the `spawns` capability takes them (`continuation_spawns`). A continuation whose
+# replies wait on someone else may answer later instead: it declares `replies_later = True`, and each call returns at
+# once a `concurrent.futures.Future` of its Reply, so that no thread waits for it (`reply_of`).
 Continuation = Callable[[Turn], Reply]
+
+
+def replies_later(continuation: Continuation | None) -> bool:
+    """Whether the continuation's calls return a Future of their Reply (it declares `replies_later = True`)."""
+    later = getattr(continuation, "replies_later", False)
+    if not isinstance(later, bool):
+        raise TypeError(f"{type(continuation).__name__}.replies_later must be True or False, got {later!r}")
+    return later
+
+
+def reply_of(continuation: Continuation, turn: Turn) -> Reply:
+    """The continuation's Reply to `turn`, waited for where it replies later (on a backend's worker thread)."""
+    if not replies_later(continuation):
+        return continuation(turn)
+    return later_reply(continuation(turn), continuation).result()
+
+
+def later_reply(future, continuation: Continuation) -> Future:
+    if not isinstance(future, Future):
+        raise TypeError(f"{type(continuation).__name__} replies later, so it must return a "
+                        f"concurrent.futures.Future of its Reply, got {type(future).__name__}")
+    return future
 
 
 class RolloutEnded(RuntimeError):

@@ -189,9 +189,11 @@ class ProgramRunner:
         self.by_id = {e.id: e for e in self.episodes}
         self.spawns = (Spawns(len(rows), len(rows) * max_branches, max_prompt_length + max_completion_length)
                        if max_branches else None)
-        # each ended turn waits in its worker for the program's next call: every conversation may wait at once
+        # where turns run in threads (rollout/turns.py), each ended one waits in its thread for the program's next
+        # call: every conversation may wait at once
         self.waiting_turns = len(self.episodes) * (1 + max_branches)
-        self.lock = threading.Lock()
+        # reentrant: a call resolves its turn's reply (`_next_turn`) while it holds the lock
+        self.lock = threading.RLock()
         self.endpoint = Endpoint(self)
         self.endpoint.start()
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -409,7 +411,11 @@ class ProgramRunner:
         return branch
 
     # ---- the continuation ----------------------------------------------------------------------------
-    def __call__(self, turn: Turn) -> Reply:
+    # a turn's reply waits for the program's next call: it comes as a Future that the call resolves, so that no
+    # thread waits for it
+    replies_later = True
+
+    def __call__(self, turn: Turn) -> Future:
         ep = self.episodes[turn.request]
         ids = turn.completion_ids[ep.consumed:]
         logprobs = (turn.logprobs or [])[ep.consumed:] if ep.wants_logprobs else None
@@ -436,13 +442,23 @@ class ProgramRunner:
         finish = "length" if spent else "tool_calls" if calls else "stop" if turn.finish_reason == "stop" else "length"
         respond = self._text_response if ep.text_mode else self._response
         ep.answer.set_result(respond(ep, served, ids, finish, logprobs))
+        reply: Future = Future()
         if waiting is None:
-            return Reply(None)
-        remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
-        try:
-            nxt = waiting.result(remaining)
-        except TimeoutError:
-            nxt = None
+            reply.set_result(Reply(None))
+            return reply
+
+        def answered(call: Future) -> None:  # in the thread of the program's next call (or of its end)
+            try:
+                reply.set_result(self._next_turn(ep, turn, call.result()))
+            except BaseException as e:  # noqa: BLE001 - the engine raises it where it waits for the reply
+                reply.set_exception(e)
+
+        waiting.add_done_callback(answered)
+        return reply
+
+    def _next_turn(self, ep: ProgramEpisode, turn: Turn, nxt) -> Reply:
+        """The Reply to `turn` once the program's next call came: (tokens to append, new messages, the call's own
+        max_tokens, what a text prompt adds), or None when the program returned."""
         if nxt is None:  # the program returned (or ran out of time): the episode ends with the last turn
             with self.lock:
                 ep.open = False

@@ -31,6 +31,8 @@ from rlcu.contracts import (
     check_reply,
     continuation_spawns,
     continuation_workers,
+    later_reply,
+    replies_later,
     turn_bound,
 )
 from rlcu.engine.block_manager import BlockManager
@@ -229,11 +231,13 @@ class LLMEngine:
         request the continuation adds, `spawns`). The rollout ends when nothing runs, waits or may still be added."""
         pending: dict[Future, tuple[Sequence, float]] = {}  # a turn's continuation call: its sequence, when submitted
         pool = self._turn_pool(continuation_workers(continuation, self.config.continuation_workers))
-        ended = False
+        later, ended = replies_later(continuation), False
         try:
             while True:
-                for seq in self._turns_ended:
-                    pending[pool.submit(continuation, as_turn(seq))] = seq, time.perf_counter()
+                for seq in self._turns_ended:  # one that replies later is called here, and answers by its Future
+                    future = (later_reply(continuation(as_turn(seq)), continuation) if later
+                              else pool.submit(continuation, as_turn(seq)))
+                    pending[future] = seq, time.perf_counter()
                 self._turns_ended = []
                 if spawns is not None:
                     self._add_spawned(spawns.take())

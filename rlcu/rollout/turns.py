@@ -17,6 +17,7 @@ from rlcu.contracts import (
     check_reply,
     continuation_spawns,
     continuation_workers,
+    reply_of,
     turn_bound,
 )
 from rlcu.rollout.base import capabilities_of
@@ -61,8 +62,8 @@ def generate_in_turns(generate, prompt_token_ids: list[list[int]], sampling: Sam
     with ThreadPoolExecutor(continuation_workers(continuation, workers), thread_name_prefix="rlcu-turn") as pool:
         while active:
             ended = _one_turn(generate, prompt_token_ids, sampling, turn, active, completions, logprobs, masks, own)
-            replies = list(pool.map(continuation, [Turn(i, list(completions[i]), reason, list(logprobs[i]))
-                                                        for i, reason in ended]))
+            replies = list(pool.map(partial(reply_of, continuation),
+                                    [Turn(i, list(completions[i]), reason, list(logprobs[i])) for i, reason in ended]))
             active = []
             for (i, reason), reply in zip(ended, replies):
                 check_reply(reply, len(completions[i]), sampling.max_tokens)

@@ -231,3 +231,36 @@ def test_continuation_threads_are_kept_between_rollouts_and_dropped_after_a_fail
     assert engine._turns is None
     engine.generate(PROMPTS[:4], sampling(), reply)
     assert not set(threads[-4:]) & first
+
+
+def test_a_continuation_that_replies_later_answers_by_future_and_holds_no_thread(model):
+    """`replies_later`: the call returns a Future at once, resolved from elsewhere (an agent program's next call);
+    the episodes equal those of the same replies given at once, turn by turn on the reference backend too."""
+    from concurrent.futures import Future
+
+    class Later(Scripted):
+        replies_later = True
+
+        def __init__(self):
+            super().__init__()
+            self.callers = set()
+
+        def __call__(self, turn: Turn) -> Future:
+            self.callers.add(threading.current_thread())
+            reply = Future()
+            threading.Timer(0.01, lambda: reply.set_result(Scripted.__call__(self, turn))).start()
+            return reply
+
+    later = Later()
+    got = LLMEngine(model).generate(PROMPTS[:4], sampling(), later)
+    assert later.callers == {threading.current_thread()}  # called on the decode loop, which no reply held up
+    want = LLMEngine(model).generate(PROMPTS[:4], sampling(), Scripted())
+    assert got.completion_ids == want.completion_ids and got.tool_mask == want.tool_mask
+    assert reference_episodes(model, PROMPTS[:4], sampling(), Later()).completion_ids == want.completion_ids
+
+    def wrong(turn):
+        return Reply(None)
+
+    wrong.replies_later = True
+    with pytest.raises(TypeError, match="replies later, so it must return a concurrent.futures.Future of its Reply"):
+        LLMEngine(model).generate(PROMPTS[:1], sampling(), wrong)
