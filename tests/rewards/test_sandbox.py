@@ -229,15 +229,15 @@ def test_a_killed_caller_leaves_no_sandboxed_process_and_its_folders_and_groups_
 
     from rlcu.rewards.sandbox_limits import UID_BASE
 
-    caller = subprocess.Popen([sys.executable, "-c", "from rlcu.rewards import sandbox\n"
-                               "sandbox.run('import time\\nwhile True:\\n    time.sleep(0.05)', timeout=60)"],
-                              cwd=ROOT)
+    caller = subprocess.Popen([sys.executable, "-c", "import sys\nfrom rlcu.rewards import sandbox\n"
+                               "r = sandbox.run('import time\\nwhile True:\\n    time.sleep(0.05)', timeout=60)\n"
+                               "print('the sandbox returned', r, file=sys.stderr)"], cwd=ROOT)
     uids = range(UID_BASE + (caller.pid % 100_000) * 1000, UID_BASE + (caller.pid % 100_000) * 1000 + 1000)
     sandboxed = lambda: [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in uids]  # noqa: E731
     deadline = time.time() + 90  # the caller imports torch first: tens of seconds when the whole suite shares 2 cores
     while not sandboxed() and time.time() < deadline:
         time.sleep(0.05)
-    assert sandboxed(), "the sandboxed program did not start"
+    assert sandboxed(), f"the sandboxed program did not start (its caller's exit status: {caller.poll()})"
     folders = glob.glob(f"{tempfile.gettempdir()}/{sandbox.LEFTOVER_PREFIX}{caller.pid}-*")
     assert folders
     caller.send_signal(signal.SIGKILL)
