@@ -39,10 +39,9 @@ class HFConfigView:
         self.eos_token_id = text.eos_token_id
         # the ids generation_config.json adds (gpt-oss's <|call|>, Llama 3's <|eot_id|>), as transformers' generate
         # stops at them
-        more = getattr(generation_config, "eos_token_id", None)
-        if more is not None:
-            ids = self.eos_token_ids
-            self.eos_token_id = ids + [i for i in ([more] if isinstance(more, int) else more) if i not in ids]
+        from rlcu.models.loading import joined_stops
+
+        self.eos_token_id = joined_stops(text.eos_token_id, getattr(generation_config, "eos_token_id", None))
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -124,7 +124,11 @@ def with_generation_stops(eos: int | list[int] | None, folder: Path) -> int | li
     transformers' `generate` and vLLM stop at too: gpt-oss ends a tool call with `<|call|>` and Llama 3 a turn with
     `<|eot_id|>`, which only that file names."""
     path = folder / "generation_config.json"
-    more = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    return joined_stops(eos, json.loads(path.read_text()).get("eos_token_id") if path.exists() else None)
+
+
+def joined_stops(eos: int | list[int] | None, more: int | list[int] | None) -> int | list[int] | None:
+    """`eos` and then the ids of `more` it lacks (either an id, a list of ids or None)."""
     if more is None:
         return eos
     ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
