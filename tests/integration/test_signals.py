@@ -49,8 +49,8 @@ def test_a_signal_mid_rollout_stops_the_run_within_seconds_and_it_resumes(tmp_pa
     def run(*extra):
         return [sys.executable, "-m", "rlcu.cli", "run", "quickstart", f"--model.model={model}",
                 "--model.max_prompt_length=64", "--model.eval_at_start=false", "--trainer.logger=false",
-                "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=true",
-                "--trainer.callbacks=[]",
+                "--model.micro_batch_size=1", "--trainer.enable_progress_bar=false",
+                "--trainer.enable_checkpointing=true", "--trainer.callbacks=[]",
                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                 f"--trainer.callbacks.dirpath={ckpt}",
                 "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
