@@ -17,6 +17,7 @@
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)),
+# exact (issue #45: exact mode and the default side by side; EXACT picks rollout, step and big),
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
@@ -66,6 +67,25 @@ case $part in
         --lora_rank $lora
       [ "$lora" = 0 ] && lora=
       LORA=$lora log trl-$f python3 benchmarks/trl_family.py "$peers" "$f-random" 8 8 512 2
+    done ;;
+  exact)
+    # issue #45: exact mode beside the default mode in one run, each workload both ways; EXACT picks the workloads
+    # (default "rollout step"; "big" is the 8x8 step at the 1.7B shape and LoRA r=16 at the 8B shape)
+    for w in ${EXACT:-rollout step}; do
+      for mode in default exact; do
+        e=; [ $mode = exact ] && e=--exact_logprobs
+        case $w in
+          rollout)
+            log rollout64-$mode rlcu bench rollout --sequences 64 --new_tokens 512 $e
+            log rollout512-$mode rlcu bench rollout --sequences 512 --new_tokens 512 $e ;;
+          step) log step8x8-$mode rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 3 $e ;;
+          big)
+            log step8x8-1.7b-$mode rlcu bench step --model qwen3-1.7b-random --prompts 8 --generations 8 \
+              --new_tokens 512 --steps 3 $e
+            log step8x8-8b-lora-$mode rlcu bench step --model qwen3-8b-random --prompts 8 --generations 8 \
+              --new_tokens 512 --steps 3 --lora_rank 16 $e ;;
+        esac
+      done
     done ;;
   ab)
     # python3 -m puts the working folder first on the path: each tree runs from its own folder
