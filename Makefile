@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 # The tests that start process groups may run beside each other: each torchrun test has a port of its own, and
 # Lightning's ddp picks a free one.
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS)
+# --durations: the slowest tests close each run's output, to keep the suite near 20 minutes on 2 cores.
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --durations=30
 
 .PHONY: install quickstart lint test test-fast
 
