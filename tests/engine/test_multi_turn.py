@@ -218,9 +218,11 @@ def test_continuation_threads_are_kept_between_rollouts_and_dropped_after_a_fail
     reply.waiting_turns = 20
     engine = LLMEngine(model)
     engine.generate(PROMPTS[:4], sampling(), reply)
-    first, threads[:] = set(threads), []
+    pool, first, threads[:] = engine._turns[0], set(threads), []
     engine.generate(PROMPTS[:4], sampling(), reply)
-    assert set(threads) <= first and engine._turns[1] == 20
+    # the same pool, its first threads still alive; it may have started more (a pool adds one when none is idle)
+    assert engine._turns[0] is pool and engine._turns[1] == 20
+    assert all(t.is_alive() for t in first) and set(threads) <= set(pool._threads)
 
     def broken(turn):
         raise RuntimeError("tool broke")
@@ -230,7 +232,7 @@ def test_continuation_threads_are_kept_between_rollouts_and_dropped_after_a_fail
         engine.generate(PROMPTS[:2], sampling(), broken)
     assert engine._turns is None
     engine.generate(PROMPTS[:4], sampling(), reply)
-    assert not set(threads[-4:]) & first
+    assert engine._turns[0] is not pool and not set(threads[-4:]) & set(pool._threads)
 
 
 def test_a_continuation_that_replies_later_answers_by_future_and_holds_no_thread(model):

@@ -57,14 +57,14 @@ def test_a_signal_mid_rollout_stops_the_run_within_seconds_and_it_resumes(tmp_pa
                 "--trainer.callbacks+=rlcu.callbacks.SaveOnInterrupt", f"--trainer.callbacks.dirpath={ckpt}", *extra]
 
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen(run("--model.max_completion_length=8000", "--trainer.max_steps=3"), cwd=tmp_path,
+    proc = subprocess.Popen(run("--model.max_completion_length=3000", "--trainer.max_steps=3"), cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # the first step: 16 completions of about 3000 tokens, and training
         while not list(ckpt.glob("*step=1.ckpt")) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert list(ckpt.glob("*step=1.ckpt")), f"no first step: {proc.communicate(timeout=5)[1][-2000:]}"
-        time.sleep(15)  # 15 s into the second step's rollout (one takes about 30 s here: 16 of up to 8000 tokens)
+        time.sleep(5)  # 5 s into the second step's rollout (16 completions of up to 3000 tokens: about 50 s here)
         sent = time.monotonic()
         proc.send_signal(stop)
         _, err = proc.communicate(timeout=60)
