@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlcu.models.loading import joined_stops
+
 log = logging.getLogger(__name__)
 
 
@@ -39,8 +41,6 @@ class HFConfigView:
         self.eos_token_id = text.eos_token_id
         # the ids generation_config.json adds (gpt-oss's <|call|>, Llama 3's <|eot_id|>), as transformers' generate
         # stops at them
-        from rlcu.models.loading import joined_stops
-
         self.eos_token_id = joined_stops(text.eos_token_id, getattr(generation_config, "eos_token_id", None))
 
     @property
