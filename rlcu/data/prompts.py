@@ -12,22 +12,34 @@ def is_conversational(prompt: Any) -> bool:
 
 
 def encode_prompt(tokenizer, prompt: Any, chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a prompt: chat messages go through the tokenizer's chat template with the
-    generation prompt; plain text is tokenised as is. No special tokens are added beyond the template's
-    (TRL does the same), so text prompts and templates are never doubled up with a BOS."""
+    """Token ids of a prompt, as TRL's GRPOTrainer makes them: chat messages go through the tokenizer's chat
+    template with the generation prompt and nothing added (the template writes its own BOS); plain text is
+    tokenised with the tokenizer's special tokens, so a base model that needs its BOS (Gemma, Llama) gets it."""
     return encode_prompts(tokenizer, [prompt], chat_template_kwargs)[0]
 
 
 def encode_prompts(tokenizer, prompts: list[Any], chat_template_kwargs: dict | None = None) -> list[list[int]]:
-    """`encode_prompt` of each prompt, tokenised in one call. A fast tokenizer whose backend has no truncation
-    or padding of its own hands the whole list to that backend: transformers' per-text conversions cost more than
-    the tokenisation itself (the calculator recipe's prompts: half the time, docs/benchmarks.md)."""
+    """`encode_prompt` of each prompt, tokenised in one call per kind (chat, text). A fast tokenizer whose backend
+    has no truncation or padding of its own hands the whole list to that backend: transformers' per-text
+    conversions cost more than the tokenisation itself (the calculator recipe's prompts: half the time,
+    docs/benchmarks.md)."""
     texts = [prompt_text(tokenizer, p, chat_template_kwargs) for p in prompts]
+    chat = [is_conversational(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for kind in (True, False):
+        index = [i for i, c in enumerate(chat) if c == kind]
+        if index:
+            for i, ids in zip(index, _encode(tokenizer, [texts[i] for i in index], special=not kind)):
+                out[i] = ids
+    return out
+
+
+def _encode(tokenizer, texts: list[str], special: bool) -> list[list[int]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is not None and backend.truncation is None and backend.padding is None
             and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=special)]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
 
 def prompt_text(tokenizer, prompt: Any, chat_template_kwargs: dict | None = None) -> str:
@@ -36,7 +48,8 @@ def prompt_text(tokenizer, prompt: Any, chat_template_kwargs: dict | None = None
     if is_conversational(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat template; "
-                             "give plain-text prompts or a tokenizer with a chat_template")
+                             "give plain-text prompts (the embedded arithmetic task: dataset_args {chat: false}) or a "
+                             "tokenizer with a chat_template")
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
     if isinstance(prompt, str):

@@ -12,8 +12,9 @@ COUNTDOWN_QUESTION = ("Using the numbers {nums}, create an equation that equals 
                       "final equation in <answer> </answer> tags, for example <answer>(1 + 2) / 3</answer>.")
 
 
-def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+") -> list[dict]:
-    """'What is A + B? Give only the final number.' (chat prompts) with the answer as a string."""
+def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+", chat: bool = True) -> list[dict]:
+    """'What is A + B? Give only the final number.' with the answer as a string: a chat prompt, or with
+    `chat=False` the plain text 'Question: ...\nAnswer:' for a base model whose tokenizer has no chat template."""
     if n < 1 or digits < 1 or not ops or set(ops) - set("+-*"):
         raise ValueError(f"arithmetic needs n >= 1, digits >= 1 and ops from '+-*', "
                          f"got n={n}, digits={digits}, ops={ops!r}")
@@ -23,8 +24,9 @@ def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+") ->
     for _ in range(n):
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({"prompt": [{"role": "user", "content": ARITHMETIC_QUESTION.format(a=a, op=op, b=b)}],
-                     "answer": str(value)})
+        question = ARITHMETIC_QUESTION.format(a=a, op=op, b=b)
+        prompt = [{"role": "user", "content": question}] if chat else f"Question: {question}\nAnswer:"
+        rows.append({"prompt": prompt, "answer": str(value)})
     return rows
 
 

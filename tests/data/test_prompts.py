@@ -64,3 +64,28 @@ def _word_level(words):
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def _with_bos(tok):
+    """A tokenizer whose special tokens are a BOS put before every text (as Gemma's and Llama's are)."""
+    from tokenizers import processors
+
+    tok.add_special_tokens({"bos_token": "t0"})
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="t0 $A", special_tokens=[("t0", 0)])
+    return tok
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_text_prompts_get_the_tokenizers_bos_and_chat_prompts_only_their_template(fast, monkeypatch):
+    """TRL 1.16's GRPOTrainer tokenises a text prompt with `processing_class(text=prompts)` (special tokens
+    added: a base model gets its BOS) and a chat prompt through `apply_chat_template` (nothing added)."""
+    tok = _with_bos(word_tokenizer(50))
+    tok.chat_template = "{% for m in messages %}t0 {{ m['content'] }} {% endfor %}t9"
+    if not fast:
+        monkeypatch.setattr(type(tok), "backend_tokenizer", property(lambda self: None))
+    prompts = ["t3 t4", [{"role": "user", "content": "t5"}], "t6"]
+    want = [tok(text=prompts[0])["input_ids"], tok.apply_chat_template(prompts[1], add_generation_prompt=True,
+                                                                        tokenize=True, return_dict=True)["input_ids"],
+            tok(text=prompts[2])["input_ids"]]
+    assert want == [[0, 3, 4], [0, 5, 9], [0, 6]]
+    assert encode_prompts(tok, prompts) == want

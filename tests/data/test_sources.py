@@ -20,6 +20,12 @@ def test_arithmetic_is_deterministic_and_correct():
         assert 10 <= a <= 99 and 10 <= b <= 99 and r["answer"] == str(a + b)
 
 
+def test_arithmetic_plain_text_prompts_for_base_models():
+    chat, plain = arithmetic(5, seed=3), arithmetic(5, seed=3, chat=False)
+    assert [r["answer"] for r in plain] == [r["answer"] for r in chat]
+    assert [r["prompt"] for r in plain] == [f"Question: {r['prompt'][0]['content']}\nAnswer:" for r in chat]
+
+
 def test_countdown_puzzles_are_solvable():
     for r in countdown(20, seed=1):
         nums, target = r["nums"], r["target"]
