@@ -13,6 +13,13 @@ from tests.helpers import CHAT_TEMPLATE, tiny_hf_folder
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def stderr_after_kill(proc: subprocess.Popen) -> str:
+    """The end of a run's stderr for a failure message: the run is killed first, since one that is still going
+    (past the wait, or stuck) would never close its pipes."""
+    proc.kill()
+    return proc.communicate(timeout=30)[1][-2000:]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_run_whose_reward_hangs(tmp_path):
     model = tiny_hf_folder(tmp_path / "tiny", "llama", chat_template=CHAT_TEMPLATE)
@@ -27,7 +34,7 @@ def test_sigterm_stops_a_run_whose_reward_hangs(tmp_path):
         deadline = time.monotonic() + 240
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert marker.exists(), f"the reward was never reached: {proc.communicate(timeout=5)[1][-2000:]}"
+        assert marker.exists(), f"the reward was never reached: {stderr_after_kill(proc)}"
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -63,7 +70,7 @@ def test_a_signal_mid_rollout_stops_the_run_within_seconds_and_it_resumes(tmp_pa
         deadline = time.monotonic() + 600  # the first step: 16 completions of about 3000 tokens, and training
         while not list(ckpt.glob("*step=1.ckpt")) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert list(ckpt.glob("*step=1.ckpt")), f"no first step: {proc.communicate(timeout=5)[1][-2000:]}"
+        assert list(ckpt.glob("*step=1.ckpt")), f"no first step: {stderr_after_kill(proc)}"
         time.sleep(5)  # 5 s into the second step's rollout (16 completions of up to 3000 tokens: about 50 s here)
         sent = time.monotonic()
         proc.send_signal(stop)
