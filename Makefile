@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 # The tests that start process groups may run beside each other: each torchrun test has a port of its own, and
 # Lightning's ddp picks a free one.
 WORKERS ?= 2
-# --durations: the slowest tests close each run's output, to keep the suite near 20 minutes on 2 cores.
+# --durations: the slowest tests close each run's output, to keep the suite near 20 minutes on 2 cores; after them
+# tests/conftest.py lists the tests that raised a worker's or a subprocess's peak memory.
 PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --durations=30
 
 .PHONY: install quickstart lint test test-fast

@@ -65,6 +65,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Notes a test that raised its worker's peak memory, or its subprocesses' (as --durations notes time): the
+    suite shares 24 GiB between two workers and the runs that tests start, so the largest are worth knowing."""
+    import resource
+
+    def peaks():
+        return [resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+
+    before = peaks()
+    yield
+    for whose, old, new in zip(("worker", "subprocess"), before, peaks()):
+        if new > old:  # kB on Linux
+            item.user_properties.append((f"peak_rss_gb_{whose}", round(new / 2**20, 1)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    peaks = sorted(((gb, key.removeprefix("peak_rss_gb_"), r.nodeid) for reports in terminalreporter.stats.values()
+                    for r in reports if getattr(r, "when", None) == "call"
+                    for key, gb in getattr(r, "user_properties", ()) if key.startswith("peak_rss_gb_")),
+                   reverse=True)[:10]
+    if peaks and peaks[0][0] >= 1.0:
+        terminalreporter.write_sep("=", "tests that raised a peak memory (largest 10)")
+        for gb, whose, nodeid in peaks:
+            terminalreporter.write_line(f"{gb:5.1f} GB {whose:10} {nodeid}")
+
+
 @pytest.fixture
 def fixed_order_dot(monkeypatch):
     """The interpreter's tl.dot with a fixed summation order per output element, as the GPU's MMA has. The
