@@ -125,10 +125,8 @@ def smollm2_folder():
 @pytest.fixture(scope="module", autouse=True)
 def _give_freed_memory_back():
     """After each test file, the heap memory its tests freed goes back to the system. glibc keeps freed blocks
-    for reuse, so an xdist worker's footprint grew to its largest test's and stayed: two workers held 12 and
-    8.6 GB late in the suite and left a 24 GiB machine 3 GB for the subprocesses that tests start (the likely
-    reason a worker died twice in the signal tests, whose run then took 6.7 GB). Trimming after
-    agents/test_programs.py takes a worker from 2.6 to 0.9 GB."""
+    for reuse, so an xdist worker's footprint would grow to its largest test's and stay there, while the two
+    workers share a 24 GiB machine with the runs that tests start in subprocesses."""
     yield
     if sys.platform.startswith("linux"):
         import ctypes
