@@ -15,9 +15,9 @@ COUNTDOWN_QUESTION = ("Using the numbers {nums}, create an equation that equals 
 def arithmetic(n: int = 1000, seed: int = 0, digits: int = 2, ops: str = "+", chat: bool = True) -> list[dict]:
     """'What is A + B? Give only the final number.' with the answer as a string: a chat prompt, or with
     `chat=False` the plain text 'Question: ...\nAnswer:' for a base model whose tokenizer has no chat template."""
-    if n < 1 or digits < 1 or not ops or set(ops) - set("+-*"):
-        raise ValueError(f"arithmetic needs n >= 1, digits >= 1 and ops from '+-*', "
-                         f"got n={n}, digits={digits}, ops={ops!r}")
+    if n < 1 or digits < 1 or not ops or set(ops) - set("+-*") or not isinstance(chat, bool):
+        raise ValueError(f"arithmetic needs n >= 1, digits >= 1, ops from '+-*' and chat true or false, "
+                         f"got n={n}, digits={digits}, ops={ops!r}, chat={chat!r}")
     rng = random.Random(seed)
     lo, hi = (10 ** (digits - 1) if digits > 1 else 0), 10 ** digits - 1
     rows = []

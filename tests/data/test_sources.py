@@ -24,6 +24,8 @@ def test_arithmetic_plain_text_prompts_for_base_models():
     chat, plain = arithmetic(5, seed=3), arithmetic(5, seed=3, chat=False)
     assert [r["answer"] for r in plain] == [r["answer"] for r in chat]
     assert [r["prompt"] for r in plain] == [f"Question: {r['prompt'][0]['content']}\nAnswer:" for r in chat]
+    with pytest.raises(ValueError, match="chat true or false, .* chat='maybe'"):
+        arithmetic(5, chat="maybe")
 
 
 def test_countdown_puzzles_are_solvable():
