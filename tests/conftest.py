@@ -87,7 +87,9 @@ def pytest_terminal_summary(terminalreporter):
                     for key, gb in getattr(r, "user_properties", ()) if key.startswith("peak_rss_gb_")),
                    reverse=True)[:10]
     if peaks and peaks[0][0] >= 1.0:
-        terminalreporter.write_sep("=", "tests that raised a peak memory (largest 10)")
+        # a subprocess's peak includes the worker's pages it was forked with, before it ran its own program
+        terminalreporter.write_sep("=", "tests that raised a peak memory (largest 10; a subprocess's counts the "
+                                        "worker it was forked from)")
         for gb, whose, nodeid in peaks:
             terminalreporter.write_line(f"{gb:5.1f} GB {whose:10} {nodeid}")
 
