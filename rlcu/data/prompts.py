@@ -25,13 +25,9 @@ def encode_prompts(tokenizer, prompts: list[Any], chat_template_kwargs: dict | N
     docs/benchmarks.md)."""
     texts = [prompt_text(tokenizer, p, chat_template_kwargs) for p in prompts]
     chat = [is_conversational(p) for p in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    for kind in (True, False):
-        index = [i for i, c in enumerate(chat) if c == kind]
-        if index:
-            for i, ids in zip(index, _encode(tokenizer, [texts[i] for i in index], special=not kind)):
-                out[i] = ids
-    return out
+    encoded = {kind: iter(_encode(tokenizer, [t for t, c in zip(texts, chat) if c == kind], special=not kind))
+               for kind in set(chat)}
+    return [next(encoded[c]) for c in chat]
 
 
 def _encode(tokenizer, texts: list[str], special: bool) -> list[list[int]]:
