@@ -263,8 +263,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max_staleness", type=int, default=4, help="with --streaming (the module's option)")
     s.add_argument("--max_inflight_tasks", type=int, default=-1, help="with --streaming (the module's option)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
-    s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2"), default="auto",
-                   help="with --devices > 1: ddp, or fsdp2 (FSDP shards; rollouts on the gathered model)")
+    s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2", "tp"), default="auto",
+                   help="with --devices > 1: ddp, fsdp2 (FSDP shards; rollouts on the gathered model), or tp (each "
+                        "device holds its share of every layer's heads and MLP columns, and all decode each rollout)")
     return p
 
 
@@ -552,7 +553,9 @@ def bench_step(args) -> dict:
                         callbacks=[timer := Timer()])
     lengths = planned_lengths(args.new_tokens) if args.lengths == "lognormal" else contextlib.nullcontext()
     with lengths:
-        trainer.fit(module, DataLoader(rows, batch_size=args.prompts // args.devices, collate_fn=collate_rows))
+        # the prompts are split between data-parallel ranks; tensor-parallel ranks all take every prompt
+        per_rank = args.prompts // (1 if args.strategy == "tp" else args.devices)
+        trainer.fit(module, DataLoader(rows, batch_size=per_rank, collate_fn=collate_rows))
     if not trainer.is_global_zero:
         return None  # rank 0 reports (its memory, its timings: the ranks wait for each other at every step)
     steps = steps[:args.steps]  # without the profiled ones

@@ -20,6 +20,17 @@ from rlcu.hparams import not_plain
 log = logging.getLogger(__name__)
 
 
+def data_parallel_rank(trainer) -> tuple[int, int]:
+    """(rank, ranks) among the processes that train on different rows: every process under DDP and FSDP; one
+    per tensor-parallel group, whose ranks share their rows (Lightning's `distributed_sampler_kwargs`)."""
+    if trainer is None:
+        return 0, 1
+    kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None)
+    if kwargs is None:
+        return trainer.global_rank, trainer.world_size
+    return kwargs["rank"], kwargs["num_replicas"]
+
+
 class EpochSampler(DistributedSampler):
     """Row order from the seed and the epoch alone, so any epoch's order can be rebuilt; a resumed run
     starts its epoch after the batches it had already trained on (Lightning calls `set_epoch`).
@@ -192,7 +203,7 @@ class PromptDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world = data_parallel_rank(trainer)
         sampler = EpochSampler(len(self.train_set), self.shuffle, self.seed, rank, world)
         loop = trainer.fit_loop if trainer is not None else None
         if loop is not None and loop.epoch_loop.batch_progress.current.processed:  # resuming inside an epoch

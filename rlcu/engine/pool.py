@@ -73,4 +73,7 @@ def pool_size(parents: list[Sequence], config, model: CausalLM, held_bytes: int 
     per_block = bytes_per_block(model, bs, config.kv_cache_dtype)
     if per_block == 0:  # no attention layer (a hybrid of linear-attention layers only): blocks cost nothing
         return max(1, want)
-    return max(1, min(want, budget // per_block))
+    blocks = max(1, min(want, budget // per_block))
+    # tensor parallelism: every rank's scheduler must take the same steps (each one's forwards are collectives)
+    tp = getattr(model, "tensor_parallel", None)
+    return blocks if tp is None else tp.agree(blocks)

@@ -43,6 +43,7 @@ from rlcu.contracts import (
     Turn,
     eos_token_ids,
 )
+from rlcu.data.module import data_parallel_rank
 from rlcu.data.prompts import as_rows, encode_prompt, encode_prompts
 from rlcu.data.rows import RowView
 from rlcu.grpo import evaluation, registry
@@ -57,6 +58,7 @@ from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.sharding import full_parameters, is_sharded, shard
+from rlcu.models.tensor_parallel import parallelize
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
 from rlcu.rewards.model import RewardModel
 from rlcu.rollout import bind, capabilities_of, require, resolve_rollout, turns
@@ -153,7 +155,7 @@ class GRPOModule(L.LightningModule):
 
     def stream_seed(self, batch: int) -> int:
         """The sampling seed of the batch-th admitted batch: the synchronous step's for the same step."""
-        return self.options.sampling.seed * 1_000_003 + batch * 7919 + self.global_rank
+        return self.options.sampling.seed * 1_000_003 + batch * 7919 + self.data_parallel_rank
 
     @classmethod
     def from_trl(cls, config, **arguments) -> "GRPOModule":
@@ -289,9 +291,24 @@ class GRPOModule(L.LightningModule):
         mesh = self.device_mesh
         if mesh is None or is_sharded(self.policy):
             return
-        if mesh["tensor_parallel"].size() > 1:
-            raise ValueError("rlcu shards its models with FSDP only: set ModelParallelStrategy's "
-                             "tensor_parallel_size=1 (data_parallel_size is the number of ranks)")
+        tp = mesh["tensor_parallel"]
+        if tp.size() > 1:  # each rank keeps its share of the heads and MLP columns (`tensor_parallel.py`)
+            if mesh["data_parallel"].size() > 1:
+                raise ValueError(f"tensor_parallel_size={tp.size()} beside {mesh['data_parallel'].size()} data-parallel"
+                                 " groups (FSDP across them) is not built: make tensor_parallel_size the number of "
+                                 "processes, or train with strategy fsdp2 or ddp")
+            if self.streamer is not None or self.agent is not None or self.program is not None:
+                # the ranks' engines must take the same steps, and these admit work as it arrives in time
+                raise ValueError("tensor parallelism runs synchronous single-turn rollouts: set streaming=false and "
+                                 "leave out tools, environment_factory and agent, or train with strategy fsdp2 or ddp")
+            for model in (self.policy, self.ref_model):
+                if model is not None:
+                    parallelize(model, tp.get_group())
+            cfg = self.policy.config
+            log.info("tensor parallelism: each of %d ranks holds %d attention heads, %d KV heads and %d MLP columns "
+                     "of each layer", tp.size(), cfg.num_attention_heads, cfg.num_key_value_heads,
+                     cfg.intermediate_size)
+            return
         dtype = next(self.policy.parameters()).dtype  # the compute dtype; the shards become fp32
         for model in (self.policy, self.ref_model):
             if model is not None:
@@ -495,7 +512,7 @@ class GRPOModule(L.LightningModule):
 
     def _rollout(self, rows: list[dict], scorer: EarlyScorer | None = None) -> Sampled:
         s = self.options.sampling
-        sampling = self.sampling_params(seed=s.seed * 1_000_003 + self.global_step * 7919 + self.global_rank)
+        sampling = self.sampling_params(seed=s.seed * 1_000_003 + self.global_step * 7919 + self.data_parallel_rank)
         return self.sample(rows, s.num_generations, sampling, None if scorer is None else scorer.on_finished)
 
     # ---- the phases' public parts (held-out evaluation uses them too) ------------------------------
@@ -635,6 +652,12 @@ class GRPOModule(L.LightningModule):
     def world_size(self) -> int:
         trainer = self._attached_trainer()
         return trainer.world_size if trainer else 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's rank among those with their own rows (seeds differ by it); tensor-parallel ranks share
+        theirs, and sample the same tokens from the same seed."""
+        return data_parallel_rank(self._attached_trainer())[0]
 
     def _attached_trainer(self):
         """The trainer, or None outside one (Lightning's `trainer` property raises there)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from rlcu.kernels.adamw import AdamWStep, adamw_step
+from rlcu.models.tensor_parallel import grad_norm as tensor_parallel_grad_norm
+from rlcu.models.tensor_parallel import model_tensor_parallel
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,6 +60,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         grads = self.gradients()
         if not grads:
             return torch.tensor(0.0)
+        tp = model_tensor_parallel(self.model_params)
+        if tp is not None:  # each rank holds shares of some tensors: their squares are summed over the group
+            return tensor_parallel_grad_norm(self.model_params, tp)
         if all(g.dtype == torch.float32 for g in grads):  # FSDP's DTensors among them: torch sums the shards
             return torch.nn.utils.get_total_norm(grads)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))

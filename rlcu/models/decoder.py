@@ -24,11 +24,16 @@ from rlcu.models.exact_attention import ExactPackedAttention
 from rlcu.models.fused_linear import FusedLinear, Linear
 from rlcu.models.linear_attention import GatedDeltaNet
 from rlcu.models.moe import SparseMoE
+from rlcu.models.tensor_parallel import copy_in
 
 
 class RMSNorm(nn.Module):
     """With `residual`, adds it first and returns (normed, x + residual): the fused form the engine uses.
-    `offset` 1.0: the weight is stored as w and scales by 1 + w, in fp32 before rounding (Gemma)."""
+    `offset` 1.0: the weight is stored as w and scales by 1 + w, in fp32 before rounding (Gemma).
+    `tensor_parallel`: set on a per-head q/k norm under tensor parallelism, where each rank normalises its own
+    heads with the whole weight, whose gradient is then the sum of the ranks' (`tensor_parallel.py`)."""
+
+    tensor_parallel = None
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -36,7 +41,8 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual, self.offset)
+        w = self.weight if self.tensor_parallel is None else copy_in(self.weight, self.tensor_parallel)
+        return rms_norm(x, w, self.eps, residual, self.offset)
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool, device) -> tuple[torch.Tensor, float]:

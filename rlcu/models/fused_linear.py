@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rlcu.kernels.matmul import invariant_linear
+from rlcu.models.tensor_parallel import TensorParallel, copy_in, reduce_out
 
 
 class Linear(nn.Linear):
@@ -27,7 +28,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         return soft_capped(self._linear(x, batch_invariant), self.softcap)
 
-    def _linear(self, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, batch_invariant: bool, with_bias: bool = True) -> torch.Tensor:
+        if not with_bias and self.bias is not None:
+            return invariant_linear(x, self.weight, None) if batch_invariant else F.linear(x, self.weight)
         if self.fp32:
             with torch.autocast(x.device.type, enabled=False):
                 bias = None if self.bias is None else self.bias.float()
@@ -46,7 +49,11 @@ def soft_capped(y: torch.Tensor, cap: float | None) -> torch.Tensor:
 class FusedLinear(Linear):
     """`parts` maps each HF projection name (a sibling of this module in HF's layout) to its output size; a
     projection of one part (o_proj, down_proj) has its own name as its part. `lora`: an optional low-rank
-    adapter (`rlcu/models/lora.py`) added to the output, never merged into the weight."""
+    adapter (`rlcu/models/lora.py`) added to the output, never merged into the weight. `tensor_parallel` and
+    `parallel_style` ("column" | "row"): set on a rank's share of the projection (`tensor_parallel.py`)."""
+
+    tensor_parallel: TensorParallel | None = None
+    parallel_style: str | None = None
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
         super().__init__(in_features, sum(parts.values()), bias=bias)
@@ -54,9 +61,15 @@ class FusedLinear(Linear):
         self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        y = self._linear(x, batch_invariant)
+        tp, row = self.tensor_parallel, self.parallel_style == "row"
+        if tp is not None and not row:
+            x = copy_in(x, tp)
+        y = self._linear(x, batch_invariant, with_bias=tp is None or not row)
         if self.lora is not None and self.lora.enabled:
             y = self.lora.add_to(y, x, batch_invariant)
+        if tp is not None and row:  # the partial sums of the rank's input columns; the bias once, after
+            y = reduce_out(y, tp)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
         return y
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -2,7 +2,9 @@
 a few GRPO steps on a tiny model, rollouts by the native engine on the gathered parameters; rank 0
 saves the final weights. Usage: distributed_worker.py MODEL_FOLDER OUT_FILE STRATEGY DEVICES BATCH_SIZE [NUM_NODES];
 MODEL_FOLDER may be several folders joined by commas: each trains in turn in the same processes, and rank 0 saves
-OUT_FILE.NAME for each (NAME the folder's name).
+OUT_FILE.NAME for each (NAME the folder's name). RLCU_WORKER_STEPS: the steps (2 unless set);
+RLCU_WORKER_STOP_AT: a step to stop at (of the RLCU_WORKER_STEPS the run is set for), with a checkpoint in
+OUT_FILE.dir/stopped.ckpt; RLCU_WORKER_RESUME: a checkpoint to resume from.
 RLCU_WORKER_ACCELERATOR=gpu runs it on GPUs (tests/gpu); rank 0 then also writes OUT_FILE.graphs, the
 number of decode steps replayed from CUDA graphs."""
 import os
@@ -11,12 +13,14 @@ from dataclasses import replace
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlcu.data.module import PromptDataModule
 from rlcu.grpo.module import GRPOModule
 from rlcu.rollout.base import Capabilities, RolloutBatch
 from rlcu.rollout.native import NativeRollout
 from tests.helpers import toy_rows
+from tests.integration.test_resume import StopAt
 
 STEPS, G = 2, 4
 
@@ -48,14 +52,22 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
                         max_completion_length=4, learning_rate=1e-2, micro_batch_size=4)
     data = PromptDataModule(toy_rows(16, seed=3), batch_size=batch_size, seed=1)
     accelerator = os.environ.get("RLCU_WORKER_ACCELERATOR", "cpu")
+    steps, resume = int(os.environ.get("RLCU_WORKER_STEPS", STEPS)), os.environ.get("RLCU_WORKER_RESUME")
+    stop = os.environ.get("RLCU_WORKER_STOP_AT")
+    callbacks = [] if stop is None else [StopAt(int(stop)), ModelCheckpoint(out + ".dir", "stopped",
+                                                                            every_n_train_steps=1)]
     trainer = L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
-                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module, data)
+                        max_steps=steps, logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data, ckpt_path=resume)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if strategy == "fsdp2":
         state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif strategy == "tp":
+        from rlcu.models.tensor_parallel import full_state_dict
+
+        state = full_state_dict(module.policy)  # a collective: every rank assembles the shares
     else:
         state = module.policy.state_dict()
     if trainer.global_rank == 0:

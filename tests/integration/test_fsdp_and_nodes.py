@@ -18,8 +18,8 @@ ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run(args, cwd, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def run(args, cwd, timeout=300, **env):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
     return subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -61,6 +61,45 @@ def test_fsdp_two_ranks_update_like_one_process_and_export(reference):
     exported, _ = load_model(export(tmp / "fsdp.pt.ckpt", tmp / "hf"))
     state = exported.state_dict()
     assert max((state[k] - two[k]).abs().max().item() for k in two) == 0
+
+
+def test_tensor_parallel_two_ranks_update_like_one_process_and_export(reference):
+    """`--trainer.strategy=tp` on 2 processes: each holds half of every layer's heads and MLP columns, both train on
+    the whole batch (one data-parallel group), and the checkpoint holds the whole tensors."""
+    tmp, folder, one = reference
+    finish([run(torchrun("--nproc-per-node=2", "--master-port=29544", str(WORKER), str(folder), str(tmp / "tp.pt"),
+                         "tp", "2", "4"), tmp)])
+    two = torch.load(tmp / "tp.pt")
+    assert set(two) == set(one)
+    from rlcu.models import load_model
+
+    # the forward sums in another order (two partial sums per projection), and AdamW's first steps move a weight
+    # by about lr however small its gradient, so single weights differ by up to 2e-5 (measured); each tensor's
+    # update as a whole agrees to 1e-3 of its size (measured: 2e-5 at most), where a wrong reduction moves all of it
+    initial = load_model(folder)[0].state_dict()
+    for k in one:
+        update = (one[k] - initial[k]).norm()
+        assert update > 0 and (one[k] - two[k]).norm() <= 1e-3 * update, f"{k} differs under tensor parallelism"
+    from rlcu.export import export
+
+    exported = load_model(export(tmp / "tp.pt.ckpt", tmp / "hf-tp"))[0].state_dict()
+    assert all(torch.equal(exported[k], two[k]) for k in two)
+
+
+def test_a_tensor_parallel_run_resumes_like_an_unbroken_one(reference):
+    """The checkpoint holds whole weights and whole AdamW moments; resumed on 2 ranks, each takes its share again,
+    and the third step lands where a run of 3 steps does."""
+    tmp, folder, _ = reference
+    tp = ("--nproc-per-node=2", "--master-port=29545")
+    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / "tp3.pt"), "tp", "2", "4"), tmp,
+                RLCU_WORKER_STEPS="3")])
+    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / "tp2.pt"), "tp", "2", "4"), tmp,
+                RLCU_WORKER_STEPS="3", RLCU_WORKER_STOP_AT="2")])
+    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / "resumed.pt"), "tp", "2", "4"), tmp,
+                RLCU_WORKER_STEPS="3", RLCU_WORKER_RESUME=str(tmp / "tp2.pt.dir" / "stopped.ckpt"))])
+    unbroken, resumed, two = (torch.load(tmp / f) for f in ("tp3.pt", "resumed.pt", "tp2.pt"))
+    assert max((unbroken[k] - two[k]).abs().max().item() for k in two) > 1e-3  # the third step moved the weights
+    assert all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
 
 
 # one model of each native model_type (the variants are the same layers); not qwen2 and qwen3_5_moe_text, whose
@@ -105,13 +144,14 @@ def test_two_nodes_through_torchrun_update_like_one_process(reference):
     assert worst < 1e-5, f"two nodes' update differs from one process by {worst:.2e}"
 
 
-def test_bench_step_under_fsdp2_on_two_processes(tmp_path):
-    """`rlcu bench step --devices 2 --strategy fsdp2`: Lightning starts rank 1 by re-running the command; rank 0
-    prints the one JSON line, with the gather and reshard around each rollout timed."""
+@pytest.mark.parametrize("strategy", ["fsdp2", "tp"])
+def test_bench_step_on_two_processes(tmp_path, strategy):
+    """`rlcu bench step --devices 2 --strategy fsdp2|tp`: Lightning starts rank 1 by re-running the command; rank 0
+    prints the one JSON line, under fsdp2 with the gather and reshard around each rollout timed."""
     folder = tiny_hf_folder(tmp_path / "tiny", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8)
     cmd = [sys.executable, "-m", "rlcu.cli", "bench", "step", "--model", str(folder), "--device", "cpu", "--dtype",
            "float32", "--prompts", "4", "--generations", "2", "--prompt_len", "4", "--new_tokens", "5", "--steps", "2",
-           "--micro_batch_size", "2", "--devices", "2", "--strategy", "fsdp2", "--adam_state_dtype", "bfloat16"]
+           "--micro_batch_size", "2", "--devices", "2", "--strategy", strategy, "--adam_state_dtype", "bfloat16"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -120,6 +160,7 @@ def test_bench_step_under_fsdp2_on_two_processes(tmp_path):
     import json
 
     out = json.loads(lines[0])
-    assert out["devices"] == 2 and out["strategy"] == "fsdp2" and out["adam_state_dtype"] == "bfloat16"
-    assert set(out["steady"]) == {"total", "generate", "score", "train", "gather", "reshard", "idle"}
+    assert out["devices"] == 2 and out["strategy"] == strategy and out["adam_state_dtype"] == "bfloat16"
+    gathered = {"gather", "reshard"} if strategy == "fsdp2" else set()
+    assert set(out["steady"]) == {"total", "generate", "score", "train", "idle"} | gathered
     assert "rank 1 step 1" in done.stderr

@@ -1,0 +1,266 @@
+"""Tensor parallelism (Megatron's layout) for rlcu's dense models: each rank of a tensor-parallel group holds
+its share of every layer's heads and MLP columns, as plain parameters that the engine and training read in
+place.
+
+- q/k/v and gate/up (`FusedLinear`, column-parallel) keep, of each part, the rows of this rank's heads or
+  columns: the fused GEMM stays one GEMM, on the rank's rows;
+- o_proj and down_proj (row-parallel) keep the matching input columns; their partial outputs are summed
+  over the group (one all-reduce per branch, two per layer), and their bias added once, after the sum;
+- embeddings, norms and the LM head are whole on every rank, so every rank computes the same hidden
+  states and logits, samples the same tokens from the same seeds, and its engine schedules the same steps.
+
+A column-parallel input's gradient is summed over the group in backward (the all-reduce's transpose), so
+the replicated parameters (norms, embeddings, LM head) get the same gradient on every rank and stay equal
+without any extra synchronisation. `model.config` becomes the rank's config (its head and column counts),
+which is what the KV pool, the kernels and the reference cache size themselves by; the whole model's stays
+in `model.tensor_parallel.config`. `full_state_dict` assembles the whole tensors (in the layout one process
+has) for checkpoints and export; `load_state_dict` takes whole tensors and keeps the rank's share.
+
+DTensor's ColwiseParallel would split a fused q/k/v weight into contiguous row blocks across the parts,
+and rlcu's kernels read plain tensors: the split here is by part, on plain tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlcu.models.config import ModelConfig
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """A model's tensor-parallel group: `size` ranks, this one `rank`; `config`: the whole model's."""
+
+    group: object
+    size: int
+    rank: int
+    config: ModelConfig
+
+    @property
+    def device(self) -> torch.device:
+        """Where the group's collectives take their tensors: the GPU under NCCL (the model moves there after it is
+        split, in Lightning's set-up), the CPU under gloo."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # what a strategy asks of a split model, without importing this module (`rlcu/strategies.py`)
+    def full_state_dict(self, model: nn.Module, prefix: str = "", cpu: bool = False) -> dict[str, torch.Tensor]:
+        return full_state_dict(model, prefix, cpu)
+
+    def split_tensors(self, model: nn.Module) -> dict[str, tuple]:
+        return split_tensors(model)
+
+    def gather(self, share: torch.Tensor, style: tuple) -> torch.Tensor:
+        return gather(share, style, self)
+
+    def share(self, whole: torch.Tensor, style: tuple) -> torch.Tensor:
+        return share(whole, style, self)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def agree(self, value: int) -> int:
+        """The smallest of every rank's `value`: what ranks must decide alike (the engine's pool size)."""
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+class _CopyIn(torch.autograd.Function):
+    """Identity forward; backward sums the input's gradient over the group (a column-parallel layer's input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceOut(torch.autograd.Function):
+    """Sums a row-parallel layer's partial outputs over the group; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.contiguous()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_in(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _CopyIn.apply(x, tp.group) if torch.is_grad_enabled() and x.requires_grad else x
+
+
+def reduce_out(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    if torch.is_grad_enabled() and y.requires_grad:
+        return _ReduceOut.apply(y, tp.group)
+    y = y.contiguous()
+    dist.all_reduce(y, group=tp.group)
+    return y
+
+
+def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config of one rank's share; an error that says which size does not divide."""
+    why = tensor_parallel_refusal(cfg)
+    if why:
+        raise ValueError(f"tensor parallelism: {why}; use tensor_parallel_size=1 (FSDP or DDP) for this model")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(cfg, name) % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name} "
+                             f"({getattr(cfg, name)}): choose a tensor_parallel_size that does")
+    return replace(cfg, num_attention_heads=cfg.num_attention_heads // size,
+                   num_key_value_heads=cfg.num_key_value_heads // size,
+                   intermediate_size=cfg.intermediate_size // size)
+
+
+def tensor_parallel_refusal(cfg: ModelConfig) -> str | None:
+    """Why a model cannot be split by heads and MLP columns here, or None."""
+    if cfg.is_moe:
+        return f"{cfg.model_type}'s experts are not split across ranks (shard a mixture of experts with FSDP)"
+    if cfg.linear_layers:
+        return f"{cfg.model_type}'s linear-attention layers are not split across ranks"
+    if cfg.qk_norm and cfg.spec.qk_norm == "full":
+        return f"{cfg.model_type} normalises q and k over all heads at once, which a rank's share of them cannot"
+    return None
+
+
+def _split_rows(w: torch.Tensor, parts: dict[str, int], size: int, rank: int) -> torch.Tensor:
+    return torch.cat([p.chunk(size)[rank] for p in w.split(list(parts.values()))])
+
+
+def _join_rows(shares: list[torch.Tensor], parts: dict[str, int]) -> torch.Tensor:
+    """The whole fused tensor from every rank's share (each rank's rows: its slice of each part, in order)."""
+    local = list(parts.values())
+    per_rank = [s.split(local) for s in shares]
+    return torch.cat([torch.cat([r[i] for r in per_rank]) for i in range(len(local))])
+
+
+def _modules(model: nn.Module):
+    """(module, style) of each projection that tensor parallelism splits."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from ((attn.qkv_proj, "column"), (attn.o_proj, "row"), (mlp.gate_up_proj, "column"),
+                    (mlp.down_proj, "row"))
+
+
+def parallelize(model: nn.Module, group, size: int | None = None, rank: int | None = None) -> nn.Module:
+    """Keeps this rank's share of `model` (a whole one, on every rank alike) in place; returns it."""
+    size = dist.get_world_size(group) if size is None else size
+    rank = dist.get_rank(group) if rank is None else rank
+    if getattr(model, "tensor_parallel", None) is not None or size == 1:
+        return model
+    full = model.config
+    local = rank_config(full, size)
+    if any(m.lora is not None for m, _ in _modules(model)):
+        raise ValueError("tensor parallelism with LoRA adapters is not built: use tensor_parallel_size=1 for a "
+                         "LoRA run")
+    tp = TensorParallel(group, size, rank, full)
+    with torch.no_grad():
+        for m, style in _modules(model):
+            if style == "column":
+                m.weight = nn.Parameter(_split_rows(m.weight, m.parts, size, rank))
+                if m.bias is not None:
+                    m.bias = nn.Parameter(_split_rows(m.bias, m.parts, size, rank))
+                m.parts = {k: v // size for k, v in m.parts.items()}
+            else:
+                m.weight = nn.Parameter(m.weight.chunk(size, dim=1)[rank].contiguous())
+            m.in_features, m.out_features = m.weight.shape[1], m.weight.shape[0]
+            m.tensor_parallel, m.parallel_style = tp, style
+            for p in (m.weight, m.bias if style == "column" else None):
+                if p is not None:
+                    p.tensor_parallel = tp  # a share: the gradient norm sums its square over the group
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
+            if attn.sinks is not None:
+                attn.sinks = nn.Parameter(attn.sinks.chunk(size)[rank].clone())
+                attn.sinks.tensor_parallel = tp
+            if attn.qk_norm:  # per head: whole on every rank, applied to the rank's heads
+                attn.q_norm.tensor_parallel = attn.k_norm.tensor_parallel = tp
+    model.config, model.tensor_parallel = local, tp
+    model.register_load_state_dict_pre_hook(_keep_share)
+    return model
+
+
+def split_tensors(model: nn.Module) -> dict[str, tuple[str, dict[str, int] | None]]:
+    """State-dict keys of a model's shares -> how they are split: ("column", the rank's part sizes), ("row", None)
+    or ("heads", None)."""
+    out = {}
+    for name, m in model.named_modules():
+        style = getattr(m, "parallel_style", None)
+        if style:
+            out[f"{name}.weight"] = (style, m.parts if style == "column" else None)
+            if style == "column" and m.bias is not None:
+                out[f"{name}.bias"] = (style, m.parts)
+        elif name.endswith("self_attn") and getattr(m, "sinks", None) is not None:
+            out[f"{name}.sinks"] = ("heads", None)
+    return out
+
+
+def gather(share: torch.Tensor, style: tuple, tp: TensorParallel) -> torch.Tensor:
+    """The whole tensor from every rank's `share` (a collective), in the layout one process has."""
+    kind, parts = style
+    share = share.to(tp.device).contiguous()
+    shares = [torch.empty_like(share) for _ in range(tp.size)]
+    dist.all_gather(shares, share, group=tp.group)
+    return _join_rows(shares, parts) if kind == "column" else torch.cat(shares, dim=1 if kind == "row" else 0)
+
+
+def share(whole: torch.Tensor, style: tuple, tp: TensorParallel) -> torch.Tensor:
+    """This rank's share of a whole tensor."""
+    kind, parts = style
+    if kind == "column":
+        return _split_rows(whole, {k: v * tp.size for k, v in parts.items()}, tp.size, tp.rank)
+    return whole.chunk(tp.size, dim=1 if kind == "row" else 0)[tp.rank].contiguous()
+
+
+def _keep_share(module, state, prefix, *args) -> None:
+    """load_state_dict's pre-hook: a whole tensor (the size one process has) becomes this rank's share."""
+    params = dict(module.named_parameters())
+    for key, style in split_tensors(module).items():
+        value = state.get(prefix + key)
+        if value is not None and value.shape != params[key].shape:
+            state[prefix + key] = share(value, style, module.tensor_parallel)
+
+
+def full_state_dict(model: nn.Module, prefix: str = "", cpu: bool = False) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with each share whole again (a collective: every rank of the group calls it); `cpu`:
+    each whole tensor moved to host memory as soon as it is assembled (a model that fits the GPU only split)."""
+    state = model.state_dict(prefix=prefix)
+    tp = getattr(model, "tensor_parallel", None)
+    if tp is None:
+        return state
+    for key, style in split_tensors(model).items():
+        whole = gather(state[prefix + key], style, tp)
+        state[prefix + key] = whole.cpu() if cpu else whole
+    return state
+
+
+def grad_norm(params: list[torch.Tensor], tp: TensorParallel) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, on every rank alike: the shares' squares summed over the group,
+    the whole tensors' counted once."""
+    whole, shares = [], []
+    for p in params:
+        if p.grad is not None:
+            (shares if getattr(p, "tensor_parallel", None) is tp else whole).append(p.grad)
+    device = (whole or shares)[0].device
+    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads),
+                   torch.zeros((), device=device)) for grads in (whole, shares)]
+    return (squares[0] + tp.sum_(squares[1])).sqrt()
+
+
+def model_tensor_parallel(params) -> TensorParallel | None:
+    """The group that the first share among `params` belongs to, or None."""
+    return next((p.tensor_parallel for p in params if getattr(p, "tensor_parallel", None) is not None), None)

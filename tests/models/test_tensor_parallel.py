@@ -1,0 +1,115 @@
+"""Tensor parallelism (`rlcu/models/tensor_parallel.py`) on 2 CPU processes (gloo) against one process holding
+the whole model: logits, the gradient of every parameter, the engine's greedy tokens and sampled logprobs,
+and the state dict assembled back whole. Tolerances are float32's, summed in another order (the row-parallel
+projections add two partial sums)."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlcu.models import load_model
+from tests.helpers import DENSE_FAMILIES, EOS, PROMPTS, tiny_hf_folder
+
+SIZE = 2
+IDS = torch.tensor([[5, 9, 2, 33, 7, 18], [40, 1, 12, 6, 3, 27]])
+
+
+def _whole_model_results(folder):
+    """What one process gives: logits, gradients (of a fixed loss), greedy tokens, sampled logprobs."""
+    from rlcu.engine.llm_engine import LLMEngine
+    from rlcu.rollout import SamplingParams
+
+    model, _ = load_model(folder)
+    logits = model.logits(IDS)
+    loss = (logits.log_softmax(-1)[..., 3] * torch.linspace(-1, 1, logits.shape[1])).sum()
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    with torch.no_grad():
+        greedy = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS]))
+        sampled = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=5))
+    return logits.detach(), grads, greedy.completion_ids, sampled
+
+
+def _rank(rank, folders, store, out):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=SIZE)
+    try:
+        for folder in folders:
+            torch.save(_split_model_results(folder), f"{out}/{Path(folder).name}.{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _split_model_results(folder):
+    """What this rank gives, its model split between the processes."""
+    from rlcu.engine.llm_engine import LLMEngine
+    from rlcu.models.tensor_parallel import full_state_dict, parallelize
+    from rlcu.rollout import SamplingParams
+
+    model, _ = load_model(folder)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    parallelize(model, dist.group.WORLD)
+    logits = model.logits(IDS)
+    loss = (logits.log_softmax(-1)[..., 3] * torch.linspace(-1, 1, logits.shape[1])).sum()
+    loss.backward()
+    for p in model.parameters():  # each rank's gradient of its share, assembled whole like the weights
+        p.data, p.grad = p.grad, None
+    grads = {k: v.clone() for k, v in full_state_dict(model).items()}
+    model.load_state_dict(whole)  # whole tensors back in: each rank keeps its share
+    with torch.no_grad():
+        greedy = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS]))
+        sampled = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=5))
+    return dict(logits=logits.detach(), grads=grads, greedy=greedy.completion_ids, sampled=sampled,
+                state=full_state_dict(model), whole=whole, heads=model.config.num_attention_heads)
+
+
+# every dense native family whose layers split by heads (not OLMo's q/k norms over all heads, which is refused)
+SPLIT_FAMILIES = [f for f in ["llama", "llama-untied-bias", "qwen2", "qwen3", *DENSE_FAMILIES]
+                  if not f.startswith("olmo")]
+
+
+def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path):
+    folders = [tiny_hf_folder(tmp_path / f, f, heads=4, kv_heads=2) for f in SPLIT_FAMILIES]
+    mp.start_processes(_rank, args=([str(f) for f in folders], tmp_path / "store", tmp_path), nprocs=SIZE,
+                       start_method="spawn")
+    for family, folder in zip(SPLIT_FAMILIES, folders):
+        logits, grads, greedy, sampled = _whole_model_results(folder)
+        for rank in range(SIZE):
+            got = torch.load(tmp_path / f"{family}.{rank}.pt", weights_only=False)
+            assert got["heads"] == 2  # the rank's config: half the heads
+            torch.testing.assert_close(got["logits"], logits, rtol=0, atol=1e-5, msg=family)
+            assert grads.keys() <= got["grads"].keys()  # (a tied LM head is one parameter, two state-dict keys)
+            for k in grads:
+                torch.testing.assert_close(got["grads"][k], grads[k], rtol=1e-4, atol=1e-5, msg=f"{family}: {k}")
+            assert got["greedy"] == greedy, family
+            assert got["sampled"].completion_ids == sampled.completion_ids, family
+            for a, b in zip(got["sampled"].logprobs, sampled.logprobs):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5, msg=family)
+            for k, v in got["whole"].items():  # assembled back whole, bit for bit
+                assert torch.equal(got["state"][k], v), f"{family}: {k}"
+        assert len({tuple(c) for c in sampled.completion_ids}) > 2, family  # not one answer for every prompt
+
+
+def test_olmo_q_k_norms_over_all_heads_are_refused(tmp_path):
+    from rlcu.models.tensor_parallel import parallelize
+
+    model, _ = load_model(tiny_hf_folder(tmp_path / "m", "olmo2", heads=4, kv_heads=2))
+    with pytest.raises(ValueError, match="normalises q and k over all heads.*tensor_parallel_size=1"):
+        parallelize(model, None, size=2, rank=0)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path):
+    from rlcu.models.tensor_parallel import parallelize
+
+    model, _ = load_model(tiny_hf_folder(tmp_path / "m", "llama", heads=6, kv_heads=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's num_attention_heads"):
+        parallelize(model, None, size=4, rank=0)
+
+
+def test_a_mixture_of_experts_is_refused(tmp_path):
+    from rlcu.models.tensor_parallel import parallelize
+
+    model, _ = load_model(tiny_hf_folder(tmp_path / "m", "qwen3_moe"))
+    with pytest.raises(ValueError, match="experts are not split across ranks.*tensor_parallel_size=1"):
+        parallelize(model, None, size=2, rank=0)
