@@ -24,16 +24,19 @@ from rlcu.models.exact_attention import ExactPackedAttention
 from rlcu.models.fused_linear import FusedLinear, Linear
 from rlcu.models.linear_attention import GatedDeltaNet
 from rlcu.models.moe import SparseMoE
-from rlcu.models.tensor_parallel import copy_in
+from rlcu.models.tensor_parallel import copy_in, split_rms_norm
 
 
 class RMSNorm(nn.Module):
     """With `residual`, adds it first and returns (normed, x + residual): the fused form the engine uses.
     `offset` 1.0: the weight is stored as w and scales by 1 + w, in fp32 before rounding (Gemma).
-    `tensor_parallel`: set on a per-head q/k norm under tensor parallelism, where each rank normalises its own
-    heads with the whole weight, whose gradient is then the sum of the ranks' (`tensor_parallel.py`)."""
+    `tensor_parallel`: set on a q/k norm under tensor parallelism (`tensor_parallel.py`). Per head, each rank
+    normalises its own heads with the whole weight, whose gradient is then the sum of the ranks'; over all heads
+    (`split_dim`, the whole width: OLMo), each rank holds its heads' columns of x and of the weight, and the
+    squares are summed over the ranks."""
 
     tensor_parallel = None
+    split_dim: int | None = None
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -41,6 +44,8 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.split_dim:
+            return split_rms_norm(x, self.weight, self.eps, self.split_dim, self.tensor_parallel)
         w = self.weight if self.tensor_parallel is None else copy_in(self.weight, self.tensor_parallel)
         return rms_norm(x, w, self.eps, residual, self.offset)
 

@@ -99,6 +99,34 @@ class _ReduceOut(torch.autograd.Function):
         return grad, None
 
 
+class _SumEverywhere(torch.autograd.Function):
+    """Sums a partial over the group, for a result every rank uses on its own share: backward sums the ranks'
+    partial gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        t = t.contiguous()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def split_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int, tp: TensorParallel) -> torch.Tensor:
+    """RMSNorm over a last dimension of `dim` whose columns are split across the group (OLMo's q/k norms over all
+    heads): each rank's squares summed over the group, then its own columns scaled by its share of the weight,
+    rounded as `rms_norm` rounds (`rlcu/kernels/rmsnorm.py`)."""
+    squares = x.float().pow(2).sum(-1, keepdim=True)
+    squares = _SumEverywhere.apply(squares, tp.group) if torch.is_grad_enabled() else tp.sum_(squares.contiguous())
+    h = x.float() * torch.rsqrt(squares / dim + eps)
+    return weight * h.to(x.dtype)
+
+
 def copy_in(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _CopyIn.apply(x, tp.group) if torch.is_grad_enabled() and x.requires_grad else x
 
@@ -131,8 +159,6 @@ def tensor_parallel_refusal(cfg: ModelConfig) -> str | None:
         return f"{cfg.model_type}'s experts are not split across ranks (shard a mixture of experts with FSDP)"
     if cfg.linear_layers:
         return f"{cfg.model_type}'s linear-attention layers are not split across ranks"
-    if cfg.qk_norm and cfg.spec.qk_norm == "full":
-        return f"{cfg.model_type} normalises q and k over all heads at once, which a rank's share of them cannot"
     return None
 
 
@@ -187,8 +213,13 @@ def parallelize(model: nn.Module, group, size: int | None = None, rank: int | No
             if attn.sinks is not None:
                 attn.sinks = nn.Parameter(attn.sinks.chunk(size)[rank].clone())
                 attn.sinks.tensor_parallel = tp
-            if attn.qk_norm:  # per head: whole on every rank, applied to the rank's heads
+            if attn.qk_norm == "head":  # per head: whole on every rank, applied to the rank's heads
                 attn.q_norm.tensor_parallel = attn.k_norm.tensor_parallel = tp
+            elif attn.qk_norm == "full":  # over all heads (OLMo): each rank keeps its heads' columns of the weight
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.split_dim, norm.tensor_parallel = norm.weight.numel(), tp
+                    norm.weight = nn.Parameter(norm.weight.chunk(size)[rank].clone())
+                    norm.weight.tensor_parallel = tp
     model.config, model.tensor_parallel = local, tp
     model.register_load_state_dict_pre_hook(_keep_share)
     return model
@@ -206,6 +237,8 @@ def split_tensors(model: nn.Module) -> dict[str, tuple[str, dict[str, int] | Non
                 out[f"{name}.bias"] = (style, m.parts)
         elif name.endswith("self_attn") and getattr(m, "sinks", None) is not None:
             out[f"{name}.sinks"] = ("heads", None)
+        elif getattr(m, "split_dim", None):
+            out[f"{name}.weight"] = ("heads", None)
     return out
 
 

@@ -64,9 +64,7 @@ def _split_model_results(folder):
                 state=full_state_dict(model), whole=whole, heads=model.config.num_attention_heads)
 
 
-# every dense native family whose layers split by heads (not OLMo's q/k norms over all heads, which is refused)
-SPLIT_FAMILIES = [f for f in ["llama", "llama-untied-bias", "qwen2", "qwen3", *DENSE_FAMILIES]
-                  if not f.startswith("olmo")]
+SPLIT_FAMILIES = ["llama", "llama-untied-bias", "qwen2", "qwen3", *DENSE_FAMILIES]  # every dense native family
 
 
 def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path):
@@ -89,14 +87,6 @@ def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path)
             for k, v in got["whole"].items():  # assembled back whole, bit for bit
                 assert torch.equal(got["state"][k], v), f"{family}: {k}"
         assert len({tuple(c) for c in sampled.completion_ids}) > 2, family  # not one answer for every prompt
-
-
-def test_olmo_q_k_norms_over_all_heads_are_refused(tmp_path):
-    from rlcu.models.tensor_parallel import parallelize
-
-    model, _ = load_model(tiny_hf_folder(tmp_path / "m", "olmo2", heads=4, kv_heads=2))
-    with pytest.raises(ValueError, match="normalises q and k over all heads.*tensor_parallel_size=1"):
-        parallelize(model, None, size=2, rank=0)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path):
