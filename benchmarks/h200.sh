@@ -16,7 +16,8 @@
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
-# "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)),
+# "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
+# the 8B, 32B and 72B shapes, as many as the host's GPUs allow; TP picks them),
 # exact (issue #45: exact mode and the default side by side; EXACT picks rollout, step and big),
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
@@ -123,6 +124,22 @@ case $part in
         --prompts $((8 * g)) --generations 8 --new_tokens 512 --steps 3 --devices "$g" --strategy $f \
         --adam_state_dtype bfloat16
     done ;;
+  tp)
+    # issue #46: tensor parallelism over all the host's GPUs (TP picks the shapes, default "8b 32b 72b"): the 8B
+    # shape on 1 GPU and on all (a ratio), the 32B shape on 4 or more, the 72B shape (145 GB in bf16) on 8; each rank
+    # builds only its share (bf16 AdamW moments, so the 72B shape's optimizer state fits 8 GPUs)
+    n=$(nvidia-smi -L | wc -l)
+    [[ " ${TP:-8b 32b 72b} " == *" 8b "* ]] && for g in 1 "$n"; do
+      s=tp; [ "$g" = 1 ] && s=auto
+      log step-8b-$s$g rlcu bench step --model qwen3-8b-random --prompts 8 --generations 8 --new_tokens 512 --steps 3 \
+        --devices "$g" --strategy $s --adam_state_dtype bfloat16
+    done
+    (( n >= 4 )) && [[ " ${TP:-8b 32b 72b} " == *" 32b "* ]] && log step-32b-tp$n rlcu bench step \
+      --model qwen3-32b-random --prompts 8 --generations 8 --new_tokens 512 --steps 3 --devices "$n" --strategy tp \
+      --adam_state_dtype bfloat16
+    (( n >= 8 )) && [[ " ${TP:-8b 32b 72b} " == *" 72b "* ]] && log step-72b-tp$n rlcu bench step \
+      --model qwen2.5-72b-random --prompts 8 --generations 8 --new_tokens 512 --steps 3 --devices "$n" --strategy tp \
+      --adam_state_dtype bfloat16 ;;
   fsdp8b)
     for state in float32 bfloat16; do
       log step-8b-fsdp2-$state rlcu bench step --model qwen3-8b-random --prompts 8 --generations 8 --new_tokens 512 \

@@ -37,7 +37,10 @@ SHAPES = {STANDARD: {},
           "qwen3-4b-random": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                   num_attention_heads=32, num_key_value_heads=8),
           "qwen3-8b-random": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)}
+                                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+          # Qwen3-32B's config.json: 64 GB in bf16, for tensor parallelism (--strategy tp)
+          "qwen3-32b-random": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                   num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)}
 # the public shapes of released checkpoints of other families, random weights, built by transformers' own config
 # classes (RoPE bases and scaling left at the class's defaults: they change no step's work); gpt_neox has no
 # native family and measures the transformers fallback
@@ -93,6 +96,11 @@ FAMILY_SHAPES = {
                                num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
                                max_position_embeddings=131072, tie_word_embeddings=False),
     "qwen3-next-80b-a3b-random": dict(model_type="qwen3_next", vocab_size=151936),
+    # the largest dense shape trained in TRL's colocated-vLLM write-up: Qwen2.5-72B's config.json, 145 GB in bf16,
+    # more than one H200 holds (--strategy tp --devices 8)
+    "qwen2.5-72b-random": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                               num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                               max_position_embeddings=32768, tie_word_embeddings=False),
 }
 PHASES = ("generate", "score", "train", "gather", "reshard", "idle")  # timing/* of a step; gather, reshard under fsdp2
 SHARED_PREFIX = {"auto": None, "on": True, "off": False}  # --shared_prefix -> EngineConfig.shared_prefix
@@ -112,6 +120,7 @@ def random_native(cfg, device: str, dtype: torch.dtype):
     """rlcu's decoder for `cfg`, initialised as transformers does: normal, std 0.02; norms at their identity. Built
     in `dtype` (a 30B model in fp32 would not fit one GPU beside its cast)."""
     from rlcu.models.decoder import CausalLM
+    from rlcu.models.random_init import init_weights
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -120,16 +129,8 @@ def random_native(cfg, device: str, dtype: torch.dtype):
             model = CausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("linear_attn.norm.weight", "dt_bias")):  # the gated norm scales by w, not 1 + w
-                torch.nn.init.ones_(p)
-            elif name.endswith("A_log"):  # decay rates as transformers draws them
-                p.data.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
-            elif "norm" in name:
-                torch.nn.init.constant_(p, 1.0 - cfg.spec.norm_offset)  # Gemma stores w and scales by 1 + w
-            else:
-                torch.nn.init.normal_(p, std=0.02)
+    if device != "meta":  # on the meta device: weights drawn once a rank holds its share (tensor parallelism)
+        init_weights(model)
     return model.to(dtype)
 
 
@@ -469,6 +470,8 @@ def bench_step(args) -> dict:
     # the same seeded model on its own GPU
     rank = int(os.environ.get("LOCAL_RANK", 0))
     device = f"cuda:{rank}" if args.device == "cuda" and args.devices > 1 else args.device
+    if args.strategy == "tp" and args.model in (*SHAPES, *FAMILY_SHAPES):
+        device = "meta"  # each rank's share gets memory and random weights once the model is split (configure_model)
     model, tok = build_model(args.model, device, args.dtype)
     profiled = args.profile_steps if args.profile else 0
     total_steps = args.steps + profiled

@@ -28,7 +28,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import get_scheduler
 
-from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2)
+from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2 and tp)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.agents.formats import tool_format
 from rlcu.agents.programs import ProgramRunner, agent_reward, load_program
@@ -57,6 +57,7 @@ from rlcu.grpo.update import Update
 from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
+from rlcu.models.random_init import materialize
 from rlcu.models.sharding import full_parameters, is_sharded, shard
 from rlcu.models.tensor_parallel import parallelize
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
@@ -304,6 +305,8 @@ class GRPOModule(L.LightningModule):
             for model in (self.policy, self.ref_model):
                 if model is not None:
                     parallelize(model, tp.get_group())
+                    if model.device.type == "meta":  # built without memory (a model whole on no one GPU): the share
+                        materialize(model, self.trainer.strategy.root_device)  # gets random weights, alike on all
             cfg = self.policy.config
             log.info("tensor parallelism: each of %d ranks holds %d attention heads, %d KV heads and %d MLP columns "
                      "of each layer", tp.size(), cfg.num_attention_heads, cfg.num_key_value_heads,

@@ -37,6 +37,7 @@ def _rank(rank, folders, store, out):
     try:
         for folder in folders:
             torch.save(_split_model_results(folder), f"{out}/{Path(folder).name}.{rank}.pt")
+        torch.save(_meta_built_share(folders[0]), f"{out}/meta.{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -64,6 +65,20 @@ def _split_model_results(folder):
                 state=full_state_dict(model), whole=whole, heads=model.config.num_attention_heads)
 
 
+def _meta_built_share(folder):
+    """A model built on the meta device (no memory), split, then its share given memory and random weights."""
+    from rlcu.models.decoder import CausalLM
+    from rlcu.models.random_init import materialize
+    from rlcu.models.tensor_parallel import parallelize
+
+    config = load_model(folder)[0].config
+    with torch.device("meta"):
+        model = CausalLM(config)
+    parallelize(model, dist.group.WORLD)
+    materialize(model, torch.device("cpu"), seed=3)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 SPLIT_FAMILIES = ["llama", "llama-untied-bias", "qwen2", "qwen3", *DENSE_FAMILIES]  # every dense native family
 
 
@@ -87,6 +102,16 @@ def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path)
             for k, v in got["whole"].items():  # assembled back whole, bit for bit
                 assert torch.equal(got["state"][k], v), f"{family}: {k}"
         assert len({tuple(c) for c in sampled.completion_ids}) > 2, family  # not one answer for every prompt
+    # built on the meta device: each rank's share of it materialised; the whole tensors drawn alike on every rank
+    meta = [torch.load(tmp_path / f"meta.{rank}.pt") for rank in range(SIZE)]
+    whole = load_model(folders[0])[0].state_dict()
+    for k, v in meta[0].items():
+        assert v.device.type == "cpu" and v.isfinite().all()
+        if v.shape == whole[k].shape:
+            assert torch.equal(v, meta[1][k]), k
+        else:
+            assert v.numel() * SIZE == whole[k].numel(), k
+    assert meta[0]["model.embed_tokens.weight"].std().item() == pytest.approx(0.02, rel=0.1)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(tmp_path):

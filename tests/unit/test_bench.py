@@ -192,7 +192,7 @@ def test_bench_exact_logprobs_reports_no_mismatch(tmp_path, capsys, monkeypatch)
 PUBLIC_SIZES = {"gemma3-1b-random": 1.00, "gemma2-2b-random": 2.61, "smollm3-3b-random": 3.08,
                 "mistral-7b-random": 7.25, "phi4-mini-random": 3.84, "pythia-1b-random": 1.01,
                 "qwen3-30b-a3b-random": 30.5, "gpt-oss-20b-random": 20.9, "olmo2-1b-random": 1.48,
-                "olmo3-7b-random": 7.30, "granite-3.3-2b-random": 2.53}
+                "olmo3-7b-random": 7.30, "granite-3.3-2b-random": 2.53, "qwen2.5-72b-random": 72.7}
 # copied from Qwen3.5-2B's config.json, or transformers' defaults ("Qwen3.5-9B style", "Qwen3-Next-80B-A3B style"): the
 # model cards give totals with the vision tower
 HYBRID_SHAPES = {"qwen3.5-2b-random", "qwen3.5-9b-random", "qwen3-next-80b-a3b-random"}
@@ -233,6 +233,18 @@ def test_family_shapes_have_the_public_checkpoints_sizes(name):
     assert count(theirs) == pytest.approx(PUBLIC_SIZES[name], rel=0.02)
     if ours is not None:  # the native decoder built from the same config holds the same parameters
         assert count(ours) == count(theirs)
+
+
+def test_the_qwen3_32b_shape_has_the_public_checkpoints_size():
+    import torch
+
+    from rlcu.bench import QWEN3_06B, SHAPES
+    from rlcu.models.config import ModelConfig
+    from rlcu.models.decoder import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig(**dict(QWEN3_06B, **SHAPES["qwen3-32b-random"])))
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(32.8, rel=0.01)  # Qwen3-32B's card
 
 
 @pytest.mark.parametrize("name,path", [("gemma3-1b-random", "native"), ("pythia-1b-random", "fallback"),
