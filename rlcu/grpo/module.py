@@ -59,7 +59,7 @@ from rlcu.models import CausalLM, load_model
 from rlcu.models.lora import add_lora
 from rlcu.models.random_init import materialize
 from rlcu.models.sharding import full_parameters, is_sharded, shard
-from rlcu.models.tensor_parallel import parallelize
+from rlcu.models.tensor_parallel import parallelize, split_parameters
 from rlcu.rewards.base import BoundReward, NonFiniteReward, resolve_rewards
 from rlcu.rewards.model import RewardModel
 from rlcu.rollout import bind, capabilities_of, require, resolve_rollout, turns
@@ -288,34 +288,34 @@ class GRPOModule(L.LightningModule):
                 reward.fn.to(self.device)
 
     def configure_model(self) -> None:
-        """Under Lightning's ModelParallelStrategy: FSDP over the data-parallel ranks (`sharding.py`)."""
+        """Under Lightning's ModelParallelStrategy: tensor parallelism within each group of `tensor_parallel_size`
+        ranks (`tensor_parallel.py`), then FSDP over the data-parallel ranks (`sharding.py`)."""
         mesh = self.device_mesh
         if mesh is None or is_sharded(self.policy):
             return
-        tp = mesh["tensor_parallel"]
-        if tp.size() > 1:  # each rank keeps its share of the heads and MLP columns (`tensor_parallel.py`)
-            if mesh["data_parallel"].size() > 1:
-                raise ValueError(f"tensor_parallel_size={tp.size()} beside {mesh['data_parallel'].size()} data-parallel"
-                                 " groups (FSDP across them) is not built: make tensor_parallel_size the number of "
-                                 "processes, or train with strategy fsdp2 or ddp")
-            if self.streamer is not None or self.agent is not None or self.program is not None:
-                # the ranks' engines must take the same steps, and these admit work as it arrives in time
-                raise ValueError("tensor parallelism runs synchronous single-turn rollouts: set streaming=false and "
-                                 "leave out tools, environment_factory and agent, or train with strategy fsdp2 or ddp")
-            for model in (self.policy, self.ref_model):
-                if model is not None:
-                    parallelize(model, tp.get_group())
-                    if model.device.type == "meta":  # built without memory (a model whole on no one GPU): the share
-                        materialize(model, self.trainer.strategy.root_device)  # gets random weights, alike on all
-            cfg = self.policy.config
-            log.info("tensor parallelism: each of %d ranks holds %d attention heads, %d KV heads and %d MLP columns "
-                     "of each layer", tp.size(), cfg.num_attention_heads, cfg.num_key_value_heads,
-                     cfg.intermediate_size)
-            return
+        if mesh["tensor_parallel"].size() > 1:
+            self._split(mesh["tensor_parallel"])
+            if mesh["data_parallel"].size() == 1:
+                return
         dtype = next(self.policy.parameters()).dtype  # the compute dtype; the shards become fp32
         for model in (self.policy, self.ref_model):
             if model is not None:
                 shard(model, mesh["data_parallel"], dtype)
+
+    def _split(self, tp) -> None:
+        """Each rank of the tensor-parallel group `tp` keeps its share of the heads and MLP columns."""
+        if self.streamer is not None or self.agent is not None or self.program is not None:
+            # the ranks' engines must take the same steps, and these admit work as it arrives in time
+            raise ValueError("tensor parallelism runs synchronous single-turn rollouts: set streaming=false and "
+                             "leave out tools, environment_factory and agent, or train with strategy fsdp2 or ddp")
+        for model in (self.policy, self.ref_model):
+            if model is not None:
+                parallelize(model, tp.get_group())
+                if model.device.type == "meta":  # built without memory (a model whole on no one GPU): the share
+                    materialize(model, self.trainer.strategy.root_device)  # gets random weights, alike on all
+        cfg = self.policy.config
+        log.info("tensor parallelism: each of %d ranks holds %d attention heads, %d KV heads and %d MLP columns of "
+                 "each layer", tp.size(), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
 
     def on_fit_start(self) -> None:
         """Check every training prompt against the tokenizer before the first step, so data errors
@@ -385,6 +385,9 @@ class GRPOModule(L.LightningModule):
         opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.adam_betas,
                                 eps=hp.adam_epsilon, state_dtype=STATE_DTYPES[hp.adam_state_dtype],
                                 offload=hp.optimizer_offload)
+        split = split_parameters(self.policy, params)
+        if split is not None:
+            opt.tensor_parallel = (split, self.policy.tensor_parallel)
         max_steps, estimated = self.trainer.max_steps, self.trainer.estimated_stepping_batches
         # a run by epochs ends where Lightning estimates (TRL's schedules know their end the same way)
         total = max_steps if max_steps and max_steps > 0 else (int(estimated) if math.isfinite(estimated) else None)

@@ -17,7 +17,6 @@ import torch
 
 from rlcu.kernels.adamw import AdamWStep, adamw_step
 from rlcu.models.tensor_parallel import grad_norm as tensor_parallel_grad_norm
-from rlcu.models.tensor_parallel import model_tensor_parallel
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,7 +34,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class MasterWeightAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update over fp32 masters of `params` (a parameter that is fp32 already is its own
     master), writing the rounded result back into the parameters. `step(grad_scale=c)` scales the
-    gradients by `c` (the clipping coefficient) as it reads them."""
+    gradients by `c` (the clipping coefficient) as it reads them. `tensor_parallel`: (which params are shares,
+    their group) when the model is split across ranks (`rlcu/models/tensor_parallel.py`), for the gradient norm."""
+
+    tensor_parallel: tuple | None = None
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  state_dtype: torch.dtype = torch.float32, fused: bool | None = None, offload: bool = False):
@@ -60,9 +62,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         grads = self.gradients()
         if not grads:
             return torch.tensor(0.0)
-        tp = model_tensor_parallel(self.model_params)
-        if tp is not None:  # each rank holds shares of some tensors: their squares are summed over the group
-            return tensor_parallel_grad_norm(self.model_params, tp)
+        if self.tensor_parallel is not None:  # shares of some tensors: their squares are summed over the group
+            return tensor_parallel_grad_norm(self.model_params, *self.tensor_parallel)
         if all(g.dtype == torch.float32 for g in grads):  # FSDP's DTensors among them: torch sums the shards
             return torch.nn.utils.get_total_norm(grads)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))

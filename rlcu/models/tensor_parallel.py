@@ -204,22 +204,17 @@ def parallelize(model: nn.Module, group, size: int | None = None, rank: int | No
                 m.weight = nn.Parameter(m.weight.chunk(size, dim=1)[rank].contiguous())
             m.in_features, m.out_features = m.weight.shape[1], m.weight.shape[0]
             m.tensor_parallel, m.parallel_style = tp, style
-            for p in (m.weight, m.bias if style == "column" else None):
-                if p is not None:
-                    p.tensor_parallel = tp  # a share: the gradient norm sums its square over the group
         for layer in model.model.layers:
             attn = layer.self_attn
             attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
             if attn.sinks is not None:
                 attn.sinks = nn.Parameter(attn.sinks.chunk(size)[rank].clone())
-                attn.sinks.tensor_parallel = tp
             if attn.qk_norm == "head":  # per head: whole on every rank, applied to the rank's heads
                 attn.q_norm.tensor_parallel = attn.k_norm.tensor_parallel = tp
             elif attn.qk_norm == "full":  # over all heads (OLMo): each rank keeps its heads' columns of the weight
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.split_dim, norm.tensor_parallel = norm.weight.numel(), tp
                     norm.weight = nn.Parameter(norm.weight.chunk(size)[rank].clone())
-                    norm.weight.tensor_parallel = tp
     model.config, model.tensor_parallel = local, tp
     model.register_load_state_dict_pre_hook(_keep_share)
     return model
@@ -281,19 +276,30 @@ def full_state_dict(model: nn.Module, prefix: str = "", cpu: bool = False) -> di
     return state
 
 
-def grad_norm(params: list[torch.Tensor], tp: TensorParallel) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, on every rank alike: the shares' squares summed over the group,
-    the whole tensors' counted once."""
-    whole, shares = [], []
-    for p in params:
+def grad_norm(params: list[torch.Tensor], split: list[bool], tp: TensorParallel) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, on every rank alike. `split[i]`: params[i] is a share, whose
+    squares are summed over the group; the others are whole on every rank of it and count once. Under FSDP beside
+    it (DTensor gradients), each rank's shard's squares are first summed over the data-parallel ranks."""
+    squares, dp_group = [], None
+    for p, is_share in zip(params, split):
         if p.grad is not None:
-            (shares if getattr(p, "tensor_parallel", None) is tp else whole).append(p.grad)
-    device = (whole or shares)[0].device
-    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads),
-                   torch.zeros((), device=device)) for grads in (whole, shares)]
-    return (squares[0] + tp.sum_(squares[1])).sqrt()
+            g = p.grad
+            if hasattr(g, "to_local"):
+                dp_group, g = g.device_mesh.get_group(), g.to_local()
+            squares.append((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2, is_share))
+    device = squares[0][0].device
+    total = torch.zeros(2, device=device)  # the whole tensors', the shares'
+    for sq, is_share in squares:
+        total[int(is_share)] += sq
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    return (total[0] + tp.sum_(total[1:])[0]).sqrt()
 
 
-def model_tensor_parallel(params) -> TensorParallel | None:
-    """The group that the first share among `params` belongs to, or None."""
-    return next((p.tensor_parallel for p in params if getattr(p, "tensor_parallel", None) is not None), None)
+def split_parameters(model: nn.Module, params: list[torch.Tensor]) -> list[bool] | None:
+    """Which of `params` are shares of a tensor-parallel `model` (None: the model is not split)."""
+    tp = getattr(model, "tensor_parallel", None)
+    if tp is None:
+        return None
+    shares = {id(p) for name, p in model.named_parameters() if name in split_tensors(model)}
+    return [id(p) in shares for p in params]

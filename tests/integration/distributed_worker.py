@@ -56,6 +56,10 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
     stop = os.environ.get("RLCU_WORKER_STOP_AT")
     callbacks = [] if stop is None else [StopAt(int(stop)), ModelCheckpoint(out + ".dir", "stopped",
                                                                             every_n_train_steps=1)]
+    if strategy == "tp2-fsdp":  # 2-way tensor parallel groups, FSDP across them
+        from rlcu.strategies import FSDP2Strategy
+
+        strategy = FSDP2Strategy(tensor_parallel_size=2)
     trainer = L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                         max_steps=steps, logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -64,10 +68,9 @@ def main(folder, out, strategy, devices, batch_size, num_nodes=1):
 
     if strategy == "fsdp2":
         state = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif strategy == "tp":
-        from rlcu.models.tensor_parallel import full_state_dict
-
-        state = full_state_dict(module.policy)  # a collective: every rank assembles the shares
+    elif not isinstance(strategy, str) or strategy == "tp":  # a collective: every rank assembles the shares
+        state = {k[len("policy."):]: v for k, v in trainer.strategy.lightning_module_state_dict().items()
+                 if k.startswith("policy.")}
     else:
         state = module.policy.state_dict()
     if trainer.global_rank == 0:

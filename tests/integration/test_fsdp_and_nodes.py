@@ -63,13 +63,21 @@ def test_fsdp_two_ranks_update_like_one_process_and_export(reference):
     assert max((state[k] - two[k]).abs().max().item() for k in two) == 0
 
 
-def test_tensor_parallel_two_ranks_update_like_one_process_and_export(reference):
-    """`--trainer.strategy=tp` on 2 processes: each holds half of every layer's heads and MLP columns, both train on
-    the whole batch (one data-parallel group), and the checkpoint holds the whole tensors."""
+# (strategy, processes, rows per data-parallel rank): `--trainer.strategy=tp` on 2 processes, one data-parallel group
+# that trains on the whole batch; FSDP2Strategy(tensor_parallel_size=2) on 4, FSDP across two such groups
+TP_LAYOUTS = {"tp2": ("tp", "2", "4"), "tp2-fsdp2": ("tp2-fsdp", "4", "2")}
+PORTS = {"tp2": 29544, "tp2-fsdp2": 29546}  # a port of its own for each test that may run beside another (xdist)
+
+
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_tensor_parallel_ranks_update_like_one_process_and_export(reference, layout):
+    """Each rank of a tensor-parallel group holds half of every layer's heads and MLP columns; the checkpoint holds
+    the whole tensors."""
     tmp, folder, one = reference
-    finish([run(torchrun("--nproc-per-node=2", "--master-port=29544", str(WORKER), str(folder), str(tmp / "tp.pt"),
-                         "tp", "2", "4"), tmp)])
-    two = torch.load(tmp / "tp.pt")
+    strategy, procs, rows = TP_LAYOUTS[layout]
+    finish([run(torchrun(f"--nproc-per-node={procs}", f"--master-port={PORTS[layout]}", str(WORKER), str(folder),
+                         str(tmp / f"{layout}.pt"), strategy, procs, rows), tmp)])
+    two = torch.load(tmp / f"{layout}.pt")
     assert set(two) == set(one)
     from rlcu.models import load_model
 
@@ -82,22 +90,24 @@ def test_tensor_parallel_two_ranks_update_like_one_process_and_export(reference)
         assert update > 0 and (one[k] - two[k]).norm() <= 1e-3 * update, f"{k} differs under tensor parallelism"
     from rlcu.export import export
 
-    exported = load_model(export(tmp / "tp.pt.ckpt", tmp / "hf-tp"))[0].state_dict()
+    exported = load_model(export(tmp / f"{layout}.pt.ckpt", tmp / f"hf-{layout}"))[0].state_dict()
     assert all(torch.equal(exported[k], two[k]) for k in two)
 
 
-def test_a_tensor_parallel_run_resumes_like_an_unbroken_one(reference):
-    """The checkpoint holds whole weights and whole AdamW moments; resumed on 2 ranks, each takes its share again,
-    and the third step lands where a run of 3 steps does."""
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_a_tensor_parallel_run_resumes_like_an_unbroken_one(reference, layout):
+    """The checkpoint holds whole weights and whole AdamW moments; resumed, each rank takes its share (and FSDP
+    shard) again, and the third step lands where a run of 3 steps does."""
     tmp, folder, _ = reference
-    tp = ("--nproc-per-node=2", "--master-port=29545")
-    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / "tp3.pt"), "tp", "2", "4"), tmp,
+    strategy, procs, rows = TP_LAYOUTS[layout]
+    tp = (f"--nproc-per-node={procs}", f"--master-port={PORTS[layout] + 1}")
+    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / f"{layout}-3.pt"), strategy, procs, rows), tmp,
                 RLCU_WORKER_STEPS="3")])
-    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / "tp2.pt"), "tp", "2", "4"), tmp,
+    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / f"{layout}-2.pt"), strategy, procs, rows), tmp,
                 RLCU_WORKER_STEPS="3", RLCU_WORKER_STOP_AT="2")])
-    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / "resumed.pt"), "tp", "2", "4"), tmp,
-                RLCU_WORKER_STEPS="3", RLCU_WORKER_RESUME=str(tmp / "tp2.pt.dir" / "stopped.ckpt"))])
-    unbroken, resumed, two = (torch.load(tmp / f) for f in ("tp3.pt", "resumed.pt", "tp2.pt"))
+    finish([run(torchrun(*tp, str(WORKER), str(folder), str(tmp / f"{layout}-resumed.pt"), strategy, procs, rows),
+                tmp, RLCU_WORKER_STEPS="3", RLCU_WORKER_RESUME=str(tmp / f"{layout}-2.pt.dir" / "stopped.ckpt"))])
+    unbroken, resumed, two = (torch.load(tmp / f"{layout}-{n}.pt") for n in ("3", "resumed", "2"))
     assert max((unbroken[k] - two[k]).abs().max().item() for k in two) > 1e-3  # the third step moved the weights
     assert all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
 

@@ -79,6 +79,9 @@ BAD = {
                                          "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                                          "--trainer.callbacks.dirpath=a-file/ckpt"],
                                         "the dirpath of ModelCheckpoint a-file/ckpt: cannot write there"),
+    "a tensor-parallel size that does not divide the processes": (
+        ["--trainer.strategy=rlcu.FSDP2Strategy", "--trainer.strategy.tensor_parallel_size=2"],
+        "tensor_parallel_size=2 does not divide the 1 processes"),
 }
 
 
