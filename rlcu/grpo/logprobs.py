@@ -55,8 +55,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature, chunk_tokens, numerics)
     hidden = model.forward_padded(input_ids, attention_mask)[:, -c - 1:-1]
     b, _, h = hidden.shape
-    logps, ents = linear_logprobs(hidden.reshape(b * c, h), model.lm_head.weight, input_ids[:, -c:].reshape(b * c),
-                                  temperature, chunk_tokens, fp32=model.lm_head.fp32, softcap=model.lm_head.softcap)
+    head = model.lm_head
+    logps, ents = linear_logprobs(hidden.reshape(b * c, h), head.full_weight(), input_ids[:, -c:].reshape(b * c),
+                                  temperature, chunk_tokens, fp32=head.fp32, softcap=head.softcap)
     return logps.view(b, c), ents.view(b, c)
 
 
@@ -69,8 +70,9 @@ def _packed_completion_logprobs(model, input_ids, attention_mask, c, temperature
     hidden = model.forward_packed(flat[None], offset[mask][None], cu, int(lengths.max()), numerics)[0]
     real = mask[:, -c:]  # the completion slots that hold a token
     target = (cu[:-1, None] + offset[:, -c:])[real]  # where each completion token sits in the packed row
-    logps, ents = linear_logprobs(hidden[target - 1], model.lm_head.weight, flat[target], temperature, chunk_tokens,
-                                  numerics.batch_invariant, model.lm_head.fp32, model.lm_head.softcap)
+    head = model.lm_head
+    logps, ents = linear_logprobs(hidden[target - 1], head.full_weight(), flat[target], temperature, chunk_tokens,
+                                  numerics.batch_invariant, head.fp32, head.softcap)
     zeros = logps.new_zeros(real.shape)
     return zeros.masked_scatter(real, logps), zeros.masked_scatter(real, ents)
 

@@ -24,7 +24,7 @@ from rlcu.models.exact_attention import ExactPackedAttention
 from rlcu.models.fused_linear import FusedLinear, Linear
 from rlcu.models.linear_attention import GatedDeltaNet
 from rlcu.models.moe import SparseMoE
-from rlcu.models.tensor_parallel import copy_in, split_rms_norm
+from rlcu.models.tensor_parallel import copy_in, embed_share, split_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -307,7 +307,9 @@ class CausalLM(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        table = self.model.embed_tokens
+        tp = getattr(table, "tensor_parallel", None)  # the table split by rows of the vocabulary
+        x = table(input_ids) if tp is None else embed_share(input_ids, table.weight, tp)
         if self.embed_scale is not None:  # rounded to the weights' dtype first, as Gemma does
             return x * torch.tensor(self.embed_scale, dtype=x.dtype)
         m = self.config.embedding_multiplier

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rlcu.kernels.matmul import invariant_linear
-from rlcu.models.tensor_parallel import TensorParallel, copy_in, reduce_out
+from rlcu.models.tensor_parallel import TensorParallel, copy_in, gather_last, gather_rows, reduce_out
 
 
 class Linear(nn.Linear):
@@ -20,13 +20,25 @@ class Linear(nn.Linear):
     micro-batches. `fp32` (the LM head under TRL's `cast_lm_head_to_fp32`): the GEMM runs in float32 whatever the
     autocast or the input's dtype, and gives float32. `softcap` (an LM head's, Gemma 2's
     `final_logit_softcapping`): the outputs bounded as cap * tanh(y / cap), in their own dtype as transformers
-    computes them (`soft_capped`)."""
+    computes them (`soft_capped`). `tensor_parallel` and `parallel_style` ("column" | "row" for a projection,
+    "vocab" for an LM head): set on a rank's share of the weight (`tensor_parallel.py`); an LM head's share gives
+    its rows of the vocabulary, and the ranks' logits are gathered whole."""
 
     fp32 = False
     softcap: float | None = None
+    tensor_parallel: TensorParallel | None = None
+    parallel_style: str | None = None
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return soft_capped(self._linear(x, batch_invariant), self.softcap)
+        tp = self.tensor_parallel
+        if tp is None:
+            return soft_capped(self._linear(x, batch_invariant), self.softcap)
+        return soft_capped(gather_last(self._linear(copy_in(x, tp), batch_invariant), tp), self.softcap)
+
+    def full_weight(self) -> torch.Tensor:
+        """The whole weight: gathered from the ranks' shares under tensor parallelism (training's chunked logprobs
+        read it; its gradient goes back to each rank's share)."""
+        return self.weight if self.tensor_parallel is None else gather_rows(self.weight, self.tensor_parallel)
 
     def _linear(self, x: torch.Tensor, batch_invariant: bool, with_bias: bool = True) -> torch.Tensor:
         if not with_bias and self.bias is not None:
@@ -49,11 +61,7 @@ def soft_capped(y: torch.Tensor, cap: float | None) -> torch.Tensor:
 class FusedLinear(Linear):
     """`parts` maps each HF projection name (a sibling of this module in HF's layout) to its output size; a
     projection of one part (o_proj, down_proj) has its own name as its part. `lora`: an optional low-rank
-    adapter (`rlcu/models/lora.py`) added to the output, never merged into the weight. `tensor_parallel` and
-    `parallel_style` ("column" | "row"): set on a rank's share of the projection (`tensor_parallel.py`)."""
-
-    tensor_parallel: TensorParallel | None = None
-    parallel_style: str | None = None
+    adapter (`rlcu/models/lora.py`) added to the output, never merged into the weight."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
         super().__init__(in_features, sum(parts.values()), bias=bias)

@@ -6,12 +6,13 @@ place.
   columns: the fused GEMM stays one GEMM, on the rank's rows;
 - o_proj and down_proj (row-parallel) keep the matching input columns; their partial outputs are summed
   over the group (one all-reduce per branch, two per layer), and their bias added once, after the sum;
-- embeddings, norms and the LM head are whole on every rank, so every rank computes the same hidden
+- the embeddings and the LM head keep the rank's rows of the vocabulary (where the size divides it): lookups
+  are summed over the group, logits gathered whole; norms are whole. So every rank computes the same hidden
   states and logits, samples the same tokens from the same seeds, and its engine schedules the same steps.
 
 A column-parallel input's gradient is summed over the group in backward (the all-reduce's transpose), so
-the replicated parameters (norms, embeddings, LM head) get the same gradient on every rank and stay equal
-without any extra synchronisation. `model.config` becomes the rank's config (its head and column counts),
+the whole parameters (norms) get the same gradient on every rank and stay equal without any extra
+synchronisation. `model.config` becomes the rank's config (its head and column counts),
 which is what the KV pool, the kernels and the reference cache size themselves by; the whole model's stays
 in `model.tensor_parallel.config`. `full_state_dict` assembles the whole tensors (in the layout one process
 has) for checkpoints and export; `load_state_dict` takes whole tensors and keeps the rank's share.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from rlcu.models.config import ModelConfig
@@ -127,6 +129,47 @@ def split_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int, 
     return weight * h.to(x.dtype)
 
 
+class _Gather(torch.autograd.Function):
+    """Every rank's share joined along `dim`; backward keeps this rank's part of the gradient, which is whole and
+    alike on every rank (they compute the same loss from the same joined tensor)."""
+
+    @staticmethod
+    def forward(ctx, t, dim, tp):
+        ctx.dim, ctx.tp = dim, tp
+        return _all_gather(t, dim, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.tp.size, dim=ctx.dim)[ctx.tp.rank].contiguous(), None, None
+
+
+def _all_gather(t: torch.Tensor, dim: int, tp: TensorParallel) -> torch.Tensor:
+    t = t.contiguous()
+    shares = [torch.empty_like(t) for _ in range(tp.size)]
+    dist.all_gather(shares, t, group=tp.group)
+    return torch.cat(shares, dim=dim)
+
+
+def gather_last(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The ranks' logits over their rows of the vocabulary, joined into logits over all of it."""
+    return _Gather.apply(y, -1, tp) if torch.is_grad_enabled() and y.requires_grad else _all_gather(y, -1, tp)
+
+
+def gather_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The whole of a weight split by rows (an LM head's vocabulary)."""
+    return _Gather.apply(w, 0, tp) if torch.is_grad_enabled() and w.requires_grad else _all_gather(w, 0, tp)
+
+
+def embed_share(ids: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Embeddings of `ids` from a table split by rows of the vocabulary: each rank looks up the ids in its rows
+    (zeros for the others), and the ranks' lookups are summed."""
+    start = tp.rank * weight.shape[0]
+    local = ids - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    x = F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside[..., None].to(weight.dtype)
+    return reduce_out(x, tp)
+
+
 def copy_in(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _CopyIn.apply(x, tp.group) if torch.is_grad_enabled() and x.requires_grad else x
 
@@ -215,14 +258,21 @@ def parallelize(model: nn.Module, group, size: int | None = None, rank: int | No
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.split_dim, norm.tensor_parallel = norm.weight.numel(), tp
                     norm.weight = nn.Parameter(norm.weight.chunk(size)[rank].clone())
+        if full.vocab_size % size == 0:  # the embeddings and LM head by rows of the vocabulary (else whole)
+            embed, head = model.model.embed_tokens, model.lm_head
+            embed.weight = nn.Parameter(embed.weight.chunk(size)[rank].clone())
+            head.weight = embed.weight if full.tie_word_embeddings else nn.Parameter(
+                head.weight.chunk(size)[rank].clone())
+            for m in (embed, head):
+                m.tensor_parallel, m.parallel_style = tp, "vocab"
     model.config, model.tensor_parallel = local, tp
     model.register_load_state_dict_pre_hook(_keep_share)
     return model
 
 
 def split_tensors(model: nn.Module) -> dict[str, tuple[str, dict[str, int] | None]]:
-    """State-dict keys of a model's shares -> how they are split: ("column", the rank's part sizes), ("row", None)
-    or ("heads", None)."""
+    """State-dict keys of a model's shares -> how they are split: ("column", the rank's part sizes), ("row", None),
+    or by rows: ("vocab", None), ("heads", None)."""
     out = {}
     for name, m in model.named_modules():
         style = getattr(m, "parallel_style", None)
@@ -256,7 +306,7 @@ def share(whole: torch.Tensor, style: tuple, tp: TensorParallel) -> torch.Tensor
 
 def _keep_share(module, state, prefix, *args) -> None:
     """load_state_dict's pre-hook: a whole tensor (the size one process has) becomes this rank's share."""
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters(remove_duplicate=False))  # a tied LM head under its own name too
     for key, style in split_tensors(module).items():
         value = state.get(prefix + key)
         if value is not None and value.shape != params[key].shape:

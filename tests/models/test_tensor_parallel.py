@@ -62,7 +62,8 @@ def _split_model_results(folder):
         greedy = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[EOS]))
         sampled = LLMEngine(model).generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=5))
     return dict(logits=logits.detach(), grads=grads, greedy=greedy.completion_ids, sampled=sampled,
-                state=full_state_dict(model), whole=whole, heads=model.config.num_attention_heads)
+                state=full_state_dict(model), whole=whole, heads=model.config.num_attention_heads,
+                vocab_rows=(model.lm_head.weight.shape[0], model.model.embed_tokens.weight.shape[0]))
 
 
 def _meta_built_share(folder):
@@ -91,6 +92,7 @@ def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path)
         for rank in range(SIZE):
             got = torch.load(tmp_path / f"{family}.{rank}.pt", weights_only=False)
             assert got["heads"] == 2  # the rank's config: half the heads
+            assert got["vocab_rows"] == (32, 32)  # half the vocabulary's rows of the LM head and embeddings
             torch.testing.assert_close(got["logits"], logits, rtol=0, atol=1e-5, msg=family)
             assert grads.keys() <= got["grads"].keys()  # (a tied LM head is one parameter, two state-dict keys)
             for k in grads:
