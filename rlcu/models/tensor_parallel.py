@@ -202,6 +202,8 @@ def tensor_parallel_refusal(cfg: ModelConfig) -> str | None:
         return f"{cfg.model_type}'s experts are not split across ranks (shard a mixture of experts with FSDP)"
     if cfg.linear_layers:
         return f"{cfg.model_type}'s linear-attention layers are not split across ranks"
+    if cfg.spec.attention_sinks:
+        return f"{cfg.model_type}'s attention sinks are not split across ranks"
     return None
 
 
@@ -247,17 +249,7 @@ def parallelize(model: nn.Module, group, size: int | None = None, rank: int | No
                 m.weight = nn.Parameter(m.weight.chunk(size, dim=1)[rank].contiguous())
             m.in_features, m.out_features = m.weight.shape[1], m.weight.shape[0]
             m.tensor_parallel, m.parallel_style = tp, style
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
-            if attn.sinks is not None:
-                attn.sinks = nn.Parameter(attn.sinks.chunk(size)[rank].clone())
-            if attn.qk_norm == "head":  # per head: whole on every rank, applied to the rank's heads
-                attn.q_norm.tensor_parallel = attn.k_norm.tensor_parallel = tp
-            elif attn.qk_norm == "full":  # over all heads (OLMo): each rank keeps its heads' columns of the weight
-                for norm in (attn.q_norm, attn.k_norm):
-                    norm.split_dim, norm.tensor_parallel = norm.weight.numel(), tp
-                    norm.weight = nn.Parameter(norm.weight.chunk(size)[rank].clone())
+        _split_attention(model, local, tp)
         if full.vocab_size % size == 0:  # the embeddings and LM head by rows of the vocabulary (else whole)
             embed, head = model.model.embed_tokens, model.lm_head
             embed.weight = nn.Parameter(embed.weight.chunk(size)[rank].clone())
@@ -270,6 +262,19 @@ def parallelize(model: nn.Module, group, size: int | None = None, rank: int | No
     return model
 
 
+def _split_attention(model: nn.Module, local: ModelConfig, tp: TensorParallel) -> None:
+    """Each attention module computes the rank's heads; its q/k norms follow how they normalise."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
+        if attn.qk_norm == "head":  # per head: whole on every rank, applied to the rank's heads
+            attn.q_norm.tensor_parallel = attn.k_norm.tensor_parallel = tp
+        elif attn.qk_norm == "full":  # over all heads (OLMo): each rank keeps its heads' columns of the weight
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.split_dim, norm.tensor_parallel = norm.weight.numel(), tp
+                norm.weight = nn.Parameter(norm.weight.chunk(tp.size)[tp.rank].clone())
+
+
 def split_tensors(model: nn.Module) -> dict[str, tuple[str, dict[str, int] | None]]:
     """State-dict keys of a model's shares -> how they are split: ("column", the rank's part sizes), ("row", None),
     or by rows: ("vocab", None), ("heads", None)."""
@@ -280,8 +285,6 @@ def split_tensors(model: nn.Module) -> dict[str, tuple[str, dict[str, int] | Non
             out[f"{name}.weight"] = (style, m.parts if style == "column" else None)
             if style == "column" and m.bias is not None:
                 out[f"{name}.bias"] = (style, m.parts)
-        elif name.endswith("self_attn") and getattr(m, "sinks", None) is not None:
-            out[f"{name}.sinks"] = ("heads", None)
         elif getattr(m, "split_dim", None):
             out[f"{name}.weight"] = ("heads", None)
     return out
