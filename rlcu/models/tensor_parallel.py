@@ -101,9 +101,9 @@ class _ReduceOut(torch.autograd.Function):
         return grad, None
 
 
-class _SumEverywhere(torch.autograd.Function):
-    """Sums a partial over the group, for a result every rank uses on its own share: backward sums the ranks'
-    partial gradients the same way."""
+class _SumEverywhere(_CopyIn):
+    """Sums a partial over the group, for a result every rank uses on its own share: backward (_CopyIn's) sums
+    the ranks' partial gradients the same way."""
 
     @staticmethod
     def forward(ctx, t, group):
@@ -111,12 +111,6 @@ class _SumEverywhere(torch.autograd.Function):
         t = t.contiguous()
         dist.all_reduce(t, group=group)
         return t
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def split_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int, tp: TensorParallel) -> torch.Tensor:
