@@ -405,10 +405,27 @@ class GRPOModule(L.LightningModule):
             checkpoint["rlcu_stream"] = self.streamer.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._check_shapes(checkpoint.get("state_dict", {}))
         for name, value in checkpoint.get("rlcu_counters", {}).items():  # in place: the update phase holds them
             setattr(self.counters, name, value)
         if self.streamer is not None and "rlcu_stream" in checkpoint:
             self.streamer.load_state_dict(checkpoint["rlcu_stream"])
+
+    def _check_shapes(self, saved: dict) -> None:
+        """A checkpoint of another model (a run folder's last.ckpt, resumed by Lightning, after the recipe's model was
+        changed) is one error that says so, before its tensors are copied in. A tensor-parallel share is smaller
+        than the whole tensor the file holds, and is left to the split's own loading."""
+        split = set()
+        for prefix, model in (("policy.", self.policy), ("ref_model.", self.ref_model)):
+            tp = getattr(model, "tensor_parallel", None)
+            split |= {prefix + k for k in tp.split_tensors(model)} if tp is not None else set()
+        live = self.state_dict()
+        for key, value in saved.items():
+            if key in live and key not in split and tuple(value.shape) != tuple(live[key].shape):
+                path = getattr(self._attached_trainer(), "ckpt_path", None) or "the checkpoint"
+                raise ValueError(f"{path} holds another model: its {key} is {tuple(value.shape)}, this model's "
+                                 f"{tuple(live[key].shape)}; resume it with the model it was trained from, or start "
+                                 "this one in another folder (--trainer.default_root_dir) or without that checkpoint")
 
     def on_validation_start(self) -> None:
         if self.streamer is not None:  # evaluation generates on the engine; the pending prompts go in again after

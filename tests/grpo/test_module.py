@@ -141,6 +141,21 @@ def test_gradients_are_clipped_to_max_grad_norm(tmp_path):
     assert float(torch.linalg.vector_norm(torch.stack([t.norm() for t in moments]))) == pytest.approx(1e-4, rel=1e-3)
 
 
+def test_a_checkpoint_of_another_model_is_one_error_before_its_tensors_load(tmp_path):
+    """Lightning resumes a run folder's last.ckpt by itself (the recipe's interrupt checkpoint): after the recipe's
+    model changed, the shapes differ, and the error says so instead of load_state_dict's list of mismatches."""
+    reward = [lambda prompts, completions, completion_ids, **kw: [0.0] * len(prompts)]
+    build = lambda folder: GRPOModule(str(folder), rewards=reward, num_generations=2,  # noqa: E731
+                                      max_completion_length=4)
+    module = build(tiny_hf_folder(tmp_path / "a", "llama"))
+    same = {"state_dict": build(tiny_hf_folder(tmp_path / "b", "llama", seed=1)).state_dict()}
+    module.on_load_checkpoint(same)  # other weights, same shapes: a checkpoint it can resume
+    other = {"state_dict": build(tiny_hf_folder(tmp_path / "c", "llama", hidden=36)).state_dict()}
+    with pytest.raises(ValueError, match=r"holds another model: its policy\.model\.embed_tokens\.weight is \(64, 36\), "
+                                         r"this model's \(64, 48\); resume it with the model it was trained from"):
+        module.on_load_checkpoint(other)
+
+
 def test_fsdp1_and_deepspeed_are_refused_with_the_way_to_fsdp2(tmp_path):
     from lightning.pytorch.strategies import FSDPStrategy
 
