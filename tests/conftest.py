@@ -96,11 +96,12 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def fixed_order_dot(monkeypatch):
-    """The interpreter's tl.dot with a fixed summation order per output element, as the GPU's MMA has. The
-    interpreter runs tl.dot as numpy's matmul, and on some CPUs (AMD EPYC with OpenBLAS's Haswell kernels, not
-    on AVX-512 ones) BLAS sums a row differently depending on where it sits in the tile, which would make a
-    batch-invariant kernel look batch-dependent. Tests that assert bit-for-bit equality across batchings use
-    this; numpy's einsum (without `optimize`) sums every element alike."""
+    """The interpreter's tl.dot summing as the GPU's tensor cores do: K in steps of 16 added into the accumulator
+    in order, every output element alike, whatever the tile's shape or K width (so the exact GEMM's tiles, which
+    follow M, give the same bits here as on the H200). The interpreter runs tl.dot as numpy's matmul, and on some
+    CPUs (AMD EPYC with OpenBLAS's Haswell kernels, not on AVX-512 ones) BLAS sums a row differently depending on
+    where it sits in the tile, which would make a batch-invariant kernel look batch-dependent. Tests that assert
+    bit-for-bit equality across batchings use this; numpy's einsum (without `optimize`) sums every element alike."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     import numpy as np
@@ -111,8 +112,11 @@ def fixed_order_dot(monkeypatch):
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if not {a.data.dtype, b.data.dtype} <= {np.dtype(np.float32), np.dtype(np.float16)}:  # others as before
             return real(self, a, b, d, input_precision, max_num_imprecise_acc)
-        out = np.einsum("...mk,...kn->...mn", a.data, b.data, dtype=d.data.dtype, casting="same_kind")
-        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+        out = d.data
+        for k in range(0, a.data.shape[-1], 16):
+            out = out + np.einsum("...mk,...kn->...mn", a.data[..., k:k + 16], b.data[..., k:k + 16, :],
+                                  dtype=d.data.dtype, casting="same_kind")
+        return interpreter.TensorHandle(out, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 

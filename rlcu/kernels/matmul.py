@@ -3,9 +3,13 @@ how many rows the call has or where the row sits among them.
 
 cuBLAS picks its kernel, its tiles and whether to split K by the problem's shape, so the same row
 multiplied in a decode batch of 64 and in a training micro-batch of 30,000 rows is summed in different
-orders and comes out different in the last bits. Here the tiles are fixed for a given (N, K), never split
-K, and walk K from 0 in the same steps, so a row's dot products are the same sums wherever it is: the
-engine's decode and prefill and the trainer's forward round alike (`exact_logprobs`, docs/engine.md).
+orders and comes out different in the last bits. Here K is never split and is walked from 0, so a row's dot
+products are the same sums wherever it is: the engine's decode and prefill and the trainer's forward round
+alike (`exact_logprobs`, docs/engine.md). The tiles may follow M: the tensor cores add K in steps of 16 into
+the accumulator in K's order whatever the tile's shape or its K width (`tl.dot` of a 128-wide K block is
+eight such steps, of a 64-wide one four), so each output element is the same sequence of additions. Every
+tile below gave the same bits as every other on the H200 (`benchmarks/exact_gemm.py`, docs/benchmarks.md),
+and tests/kernels/test_matmul.py checks rows alone against rows in batches of other tile choices.
 
 The backward is cuBLAS: gradients need not be bitwise anything. Autocast is followed by hand (inputs cast to
 the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
@@ -15,13 +19,26 @@ import torch
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
-BLOCK_M, BLOCK_K = 64, 64
+BLOCK_M, BLOCK_K = 64, 64  # the tile of the shipped configuration before tiles followed M
 
 
 def block_n(n: int) -> int:
-    """Output columns per program: a function of N alone (never of M), narrow for narrow layers so that a
-    decode step's few rows still spread over many programs."""
+    """Output columns per program of that configuration."""
     return 64 if n <= 4096 else 128
+
+
+def tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [m, K] x [K, n] product: the fastest of those measured
+    with the same bits at each size (benchmarks/exact_gemm.py on the H200). A decode step's few rows take narrow
+    column tiles so that the weights stream through many programs; more rows take wide tiles for reuse."""
+    if n >= 65536:  # the LM head: enough column tiles at any M
+        return (64, 128, 64, 4, 3) if m <= 64 else (128, 256, 64, 8, 3)
+    if m <= 64:
+        bn = 16 if n <= 2048 else 32 if n <= 4096 else 64 if n <= 8192 else 128
+        return 64, bn, 128, 4, 4
+    if n <= 2048:
+        return 64, (64 if n <= 1024 else 128), 128, 4, 4
+    return 128, 128, 64, 8, 3
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,12 +81,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x = x.contiguous()
     weight = weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bn = block_n(n)
+    bm, bn, bk, warps, stages = tiles(m, n)
     if m:
-        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, bn))](
+        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return y
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels import _triton
-from rlcu.kernels.matmul import invariant_linear, linear_reference, linear_triton
+from rlcu.kernels.matmul import invariant_linear, linear_reference, linear_triton, tiles
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 
@@ -36,9 +36,12 @@ def test_linear_against_float64(dtype, m, k, n, bias):
 
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_are_batch_invariant(dtype):
-    """Every row computed alone, among 7 and among 200 rows (in another position) is the same bits."""
-    x, w, b = inputs(200, 576, 960, dtype, seed=1)
+@pytest.mark.parametrize("n", [960, 2500])
+def test_rows_are_batch_invariant(dtype, n):
+    """Every row computed alone, among 7 and among 200 rows (in another position) is the same bits, although
+    the three take different tiles (column widths, and at n=2500 K widths too)."""
+    assert len({tiles(m, n) for m in (1, 7, 200)}) == 2 and (n < 2048 or tiles(1, n)[2] != tiles(200, n)[2])
+    x, w, b = inputs(200, 576, n, dtype, seed=1)
     full = linear_triton(x, w, b)
     for i in (0, 63, 64, 199):
         assert torch.equal(linear_triton(x[i:i + 1], w, b), full[i:i + 1])
