@@ -36,6 +36,7 @@ class PagedAttention:
         self.ctx, self.tables = context_lens, block_tables
         self.decode_only, self.num_splits, self.tiles, self.groups = decode_only, num_splits, tiles, groups
         self.prefix_splits, self.states = prefix_splits, states
+        self.exact_decode = False  # exact numerics' decode step: one query a sequence, through the prefill kernel
         self.applies_qk_norm = runner.fuse_qk_norm  # Qwen3's q/k norms in the RoPE + KV-write kernel
         self.batch_invariant = runner.exact
         routing = runner.routing
@@ -52,7 +53,9 @@ class PagedAttention:
         decode kernel, with its KV splits and shared-prefix `groups`."""
         if runner.exact:
             cu, tiles = exact_rows if exact_rows is not None else decode_rows(len(context_lens), context_lens.device)
-            return cls(runner, slots, cu, context_lens, block_tables, decode_only=False, tiles=tiles, states=states)
+            step = cls(runner, slots, cu, context_lens, block_tables, decode_only=False, tiles=tiles, states=states)
+            step.exact_decode = True
+            return step
         return cls(runner, slots, None, context_lens, block_tables, decode_only=True, num_splits=num_splits,
                    groups=groups, prefix_splits=prefix_splits, states=states)
 
@@ -83,7 +86,7 @@ class PagedAttention:
                                    sinks=sinks, softcap=softcap)
         else:
             out = paged_attention(q, kc, vc, self.cu, self.ctx, self.tables, scale, self.tiles, window=window,
-                                  sinks=sinks, softcap=softcap)
+                                  sinks=sinks, softcap=softcap, decode_rows=self.exact_decode)
         return out[None]
 
 

@@ -53,26 +53,33 @@ if HAS_TRITON:
                         stride_kb, stride_kt, stride_kh, stride_bts, stride_ot, stride_oh, GROUP: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
-                        SOFTCAP: tl.constexpr):
+                        SOFTCAP: tl.constexpr, HEAD_ROWS: tl.constexpr):
         tile = tl.program_id(0)
-        h = tl.program_id(1)
-        kvh = h // GROUP
         s = tl.load(TILE_SEQ + tile)
         first_row = tl.load(TILE_START + tile)
         start = tl.load(CU + s)
         n_q = tl.load(CU + s + 1) - start
         ctx = tl.load(CTX + s)
-        rows = first_row + tl.arange(0, BLOCK_M)
-        rmask = rows < n_q
+        r = tl.arange(0, BLOCK_M)
+        if HEAD_ROWS:  # one query (a decode step's), its rows the query heads that share this program's kv head
+            kvh = tl.program_id(1)
+            heads = kvh * GROUP + r
+            rows = first_row + r * 0
+            rmask = (r < GROUP) & (rows < n_q)
+        else:  # the rows are up to BLOCK_M queries of one query head
+            heads = tl.program_id(1) + r * 0
+            kvh = tl.program_id(1) // GROUP
+            rows = first_row + r
+            rmask = rows < n_q
         q_pos = ctx - n_q + rows
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + (start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None],
-                    other=0.0)
+        q = tl.load(Q + (start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None], other=0.0)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         if HAS_SINKS:  # the sink as the softmax's first entry: a virtual key with a zero value
-            m = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(SINKS + h).to(tl.float32)
+            m = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(SINKS + heads, mask=rmask, other=0.0).to(tl.float32)
             l = tl.full([BLOCK_M], 1.0, tl.float32)
         n = tl.arange(0, BLOCK_N)
         key_end = tl.minimum(ctx - n_q + first_row + BLOCK_M, ctx)  # the tile's last query sees no further
@@ -99,8 +106,8 @@ if HAS_TRITON:
             l = l * alpha + tl.sum(p, 1)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(O + (start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=rmask[:, None])
+        tl.store(O + (start + rows)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=rmask[:, None])
 
 
 def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,30 +123,37 @@ def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
                            block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None,
-                           sinks: torch.Tensor | None = None, softcap: float | None = None):
+                           sinks: torch.Tensor | None = None, softcap: float | None = None,
+                           decode_rows: bool = False):
     """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync); `sinks`
-    [Hq]: attention sinks; `softcap`: the scores' soft cap (both `sdpa.py`)."""
+    [Hq]: attention sinks; `softcap`: the scores' soft cap (both `sdpa.py`). `decode_rows`: the caller's word
+    that every sequence has one query (a decode step): a program then takes a kv head and the query heads that
+    share it as its rows, reading each key once instead of once a query head. A row's sums are the same
+    either way (the same tiles of keys from position 0, the same tile shape), so exact mode's decode keeps the
+    training forward's bits."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
     if tiles is None:
         tiles = query_tiles(cu_seqlens_q.tolist(), block_m, q.device)
     out = torch.empty_like(q)
+    head_rows = decode_rows and hq // hkv <= block_m
     if len(tiles[0]):
-        _prefill_kernel[(len(tiles[0]), hq)](
+        _prefill_kernel[(len(tiles[0]), hkv if head_rows else hq)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out,
             out if sinks is None else sinks, scale, window or NO_WINDOW,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
             BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
-            SOFTCAP=softcap or 0.0)
+            SOFTCAP=softcap or 0.0, HEAD_ROWS=head_rows)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                    window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None):
+                    window: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                    decode_rows: bool = False):
     if use_triton(q) and triton_supports(q.shape[-1], k_cache.shape[1]):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles,
-                                      window=window, sinks=sinks, softcap=softcap)
+                                      window=window, sinks=sinks, softcap=softcap, decode_rows=decode_rows)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window,
                                      sinks, softcap)

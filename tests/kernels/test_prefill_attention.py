@@ -122,3 +122,30 @@ def test_a_window_keeps_the_sums_of_a_decode_query_and_a_prefill_tile_equal():
             torch.testing.assert_close(one[0], whole[pos], rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(one[0], whole[pos])
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,window,sinks,softcap", [(9, 3, None, False, None), (16, 8, 37, False, None),
+                                                          (8, 1, None, True, 2.5), (4, 2, 20, True, None)])
+def test_decode_rows_of_a_kv_heads_query_heads_keep_each_rows_bits(dtype, hq, hkv, window, sinks, softcap):
+    """A decode step through the prefill kernel with a program per kv head (its query heads as the rows)
+    gives each query head the bits of a program per query head: exact mode decodes the first way and
+    trains the second. The check has teeth: key tiles of 32 instead of 64 give other bits (in fp32, where
+    half-precision outputs may round them back alike)."""
+    context_lens = [1, 17, 64, 100, 130]
+    k, v, table = paged_cache(context_lens, hkv, 64, 16, dtype, seed=13)
+    q = torch.randn(len(context_lens), hq, 64, generator=torch.Generator().manual_seed(14)).to(dtype).to(DEVICE)
+    cu = torch.arange(len(context_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    sink = torch.randn(hq, generator=torch.Generator().manual_seed(15)).to(DEVICE) if sinks else None
+    kwargs = dict(window=window, sinks=sink, softcap=softcap)
+    per_head = paged_attention_triton(q, k, v, cu, ctx, table, 0.125, **kwargs)
+    per_kv_head = paged_attention_triton(q, k, v, cu, ctx, table, 0.125, decode_rows=True, **kwargs)
+    assert torch.equal(per_kv_head, per_head)
+    atol, rtol = TOLERANCE[dtype]
+    want = paged_attention_reference(q, k, v, cu, ctx, table, 0.125, window, sink, softcap)
+    assert torch.allclose(per_kv_head.double(), want.double(), atol=atol, rtol=rtol)
+    if dtype == torch.float32:
+        other_tiles = paged_attention_triton(q, k, v, cu, ctx, table, 0.125, block_n=32, **kwargs)
+        assert not torch.equal(other_tiles, per_head)
