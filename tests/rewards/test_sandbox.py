@@ -229,19 +229,25 @@ def test_a_killed_caller_leaves_no_sandboxed_process_and_its_folders_and_groups_
 
     from rlcu.rewards.sandbox_limits import UID_BASE
 
+    # the caller's first sandbox is the probe of `available()`, which ends at once: the test waits for the
+    # program after it, or it would take the probe's uid for the program's and find it gone
     caller = subprocess.Popen([sys.executable, "-c", "import sys\nfrom rlcu.rewards import sandbox\n"
+                               "print('probed', sandbox.available(), flush=True)\n"
                                "r = sandbox.run('import time\\nwhile True:\\n    time.sleep(0.05)', timeout=60)\n"
-                               "print('the sandbox returned', r, file=sys.stderr)"], cwd=ROOT)
+                               "print('the sandbox returned', r, file=sys.stderr)"], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
     uids = range(UID_BASE + (caller.pid % 100_000) * 1000, UID_BASE + (caller.pid % 100_000) * 1000 + 1000)
     sandboxed = lambda: [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in uids]  # noqa: E731
-    deadline = time.time() + 90  # the caller imports torch first: tens of seconds when the whole suite shares 2 cores
-    while not sandboxed() and time.time() < deadline:
+    assert caller.stdout.readline().strip() == "probed None"  # blocks while it imports torch: minutes under load
+    deadline = time.time() + 60
+    while not sandboxed() and caller.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert sandboxed(), f"the sandboxed program did not start (its caller's exit status: {caller.poll()})"
     folders = glob.glob(f"{tempfile.gettempdir()}/{sandbox.LEFTOVER_PREFIX}{caller.pid}-*")
     assert folders
     caller.send_signal(signal.SIGKILL)
     caller.wait()
+    caller.stdout.close()
     deadline = time.time() + 5
     while [p for p in sandboxed() if _state(p) != "Z"] and time.time() < deadline:
         time.sleep(0.05)
