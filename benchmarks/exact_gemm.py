@@ -6,6 +6,7 @@ Same bits for every configuration with the same K walk would let the tiles follo
 invariance (each row's sums are the same k16 steps in the same order whatever the tile).
 
     python3 benchmarks/exact_gemm.py [--quick]
+    python3 benchmarks/exact_gemm.py --training 8192,32768   # training's rows: row tiles grouped or not
 """
 import argparse
 import itertools
@@ -13,10 +14,10 @@ import json
 import time
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
-from rlcu.kernels.matmul import BLOCK_K, BLOCK_M, _linear_kernel, block_n
+from rlcu.kernels import matmul
+from rlcu.kernels.matmul import BLOCK_K, BLOCK_M, GROUP_M, block_n
 
 LAYERS = {  # (N, K): qkv, o, gate_up, down, lm_head
     "0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
@@ -24,13 +25,44 @@ LAYERS = {  # (N, K): qkv, o, gate_up, down, lm_head
 }
 
 
-def launch(x, w, y, bm, bn, bk, warps, stages):
-    m, k = x.shape
-    n = w.shape[0]
-    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, w, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, PRECISION="tf32", num_warps=warps, num_stages=stages)
+def launch(x, w, y, bm, bn, bk, warps, stages, group_m=GROUP_M):
+    matmul.launch(x, w, None, y, bm, bn, bk, warps, stages, group_m)
     return y
+
+
+TRAINING_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                  (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]
+
+
+def training_rows(rows: list[int]) -> None:
+    """A training forward's many rows: the shipped tile in row order and in groups of GROUP_M row tiles, a few
+    wide tiles, and cuBLAS, whose bits are compared with the kernel's too."""
+    print("\nM N K | cuBLAS us (same bits) | shipped, ungrouped us | shipped, grouped us | fastest grouped us, tile "
+          "(same bits)")
+    layers = [(n, k) for n, k in LAYERS["0.6b"] + LAYERS["1.7b"] if n < 65536]  # training's LM head is chunked
+    for m, (n, k) in itertools.product(rows, layers):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        cfg = matmul.tiles(m, n)
+        ref = launch(x, w, torch.empty(m, n, device="cuda", dtype=x.dtype), *cfg)
+        cublas_same = bool(torch.equal(torch.nn.functional.linear(x, w), ref))
+        cublas = do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w), rep=20) * 1e3
+        y = torch.empty_like(ref)
+        flat = do_bench_cudagraph(lambda: launch(x, w, y, *cfg, group_m=1), rep=20) * 1e3
+        flat_same = bool(torch.equal(y, ref))
+        grouped = do_bench_cudagraph(lambda: launch(x, w, y, *cfg), rep=20) * 1e3
+        found = []
+        for tile in TRAINING_TILES:
+            try:
+                launch(x, w, y, *tile)
+                torch.cuda.synchronize()
+                found.append((do_bench_cudagraph(lambda: launch(x, w, y, *tile), rep=20) * 1e3, tile,
+                              bool(torch.equal(y, ref))))
+            except Exception as e:  # out of shared memory or registers for this tile
+                print(f"  {tile}: {type(e).__name__}", flush=True)
+        us, tile, same = min(found)
+        print(f"{m} {n} {k} | {cublas:.1f} ({cublas_same}) | {flat:.1f} ({flat_same}) | {grouped:.1f} | "
+              f"{us:.1f} {tile} ({same}, all same: {all(f[2] for f in found)})", flush=True)
 
 
 def main():
@@ -38,8 +70,11 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer configurations")
     p.add_argument("--rows", default="64,512,16384")
     p.add_argument("--seconds", type=float, default=300, help="stop starting new shapes after this long")
+    p.add_argument("--training", default="", help="comma-separated training row counts: time those instead")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.training:
+        return training_rows(list(map(int, args.training.split(","))))
     grid = list(itertools.product((64, 128), (16, 32, 64, 128, 256), (64, 128), (4, 8), (3, 4)))
     if args.quick:
         grid = [c for c in grid if c[2] == 64 and c[4] == 3]

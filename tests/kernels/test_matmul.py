@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels import _triton
-from rlcu.kernels.matmul import invariant_linear, linear_reference, linear_triton, tiles
+from rlcu.kernels.matmul import invariant_linear, launch, linear_reference, linear_triton, tiles
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 
@@ -49,6 +49,19 @@ def test_rows_are_batch_invariant(dtype, n):
     assert torch.equal(window, full[60:67])
     shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     assert torch.equal(linear_triton(x[shuffled], w, b), full[shuffled])
+
+
+@pytest.mark.parametrize("group_m", [1, 3, 8])
+def test_row_tiles_in_groups_cover_every_tile_with_the_same_bits(group_m):
+    """11 row tiles by 5 column tiles: groups of 3 and 8 leave a short last group; each tile is written (the
+    output starts as NaN) and its bits are those of the ungrouped order."""
+    x, w, b = inputs(11 * 16 - 5, 40, 5 * 16 - 3, torch.float32, seed=5)
+    want = torch.full((x.shape[0], w.shape[0]), float("nan"), device=DEVICE)
+    launch(x, w, b, want, 16, 16, 16, 4, 2, group_m=1)
+    assert torch.allclose(want.double(), x.double() @ w.double().t() + b.double(), atol=1e-5)
+    got = torch.full_like(want, float("nan"))
+    launch(x, w, b, got, 16, 16, 16, 4, 2, group_m=group_m)
+    assert torch.equal(got, want)
 
 
 def test_gradients_and_leading_dimensions_match_f_linear(monkeypatch):
