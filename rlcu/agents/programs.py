@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcu import plugins
-from rlcu.agents.endpoint import Endpoint, HTTPError
+from rlcu.agents.endpoint import Endpoint, HTTPError, new_event_loop
 from rlcu.agents.episodes import Episodes
 from rlcu.agents.formats import ToolFormat
 from rlcu.contracts import Reply, RolloutEnded, Spawns, Turn
@@ -197,7 +197,7 @@ class ProgramRunner:
         self.endpoint = Endpoint(self)
         self.endpoint.start()
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._run_programs, name="rlcu-agents", daemon=True)
         self._thread.start()
         try:
