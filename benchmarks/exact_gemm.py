@@ -43,7 +43,7 @@ def training_rows(rows: list[int]) -> None:
     for m, (n, k) in itertools.product(rows, layers):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        cfg = matmul.tiles(m, n)
+        cfg = matmul.tiles(m, n, k)
         ref = launch(x, w, torch.empty(m, n, device="cuda", dtype=x.dtype), *cfg)
         cublas_same = bool(torch.equal(torch.nn.functional.linear(x, w), ref))
         cublas = do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w), rep=20) * 1e3

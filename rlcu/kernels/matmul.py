@@ -28,15 +28,22 @@ def block_n(n: int) -> int:
     return 64 if n <= 4096 else 128
 
 
-def tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [m, K] x [K, n] product: the fastest of those measured
+TRAINING_ROWS = 16384  # from here on, a training forward's (or a long prefill's) tiles
+
+
+def tiles(m: int, n: int, k: int, element_size: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [m, k] x [k, n] product: the fastest of those measured
     with the same bits at each size (benchmarks/exact_gemm.py on the H200). A decode step's few rows take narrow
-    column tiles so that the weights stream through many programs; more rows take wide tiles for reuse."""
+    column tiles so that the weights stream through many programs; more rows take wide tiles for reuse, and a
+    training forward's tens of thousands of rows 256-row tiles where the layer is not small (16-bit inputs: a
+    256-row tile of fp32 does not fit in shared memory)."""
     if n >= 65536:  # the LM head: enough column tiles at any M
         return (64, 128, 64, 4, 3) if m <= 64 else (128, 256, 64, 8, 3)
     if m <= 64:
         bn = 16 if n <= 2048 else 32 if n <= 4096 else 64 if n <= 8192 else 128
         return 64, bn, 128, 4, 4
+    if m >= TRAINING_ROWS and element_size <= 2:
+        return (128, 128, 64, 8, 3) if n * k <= 1 << 21 else (256, 128, 64, 8, 3)
     if n <= 2048:
         return 64, (64 if n <= 1024 else 128), 128, 4, 4
     return 128, 128, 64, 8, 3
@@ -92,7 +99,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     weight = weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        launch(x, weight, bias, y, *tiles(m, n))
+        launch(x, weight, bias, y, *tiles(m, n, k, x.element_size()))
     return y
 
 

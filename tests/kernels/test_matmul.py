@@ -40,7 +40,8 @@ def test_linear_against_float64(dtype, m, k, n, bias):
 def test_rows_are_batch_invariant(dtype, n):
     """Every row computed alone, among 7 and among 200 rows (in another position) is the same bits, although
     the three take different tiles (column widths, and at n=2500 K widths too)."""
-    assert len({tiles(m, n) for m in (1, 7, 200)}) == 2 and (n < 2048 or tiles(1, n)[2] != tiles(200, n)[2])
+    chosen = {m: tiles(m, n, 576) for m in (1, 7, 200)}
+    assert len(set(chosen.values())) == 2 and (n < 2048 or chosen[1][2] != chosen[200][2])
     x, w, b = inputs(200, 576, n, dtype, seed=1)
     full = linear_triton(x, w, b)
     for i in (0, 63, 64, 199):
@@ -49,6 +50,22 @@ def test_rows_are_batch_invariant(dtype, n):
     assert torch.equal(window, full[60:67])
     shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     assert torch.equal(linear_triton(x[shuffled], w, b), full[shuffled])
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("n,k", [(960, 576), (2100, 1040)])
+def test_training_rows_take_their_own_tiles_with_the_same_bits(monkeypatch, n, k):
+    """A training forward's many rows (here from 150, so that the interpreter gets through them) take 256- or
+    128-row tiles by the layer's size; a row alone, in a decode step's tile, is the same bits."""
+    from rlcu.kernels import matmul
+
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 150)
+    wide = tiles(200, n, k)
+    assert wide[0] == (256 if n * k > 1 << 21 else 128) and tiles(200, n, k, element_size=4)[0] != 256
+    x, w, b = inputs(200, k, n, torch.float16, seed=6)
+    full = linear_triton(x, w, b)
+    for i in (0, 130, 199):
+        assert torch.equal(linear_triton(x[i:i + 1], w, b), full[i:i + 1])
 
 
 @pytest.mark.parametrize("group_m", [1, 3, 8])
