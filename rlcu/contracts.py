@@ -81,13 +81,26 @@ class Numerics(str, Enum):
     """How the sampler and the trainer compute, chosen once per run (`exact_logprobs`) and handed to the engine
     (`EngineConfig.numerics`) and to the training log-probabilities as a value: FAST lets each side take its
     fastest kernels (their logprobs differ in the last bits); EXACT runs both through batch-invariant GEMMs and
-    one attention kernel, so the sampler's logprob of a token equals the trainer's to the bit (docs/engine.md)."""
+    one attention kernel, so the sampler's logprob of a token equals the trainer's to the bit (docs/engine.md).
+    EXACT_FP8 is EXACT over the engine's FP8 KV cache: the training forward's attention reads its keys and values
+    rounded to e4m3 as the cache holds them."""
     FAST = "fast"
     EXACT = "exact"
+    EXACT_FP8 = "exact_fp8"
 
     @property
     def batch_invariant(self) -> bool:
-        return self is Numerics.EXACT
+        return self is not Numerics.FAST
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The engine's `kv_cache_dtype` these numerics assume on both sides ("auto": the forward's dtype)."""
+        return "fp8" if self is Numerics.EXACT_FP8 else "auto"
+
+    @classmethod
+    def exact(cls, kv_cache_dtype: str = "auto") -> "Numerics":
+        """The exact numerics over an engine cache of `kv_cache_dtype`."""
+        return cls.EXACT_FP8 if kv_cache_dtype.startswith("fp8") else cls.EXACT
 
 
 @dataclass

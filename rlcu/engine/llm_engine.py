@@ -99,20 +99,22 @@ class EngineConfig:
     # half the bytes a decode step reads and twice the sequences a pool holds, for a logprob cost (docs/engine.md)
     kv_cache_dtype: str = "auto"
     # EXACT: decode and prefill through the training forward's kernels, so sampled logprobs equal the trainer's
-    # to the bit (GRPOModule's exact_logprobs sets it); FAST: the fastest kernels
+    # to the bit (GRPOModule's exact_logprobs sets it; over an FP8 cache it becomes EXACT_FP8, which the training
+    # forward must take too); FAST: the fastest kernels
     numerics: Numerics = Numerics.FAST
 
     def __post_init__(self):
         self.numerics = Numerics(self.numerics)
-        if self.numerics.batch_invariant and self.kv_cache_dtype != "auto":
-            raise ValueError(f"exact_logprobs reads the keys and values the training forward computes: set "
-                             f"kv_cache_dtype: auto (got {self.kv_cache_dtype!r}), or exact_logprobs: false")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.numerics.batch_invariant:  # the exact numerics of this cache (the trainer must take the same)
+            if self.numerics is Numerics.EXACT_FP8 and self.kv_cache_dtype == "auto":
+                raise ValueError("numerics exact_fp8 read an FP8 KV cache: set kv_cache_dtype: fp8, or numerics: exact")
+            self.numerics = Numerics.exact(self.kv_cache_dtype)
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError(f"block_size and max_num_seqs must be >= 1, got {self.block_size}, {self.max_num_seqs}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs "
                              "(every running sequence decodes each step)")

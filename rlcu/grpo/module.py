@@ -239,6 +239,7 @@ class GRPOModule(L.LightningModule):
         self.policy.check_numerics(self.numerics)
         if opts.exact_logprobs:
             require(backend, "exact_numerics", "exact_logprobs", "use rollout: native")
+            self.numerics = backend.exact_numerics()  # over an FP8 KV cache, the trainer reads FP8 keys too
         return backend
 
     @classmethod

@@ -15,6 +15,7 @@ from torch import nn
 
 from rlcu.contracts import Numerics
 from rlcu.kernels._triton import next_pow2
+from rlcu.kernels.kv_cache import FP8
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope import rope as apply_rope
 from rlcu.kernels.silu_mul import gated_mul
@@ -348,9 +349,11 @@ class CausalLM(nn.Module):
     def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                        max_len: int, numerics: Numerics = Numerics.FAST) -> torch.Tensor:
         """Hidden states [1, T, H] of several sequences packed into one row (no padding); positions restart
-        at 0 at each `cu_seqlens` boundary. EXACT: through the engine's own attention kernel and GEMMs."""
+        at 0 at each `cu_seqlens` boundary. EXACT: through the engine's own attention kernel and GEMMs (EXACT_FP8:
+        its keys and values rounded to e4m3 in between, as the engine's FP8 cache holds them)."""
         if numerics.batch_invariant:
-            return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, self.compute_dtype()))
+            kv = FP8 if numerics.kv_cache_dtype == "fp8" else self.compute_dtype()
+            return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, kv))
         return self(input_ids, position_ids, PackedAttention(cu_seqlens, max_len))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,8 @@ class Capabilities:
     """What a backend can do beyond `generate(prompt_token_ids, sampling)`; every field defaults to no."""
     continuation: bool = False  # runs multi-turn episodes itself: generate(..., continuation=Continuation)
     on_finished: bool = False  # reports each completion as it ends: generate(..., on_finished=callable(Turn))
-    # computes with the trainer's kernels, so sampler logprobs can equal its bits: setup(..., numerics=) takes them
+    # computes with the trainer's kernels, so sampler logprobs can equal its bits: exact_numerics() says in which
+    # (contracts.Numerics, for the trainer to take too), setup(..., numerics=) takes them
     exact_numerics: bool = False
     lora: bool = False  # runs the live model's LoRA adapters (base + adapter, never merged)
     streaming: bool = False  # takes optimizer steps between its decode steps (streaming GRPO)

@@ -37,6 +37,10 @@ class NativeRollout:
     def model(self):
         return None if self.engine is None else self.engine.model
 
+    def exact_numerics(self) -> Numerics:
+        """The exact numerics of this engine's KV cache (`exact_numerics` capability): EXACT_FP8 over an FP8 one."""
+        return Numerics.exact(self.config.kv_cache_dtype)
+
     def setup(self, policy, tokenizer=None, numerics: Numerics = Numerics.FAST) -> None:
         """`numerics` (the exact_numerics capability): EXACT decodes with the trainer's kernels."""
         self.engine = LLMEngine(policy, replace(self.config, numerics=numerics), tokenizer=tokenizer)

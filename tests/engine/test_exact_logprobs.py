@@ -44,9 +44,10 @@ def padded_batch(out):
     return ids, mask, sampler, mask[:, p_len:].bool()
 
 
-def trainer_logprobs(model, ids, mask, c_len, micro_batch: int, temperature=SAMPLING.temperature) -> torch.Tensor:
+def trainer_logprobs(model, ids, mask, c_len, micro_batch: int, temperature=SAMPLING.temperature,
+                     numerics=EXACT) -> torch.Tensor:
     return torch.cat([completion_logprobs(model, ids[i:i + micro_batch], mask[i:i + micro_batch], c_len,
-                                          temperature, numerics=EXACT)[0] for i in range(0, len(ids), micro_batch)])
+                                          temperature, numerics=numerics)[0] for i in range(0, len(ids), micro_batch)])
 
 
 def split_k(x, weight, bias=None, real=matmul.linear_triton):
@@ -92,6 +93,22 @@ def test_engine_logprobs_equal_the_training_forward_bit_for_bit(tmp_path, monkey
         monkeypatch.setattr(matmul, "linear_triton", split_k)
         gap = (trainer_logprobs(model, ids, mask, real.shape[1], len(ids)) - sampler)[real].abs().max()
         assert 0 < gap < 1e-4, gap  # the same function, rounded elsewhere
+
+
+def test_an_fp8_cache_keeps_the_logprobs_bit_for_bit(tmp_path, monkeypatch):
+    """Exact numerics over the engine's FP8 KV cache (EXACT_FP8): the training forward writes its keys and values
+    through the same e4m3 rounding before attending, so its logprobs are the sampler's bits; micro-batches of all
+    rows and of 3. The check's teeth: the trainer over keys and values in the forward's dtype (EXACT) differs."""
+    model = exact_model(tmp_path, monkeypatch, "qwen3")
+    config = EngineConfig(block_size=16, numerics=EXACT, kv_cache_dtype="fp8")
+    assert config.numerics is Numerics.EXACT_FP8
+    out = LLMEngine(model, config).generate(PROMPTS_, SAMPLING)
+    ids, mask, sampler, real = padded_batch(out)
+    for micro_batch in (len(ids), 3):
+        trainer = trainer_logprobs(model, ids, mask, real.shape[1], micro_batch, numerics=Numerics.EXACT_FP8)
+        assert torch.equal(trainer[real], sampler[real]), (trainer - sampler)[real].abs().max()
+    unrounded = trainer_logprobs(model, ids, mask, real.shape[1], len(ids))
+    assert (unrounded - sampler)[real].abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 
+from rlcu.contracts import Numerics
 from rlcu.engine import pool
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.kernels._triton import HAS_TRITON
@@ -73,11 +74,15 @@ def test_fp8_forks_and_preemption_copy_blocks(tmp_path):
     assert got.completion_ids == roomy.completion_ids
 
 
-def test_bad_kv_cache_dtype_and_exact_logprobs_are_clear_errors(tmp_path):
+def test_bad_kv_cache_dtype_is_a_clear_error_and_exact_numerics_follow_the_cache(tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\], got 'int8'"):
         NativeRollout({"kv_cache_dtype": "int8"})
-    with pytest.raises(ValueError, match="exact_logprobs .* set kv_cache_dtype: auto"):
-        EngineConfig(kv_cache_dtype="fp8", numerics="exact")
+    assert EngineConfig(kv_cache_dtype="fp8", numerics="exact").numerics is Numerics.EXACT_FP8
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3", numerics="exact").numerics is Numerics.EXACT_FP8
+    assert EngineConfig(numerics="exact").numerics is Numerics.EXACT
+    assert NativeRollout({"kv_cache_dtype": "fp8"}).exact_numerics() is Numerics.EXACT_FP8
+    with pytest.raises(ValueError, match="numerics exact_fp8 read an FP8 KV cache: set kv_cache_dtype: fp8"):
+        EngineConfig(numerics="exact_fp8")
 
 
 def test_the_shipped_fp8_fragment_gives_an_fp8_pool(tmp_path):

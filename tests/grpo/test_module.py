@@ -257,13 +257,18 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.slow
-@pytest.mark.parametrize("family,peft", [("qwen3", None), ("qwen3", {"r": 2, "lora_alpha": 4,
-                                                                     "target_modules": "all-linear"}),
-                                         ("qwen3_moe", None)], ids=["full", "lora", "moe"])
-def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch, family, peft):
+@pytest.mark.parametrize("family,peft,kv", [("qwen3", None, "auto"),
+                                            ("qwen3", {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"},
+                                             "auto"),
+                                            ("qwen3_moe", None, "auto"), ("qwen3", None, "fp8")],
+                         ids=["full", "lora", "moe", "fp8-cache"])
+def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch, family, peft, kv):
     """Two GRPO steps in exact mode (Triton's interpreter): the trainer's logprobs equal the sampler's at
     both (the second after an update, which with LoRA moves the adapters off zero), so the importance-sampling
-    correction weighs every sequence 1. A mixture of experts routes every token as the sampler did."""
+    correction weighs every sequence 1. A mixture of experts routes every token as the sampler did; over the
+    engine's FP8 KV cache the trainer reads its keys and values rounded as the cache holds them."""
+    from rlcu.contracts import Numerics
+    from rlcu.rollout.native import NativeRollout
     from tests.helpers import fit, match_target, toy_rows
 
     monkeypatch.setenv("RLCU_TRITON", "1")
@@ -271,7 +276,8 @@ def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, mo
                                            head_dim=16))
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=3, max_completion_length=4,
                         learning_rate=1e-2, exact_logprobs=True, micro_batch_size=4, eval_at_start=False,
-                        peft_config=peft)
+                        peft_config=peft, rollout=NativeRollout({"kv_cache_dtype": kv}))
+    assert module.numerics is Numerics.exact(kv)
     rows = fit(module, toy_rows(8), 2, tmp_path / "logs", batch_size=2)
     steps = [r for r in rows if "logprob_mismatch/max" in r]
     assert len(steps) == 2 and all(r["logprob_mismatch/max"] == 0.0 for r in steps), steps
