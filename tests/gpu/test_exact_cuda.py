@@ -45,6 +45,28 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(tmp_path, family,
             assert gap == 0.0
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gpt_oss"])
+def test_an_fp8_cache_keeps_engine_and_trainer_bitwise_equal_on_cuda(tmp_path, family):
+    """Exact numerics over the engine's FP8 KV cache (EXACT_FP8, under bf16 autocast): the trainer's keys and values
+    pass the same e4m3 rounding, on the GPU's own FP8 conversion."""
+    model, _ = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2,
+                                         head_dim=64))
+    model.cuda()
+    rows = [p for p in prompts(16, 512) for _ in range(4)]
+    sp = SamplingParams(max_tokens=64, temperature=1.0, stop_token_ids=list(range(10)), seed=1)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        config = EngineConfig(max_num_batched_tokens=300, max_num_seqs=64, numerics=Numerics.EXACT,
+                              kv_cache_dtype="fp8")
+        assert config.numerics is Numerics.EXACT_FP8
+        out = LLMEngine(model, config).generate(rows, sp)
+        ids, mask, sampler, real = padded_batch(out)
+        trainer = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], 7, 1.0,
+                                   numerics=Numerics.EXACT_FP8).float().cpu()
+    gap = (trainer - sampler)[real].abs().max().item()
+    print(f"{family} fp8 cache: max |trainer - sampler| = {gap}")
+    assert gap == 0.0
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_exact_with_the_lm_head_cast_to_fp32(tmp_path, dtype):
     """TRL's cast_lm_head_to_fp32 in exact mode: the head's float32 GEMM through the batch-invariant kernel on both
