@@ -136,7 +136,8 @@ def test_lora_adapters_keep_the_logprobs_bit_for_bit(tmp_path, monkeypatch, conf
     from rlcu.models.lora import adapters
 
     model = exact_model(tmp_path, monkeypatch, "qwen3")
-    out_base = LLMEngine(model, CONFIGS[config]).generate(PROMPTS_, SAMPLING)
+    # that the adapters change the logprobs, once: the engine in small chunks is the interpreter's slowest run
+    out_base = LLMEngine(model, CONFIGS[config]).generate(PROMPTS_, SAMPLING) if config == "whole-prompts" else None
     add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -144,7 +145,7 @@ def test_lora_adapters_keep_the_logprobs_bit_for_bit(tmp_path, monkeypatch, conf
             m.lora.lora_B.copy_(0.2 * torch.randn(m.lora.lora_B.shape, generator=g))
     model.check_numerics(EXACT)
     out = LLMEngine(model, CONFIGS[config]).generate(PROMPTS_, SAMPLING)
-    assert out.logprobs != out_base.logprobs
+    assert out_base is None or out.logprobs != out_base.logprobs
     ids, mask, sampler, real = padded_batch(out)
     for micro_batch in (len(ids), 3):
         with torch.enable_grad():  # training's forward records gradients
