@@ -60,6 +60,8 @@ class RolloutBackend(Protocol):
         """Free generation memory (KV cache) before the training phase."""
 
     # with the `streaming` capability: open_stream(sampling, max_sequences, max_prompt_tokens) -> a RolloutStream
+    # with `exact_numerics`: exact_numerics() -> the contracts.Numerics it computes in when exact (EXACT, or
+    # EXACT_FP8 over an FP8 KV cache), which the module hands to the trainer and to setup(..., numerics=)
 
     def on_weights_updated(self) -> None:
         """Called after each optimizer step; backends that share the module's parameters do nothing."""
