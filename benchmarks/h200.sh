@@ -72,7 +72,8 @@ case $part in
   exact)
     # issue #45: exact mode beside the default mode in one run, each workload both ways; EXACT picks the workloads
     # (default "rollout step"; "big" is the 8x8 step at the 1.7B shape and LoRA r=16 at the 8B shape; "fp8" the
-    # 512-sequence rollout and the 8x8 step over an FP8 KV cache)
+    # 512-sequence rollout and the 8x8 step over an FP8 KV cache; "rows" exact decode attention at 16 and 32 rows a
+    # program, its bits against the training forward's)
     for w in ${EXACT:-rollout step}; do
       for mode in default exact; do
         e=; [ $mode = exact ] && e=--exact_logprobs
@@ -81,6 +82,7 @@ case $part in
             log rollout64-$mode rlcu bench rollout --sequences 64 --new_tokens 512 $e
             log rollout512-$mode rlcu bench rollout --sequences 512 --new_tokens 512 $e ;;
           step) log step8x8-$mode rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 3 $e ;;
+          rows) [ $mode = exact ] && log exact-decode-rows python3 benchmarks/exact_decode_rows.py ;;
           fp8)
             log rollout512-fp8-$mode rlcu bench rollout --sequences 512 --new_tokens 512 --kv_cache_dtype fp8 $e
             log step8x8-fp8-$mode rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 3 \
