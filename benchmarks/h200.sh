@@ -174,7 +174,8 @@ case $part in
     log step8x8-stream-prof rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 8 --stop_tokens 512 \
       --streaming --profile "$out/prof-stream" --profile_steps 4 ;;
   http)
-    log turns4-http rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http ;;
+    # six timed runs each way, and http_ratio_median beside the best runs' ratio
+    log turns4-http rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http --repeats 6 ;;
   fp8)
     for kv in auto fp8; do
       log rollout64-$kv rlcu bench rollout --sequences 64 --new_tokens 512 --kv_cache_dtype $kv

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -308,8 +309,11 @@ def bench_rollout(args) -> dict:
     http = {}
     if args.http:
         http_best = min(http_runs[1:]) if args.repeats else http_runs[0]
+        timed = slice(1, None) if args.repeats else slice(None)
+        # the best runs' ratio, and the medians' (steadier when the runs spread as wide as the gap)
         http = dict(http=True, http_seconds=round(http_best, 3), http_tok_per_s=round(tokens / http_best),
-                    http_ratio=round(best / http_best, 3))
+                    http_ratio=round(best / http_best, 3),
+                    http_ratio_median=round(statistics.median(runs[timed]) / statistics.median(http_runs[timed]), 3))
     profile = profile_rollout(args, engine, requests, sampling, continuation) if args.profile else {}
     return dict(bench="rollout", model=args.model, path="native", sequences=args.sequences,
                 generations=args.generations, prompt_len=args.prompt_len, new_tokens=args.new_tokens,

@@ -64,6 +64,7 @@ def test_bench_rollout_runs_the_same_episodes_over_http(tmp_path, capsys, monkey
           "--repeats", "1", "--http"])
     out = last_json(capsys)
     assert out["http"] is True and out["tokens"] == 4 * 12 and out["http_tok_per_s"] > 0 and out["http_ratio"] > 0
+    assert out["http_ratio_median"] > 0
     assert len(calls) == 2 * 4 * 4  # two runs (warm-up, timed) of 4 episodes of 4 calls
     assert sorted(set(calls)) == [5, 5 + 3 + 3, 5 + 2 * (3 + 3), 5 + 3 * (3 + 3)]  # each prompt: served + appended
     with pytest.raises(ValueError, match="--http runs episodes"):
