@@ -19,10 +19,10 @@ from rlcu.kernels._triton import use_triton
 from rlcu.kernels.decode_attention import triton_supports
 from rlcu.kernels.kv_cache import as_bytes
 from rlcu.kernels.prefill_attention import BLOCK_M, query_tiles
-from rlcu.kernels.rope_store_kv import supported as rope_supported
 from rlcu.kernels.sampling import penalize_repeats, sample
 from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
 from rlcu.kernels.token_logprob import token_logprob
+from rlcu.models.attention import fuses_qk_norm
 from rlcu.models.decoder import CausalLM
 from rlcu.models.moe import grouped_mm_supported
 
@@ -52,8 +52,8 @@ class ModelRunner:
         # shared-prefix decode is a Triton kernel: the PyTorch reference path reads every block per sequence.
         # None: on for decode steps of SHARED_PREFIX_MIN_SEQS or more; True: whenever blocks are shared
         triton = use_triton(self.k_cache)
-        # EXACT: every step through the one attention kernel and the GEMMs the training forward uses, the q/k
-        # norms as the modules compute them there (docs/engine.md)
+        # EXACT: every step through the one attention kernel, RoPE + KV-write kernel (with the q/k norms where it
+        # takes them) and GEMMs that the training forward uses (docs/engine.md)
         self.exact = numerics.batch_invariant
         if self.exact and not (triton and triton_supports(cfg.head_dim, block_size)):
             raise ValueError(f"exact_logprobs needs the Triton kernels with a power-of-two head_dim >= 16 (got "
@@ -62,8 +62,7 @@ class ModelRunner:
         self.shared_prefix = (shared_prefix is not False and triton and triton_supports(cfg.head_dim, block_size)
                               and not self.exact and not cfg.windowed)
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
-        self.fuse_qk_norm = (cfg.qk_norm and cfg.spec.qk_norm != "full" and triton and rope_supported(cfg.head_dim)
-                             and not self.exact)
+        self.fuse_qk_norm = fuses_qk_norm(cfg, self.k_cache)  # exact mode's training attention fuses them alike
         # experts outside torch's grouped GEMM read their token counts on the host, which a graph cannot replay
         graph_safe = not cfg.is_moe or (not self.exact and grouped_mm_supported(self.device, model.compute_dtype()))
         if (cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size)

@@ -10,6 +10,7 @@ from rlcu.kernels.kv_cache import FP8
 from rlcu.kernels.prefill_attention import paged_attention
 from rlcu.kernels.rope_store_kv import rope_store_kv
 from rlcu.kernels.shared_prefix_decode import shared_prefix_decode_triton
+from rlcu.models.attention import qk_norm_operands
 from rlcu.models.decoder import CausalLM
 from rlcu.models.linear_attention import Segments
 
@@ -72,11 +73,7 @@ class PagedAttention:
         kc, vc = self.runner.k_cache[i], self.runner.v_cache[i]
         norm = ()
         if qk_norm is not None:
-            q_norm, k_norm = qk_norm
-            if q_norm.weight.dtype == q.dtype or q_norm.offset:
-                norm = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
-            else:  # the fused kernel rounds Llama's normed q/k once, to q's dtype: not for wider weights (autocast)
-                q, k = q_norm(q), k_norm(k)
+            q, k, norm = qk_norm_operands(q, k, qk_norm)
         q = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], kc, vc, self.slots, *norm)
         if self.decode_only and self.groups is not None:
             out = shared_prefix_decode_triton(q, kc, vc, self.tables, self.ctx, *self.groups, scale,

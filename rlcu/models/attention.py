@@ -9,7 +9,9 @@ from typing import Protocol
 
 import torch
 
+from rlcu.kernels._triton import use_triton
 from rlcu.kernels.rope import rope
+from rlcu.kernels.rope_store_kv import supported as rope_kernel_supported
 from rlcu.kernels.sdpa import sdpa as sdpa_heads_first
 from rlcu.models.linear_attention import Segments, rows_as_sequences
 
@@ -35,6 +37,24 @@ class AttentionContext(Protocol):
 
     # Optional: `record_routing(moe_index, experts)`, a context that keeps which experts each of its tokens went
     # to ([T, k] per MoE layer); training's contexts have none.
+
+
+def fuses_qk_norm(cfg, like: torch.Tensor) -> bool:
+    """Whether a context takes a layer's per-head q/k norms into the RoPE + KV-write kernel (`rope_store_kv.py`)
+    when its tensors are on `like`'s device: the engine's attention does wherever that kernel runs in Triton, and
+    exact mode's training attention decides by this same rule, so both sides compute the normed q and k alike."""
+    return bool(cfg.qk_norm) and cfg.spec.qk_norm != "full" and use_triton(like) and rope_kernel_supported(cfg.head_dim)
+
+
+def qk_norm_operands(q: torch.Tensor, k: torch.Tensor, qk_norm) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(q, k, the RoPE + KV-write kernel's norm arguments) for the norm modules `qk_norm` = (q_norm, k_norm). The
+    kernel rounds the normed q and k once, to q's dtype, which is what the modules give where the weight is in q's
+    dtype or the norm is Gemma's 1 + w; under autocast with wider weights the modules run here instead, and the
+    kernel gets no norm. Both the engine and exact mode's training attention decide by this rule."""
+    q_norm, k_norm = qk_norm
+    if q_norm.weight.dtype == q.dtype or q_norm.offset:
+        return q, k, (q_norm.operand(), k_norm.operand(), q_norm.eps, q_norm.offset)
+    return q_norm(q), k_norm(k), ()
 
 
 class Stateless:

@@ -19,7 +19,7 @@ from rlcu.kernels.kv_cache import FP8
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope import rope as apply_rope
 from rlcu.kernels.silu_mul import gated_mul
-from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttention, PaddedAttention
+from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttention, PaddedAttention, fuses_qk_norm
 from rlcu.models.config import ModelConfig
 from rlcu.models.exact_attention import ExactPackedAttention
 from rlcu.models.fused_linear import FusedLinear, Linear
@@ -47,8 +47,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.split_dim:
             return split_rms_norm(x, self.weight, self.eps, self.split_dim, self.tensor_parallel)
-        w = self.weight if self.tensor_parallel is None else copy_in(self.weight, self.tensor_parallel)
-        return rms_norm(x, w, self.eps, residual, self.offset)
+        return rms_norm(x, self.operand(), self.eps, residual, self.offset)
+
+    def operand(self) -> torch.Tensor:
+        """The weight as the forward multiplies by it: under tensor parallelism through `copy_in`, so that its
+        gradient is summed over the ranks (also where a kernel applies the norm: `qk_norm_operands`)."""
+        return self.weight if self.tensor_parallel is None else copy_in(self.weight, self.tensor_parallel)
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool, device) -> tuple[torch.Tensor, float]:
@@ -353,7 +357,8 @@ class CausalLM(nn.Module):
         its keys and values rounded to e4m3 in between, as the engine's FP8 cache holds them)."""
         if numerics.batch_invariant:
             kv = FP8 if numerics.kv_cache_dtype == "fp8" else self.compute_dtype()
-            return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, kv))
+            fused = fuses_qk_norm(self.config, cu_seqlens)
+            return self(input_ids, position_ids, ExactPackedAttention(cu_seqlens, max_len, kv, fused))
         return self(input_ids, position_ids, PackedAttention(cu_seqlens, max_len))
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -110,7 +110,7 @@ def test_an_fp8_cache_keeps_the_logprobs_bit_for_bit(tmp_path, monkeypatch):
     assert (unrounded - sampler)[real].abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text"])
 def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch, family):
     """The exact forward's backward (recomputed with PyTorch) is PackedAttention's gradient."""
     model = exact_model(tmp_path, monkeypatch, family)
@@ -160,3 +160,22 @@ def test_lora_dropout_in_exact_mode_is_refused_in_one_line(tmp_path, monkeypatch
     add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.1})
     with pytest.raises(ValueError, match="lora_dropout > 0"):
         model.check_numerics(EXACT)
+
+
+def test_q_k_norms_go_into_the_rope_kernel_on_both_sides(tmp_path, monkeypatch):
+    """Qwen3's per-head q/k norms: exact mode applies them inside the RoPE + KV-write kernel in the engine and in the
+    training forward alike (no RMSNorm launch over a head's width on either side); the bitwise tests above fail if
+    only one side does. The gradients of the norms' weights come from the backward's PyTorch recompute."""
+    import rlcu.models.decoder as decoder
+
+    model = exact_model(tmp_path, monkeypatch, "qwen3")
+    widths, real_norm = [], decoder.rms_norm
+    monkeypatch.setattr(decoder, "rms_norm", lambda x, *a, **kw: widths.append(x.shape[-1]) or real_norm(x, *a, **kw))
+    out = LLMEngine(model, CONFIGS["whole-prompts"]).generate(PROMPTS_[:2], SAMPLING)
+    ids, mask, _, real = padded_batch(out)
+    with torch.enable_grad():
+        trainer = trainer_logprobs(model, ids, mask, real.shape[1], len(ids))
+    assert widths and model.config.head_dim not in widths, widths
+    trainer[real].sum().backward()
+    for layer in model.model.layers:
+        assert layer.self_attn.q_norm.weight.grad.abs().sum() > 0 and layer.self_attn.k_norm.weight.grad.abs().sum() > 0
