@@ -18,7 +18,7 @@
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
 # the 8B, 32B and 72B shapes, as many as the host's GPUs allow; TP picks them),
-# exact (issue #45: exact mode and the default side by side; EXACT picks rollout, step and big),
+# exact (issue #45: exact mode and the default side by side; EXACT picks rollout, step, big, fp8, rows, hybrid),
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
@@ -73,7 +73,8 @@ case $part in
     # issue #45: exact mode beside the default mode in one run, each workload both ways; EXACT picks the workloads
     # (default "rollout step"; "big" is the 8x8 step at the 1.7B shape and LoRA r=16 at the 8B shape; "fp8" the
     # 512-sequence rollout and the 8x8 step over an FP8 KV cache; "rows" exact decode attention at 16 and 32 rows a
-    # program, its bits against the training forward's)
+    # program, its bits against the training forward's; "hybrid" the 64-sequence rollout and the 8x8 step at the
+    # Qwen3.5-2B shape, whose Gated DeltaNet layers run token by token in exact mode)
     for w in ${EXACT:-rollout step}; do
       for mode in default exact; do
         e=; [ $mode = exact ] && e=--exact_logprobs
@@ -83,6 +84,11 @@ case $part in
             log rollout512-$mode rlcu bench rollout --sequences 512 --new_tokens 512 $e ;;
           step) log step8x8-$mode rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 3 $e ;;
           rows) [ $mode = exact ] && log exact-decode-rows python3 benchmarks/exact_decode_rows.py ;;
+          hybrid)
+            log rollout64-qwen3.5-2b-$mode rlcu bench rollout --model qwen3.5-2b-random --sequences 64 \
+              --new_tokens 512 $e
+            log step8x8-qwen3.5-2b-$mode rlcu bench step --model qwen3.5-2b-random --prompts 8 --generations 8 \
+              --new_tokens 512 --steps 3 $e ;;
           fp8)
             log rollout512-fp8-$mode rlcu bench rollout --sequences 512 --new_tokens 512 --kv_cache_dtype fp8 $e
             log step8x8-fp8-$mode rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 3 \

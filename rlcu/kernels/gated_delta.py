@@ -8,7 +8,9 @@ with q and k L2-normalised and q scaled by Dk^-0.5. `gated_delta_reference` is t
 oracle of the tests, in float64). `gated_delta_rule` computes the same sums in chunks (the WY form: within a
 chunk the updates solve one triangular system, across chunks the state carries): flash-linear-attention's Triton
 kernels on CUDA (the `hybrid` extra), a PyTorch form of the chunked algorithm elsewhere. States are float32.
-The engine's decode steps update each sequence's state in its pool slot (`gated_delta_step_`, our Triton kernel)."""
+The engine's decode steps update each sequence's state in its pool slot (`gated_delta_step_`, our Triton kernel).
+Exact numerics run every token as such a step does (`causal_conv_exact`, `gated_delta_exact`: the same per-token
+body, looped over a sequence's tokens), so that no sum depends on how a sequence was chunked or batched."""
 from __future__ import annotations
 
 import functools
@@ -243,6 +245,102 @@ def gated_delta_step_(q, k, v, a, b, A_log, dt_bias, pool: torch.Tensor, slots: 
     return o.to(v.dtype)
 
 
+def causal_conv_exact(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, pool: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """Exact numerics' convolution: `causal_conv` token by token, each token as a decode step computes it
+    (`causal_conv_step_`), so its sums never depend on how the sequence was chunked or batched. x [T, C] (sequences
+    at `cu`, rows at any stride), each sequence's window in `pool` [S, C, K - 1] at `slots` [N], shifted there in
+    place -> out [T, C]. Gradients, where recorded, are `causal_conv`'s, recomputed."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ExactConv.apply(x, weight, cu, pool, slots)
+    return _conv_sequences(x, weight, cu, pool, slots)
+
+
+def _conv_sequences(x, weight, cu, pool, slots):
+    if not use_triton(pool):
+        outs = []
+        for i, (a, b) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+            for t in range(a, b):  # one decode step at a time
+                outs.append(causal_conv_step_(x[t:t + 1], weight, pool, slots[i:i + 1]))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+    t, c = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    k, block_c = weight.shape[1], 256
+    _conv_sequences_kernel[(len(cu) - 1, triton.cdiv(c, block_c))](x, weight, pool, slots, cu, out, x.stride(0), c, k,
+                                                                   BLOCK_C=block_c, BLOCK_K=next_pow2(k))
+    return out
+
+
+def gated_delta_exact(q, k, v, a, b, A_log, dt_bias, cu: torch.Tensor, pool: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """Exact numerics' delta rule: the recurrence token by token, each token as a decode step computes it
+    (`gated_delta_step_`), whatever the chunking or the batch. Shapes as `gated_delta_step_`'s, over the sequences
+    at `cu` (T tokens), their states in `pool` at `slots` (updated in place) -> o [T, Hv, Dv] in v's dtype.
+    Gradients, where recorded, are the chunked form's (`gated_delta_rule`), recomputed."""
+    inputs = (q, k, v, a, b, A_log, dt_bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _ExactDelta.apply(*inputs, cu, pool, slots)
+    return _delta_sequences(*inputs, cu, pool, slots)
+
+
+def _delta_sequences(q, k, v, a, b, A_log, dt_bias, cu, pool, slots):
+    if not use_triton(pool) or q.shape[-1] > 256:
+        outs = []
+        for i, (lo, hi) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+            for t in range(lo, hi):
+                outs.append(gated_delta_step_(*(x[t:t + 1] for x in (q, k, v, a, b)), A_log, dt_bias, pool,
+                                              slots[i:i + 1]))
+        return torch.cat(outs) if outs else v.new_zeros(0, *v.shape[1:])
+    n, (hk, dk), (hv, dv) = len(cu) - 1, q.shape[1:], v.shape[1:]
+    q, k, v, a, b = (_rows(x) for x in (q, k, v, a, b))
+    o = torch.empty(len(v), hv, dv, dtype=v.dtype, device=v.device)
+    block_k = next_pow2(dk)
+    block_v = min(next_pow2(dv), max(16, 4096 // block_k))
+    _sequences_kernel[(n, hv, triton.cdiv(dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, o, q.stride(0), k.stride(0), v.stride(0), a.stride(0),
+        b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, BLOCK_K=block_k, BLOCK_V=block_v)
+    return o
+
+
+class _ExactConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cu, pool, slots):
+        window = pool[slots].clone()  # the windows the sequences start from, for the backward's recompute
+        ctx.save_for_backward(x, weight, cu, window)
+        return _conv_sequences(x, weight, cu, pool, slots)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, cu, window = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(need) for t, need in zip((x, weight), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            out, _ = causal_conv(*leaves, cu, window)
+            wanted = [t for t in leaves if t.requires_grad]
+            got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
+        return (*(next(got) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+class _ExactDelta(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, A_log, dt_bias, cu, pool, slots):
+        state = pool[slots].clone()
+        ctx.save_for_backward(q, k, v, a, b, A_log, dt_bias, cu, state)
+        return _delta_sequences(q, k, v, a, b, A_log, dt_bias, cu, pool, slots)
+
+    @staticmethod
+    def backward(ctx, grad):
+        *inputs, cu, state = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad)]
+        with torch.enable_grad():
+            q, k, v, a, b, A_log, dt_bias = leaves
+            g, beta = gates(a, b, A_log, dt_bias)
+            o, _ = gated_delta_rule(q, k, v, g, beta, cu, state)
+            wanted = [t for t in leaves if t.requires_grad]
+            got = iter(torch.autograd.grad(o, wanted, grad.to(o.dtype), allow_unused=True))
+        return (*(next(got) if t.requires_grad else None for t in leaves), None, None, None)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel reads it: rows at any stride, each row's heads packed."""
     return x if x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1]) else x.contiguous()
@@ -263,54 +361,98 @@ def _step_triton(q, k, v, a, b, A_log, dt_bias, pool, slots):
 
 if HAS_TRITON:
     @triton.jit
-    def _conv_step_kernel(X, W, POOL, SLOTS, OUT, stride_x, c, k, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One (sequence, block of channels): out = silu(round(sum_j w_j [window, x]_j)); window <- [window[1:], x]."""
-        seq, cb = tl.program_id(0), tl.program_id(1)
-        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        js = tl.arange(0, BLOCK_K)
-        cm = cs < c
-        slot = tl.load(SLOTS + seq).to(tl.int64)
-        x = tl.load(X + seq * stride_x + cs, mask=cm, other=0.0)
-        base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
+    def _conv_token(X, x_offset, W, base, OUT, out_offset, cs, cm, js, k):
+        """One token of one sequence, channels `cs`: out = silu(round(sum_j w_j [window, x]_j)); the window at
+        `base` (its K - 1 inputs a channel) <- [window[1:], x]."""
+        x = tl.load(X + x_offset + cs, mask=cm, other=0.0)
         inside = cm[:, None] & (js[None, :] < k - 1)
         window = tl.load(base + js[None, :], mask=inside, other=0.0).to(tl.float32)  # [C, K-1 padded]
         w = tl.load(W + cs[:, None] * k + js[None, :], mask=inside, other=0.0).to(tl.float32)
         w_last = tl.load(W + cs * k + k - 1, mask=cm, other=0.0).to(tl.float32)
         acc = tl.sum(window * w, 1) + w_last * x.to(tl.float32)
         pre = acc.to(X.dtype.element_ty).to(tl.float32)
-        tl.store(OUT + seq * c + cs, (pre / (1.0 + tl.exp(-pre))).to(OUT.dtype.element_ty), mask=cm)
+        tl.store(OUT + out_offset + cs, (pre / (1.0 + tl.exp(-pre))).to(OUT.dtype.element_ty), mask=cm)
         # shift: position j takes j + 1; the last takes x
         nxt = tl.load(base + js[None, :] + 1, mask=cm[:, None] & (js[None, :] < k - 2), other=0.0)
         last = (js[None, :] == k - 2) & cm[:, None]
         nxt = tl.where(last, x[:, None].to(nxt.dtype), nxt)
         tl.debug_barrier()  # every read of the window before any write
-        tl.store(base + js[None, :], nxt.to(POOL.dtype.element_ty), mask=inside)
+        tl.store(base + js[None, :], nxt.to(base.dtype.element_ty), mask=inside)
+        tl.debug_barrier()  # and every write before the next token's reads
+
+    @triton.jit
+    def _conv_step_kernel(X, W, POOL, SLOTS, OUT, stride_x, c, k, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One (sequence, block of channels): one token (`_conv_token`), its window in the pool at its slot."""
+        seq, cb = tl.program_id(0), tl.program_id(1)
+        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
+        _conv_token(X, seq * stride_x, W, base, OUT, seq * c, cs, cs < c, tl.arange(0, BLOCK_K), k)
+
+    @triton.jit
+    def _conv_sequences_kernel(X, W, POOL, SLOTS, CU, OUT, stride_x, c, k, BLOCK_C: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
+        """One (sequence, block of channels): its tokens one after another, each as a decode step computes it."""
+        seq, cb = tl.program_id(0), tl.program_id(1)
+        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
+        for t in range(tl.load(CU + seq), tl.load(CU + seq + 1)):
+            _conv_token(X, t * stride_x, W, base, OUT, t * c, cs, cs < c, tl.arange(0, BLOCK_K), k)
+
+    @triton.jit
+    def _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, q_offset, k_offset, v_offset, a_offset, b_offset,
+                     o_offset, h, ks, vs, km, vm, scale, eps):
+        """One token of one value head on the state tile s [Dk, BV] (fp32): S <- e^g S; u = beta (v - S^T k);
+        S += k u^T; o = S^T q, with q and k L2-normalised in fp32 and q scaled, g and beta as `gates` computes
+        them. Returns the new tile."""
+        qv = tl.load(Q + q_offset + ks, mask=km, other=0.0).to(tl.float32)
+        kv = tl.load(K + k_offset + ks, mask=km, other=0.0).to(tl.float32)
+        qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + eps) * scale
+        kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + eps)
+        vv = tl.load(V + v_offset + vs, mask=vm, other=0.0).to(tl.float32)
+        x = tl.load(A + a_offset + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+        decay = tl.exp(-tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus)
+        bl = tl.load(B + b_offset + h)
+        beta = (1.0 / (1.0 + tl.exp(-bl.to(tl.float32)))).to(bl.dtype).to(tl.float32)
+        s = s * decay
+        u = beta * (vv - tl.sum(s * kv[:, None], 0))
+        s = s + kv[:, None] * u[None, :]
+        out = tl.sum(s * qv[:, None], 0)
+        tl.store(O + o_offset + vs, out.to(O.dtype.element_ty), mask=vm)
+        return s
 
     @triton.jit
     def _step_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, O, stride_q, stride_k, stride_v, stride_a, stride_b,
                      group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        """One (sequence, value head, block of value dims): S <- e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q,
-        with q and k L2-normalised in fp32 and q scaled, g and beta as `gates` computes them."""
+        """One (sequence, value head, block of value dims): one token (`_delta_token`), its state in the pool."""
         seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        kh = h // group
         ks = tl.arange(0, BLOCK_K)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         km, vm = ks < dk, vs < dv
-        qv = tl.load(Q + seq * stride_q + kh * dk + ks, mask=km, other=0.0).to(tl.float32)
-        kv = tl.load(K + seq * stride_k + kh * dk + ks, mask=km, other=0.0).to(tl.float32)
-        qv = qv / tl.sqrt(tl.sum(qv * qv, 0) + eps) * scale
-        kv = kv / tl.sqrt(tl.sum(kv * kv, 0) + eps)
-        vv = tl.load(V + seq * stride_v + h * dv + vs, mask=vm, other=0.0).to(tl.float32)
-        x = tl.load(A + seq * stride_a + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
-        decay = tl.exp(-tl.exp(tl.load(A_LOG + h).to(tl.float32)) * softplus)
-        bl = tl.load(B + seq * stride_b + h)
-        beta = (1.0 / (1.0 + tl.exp(-bl.to(tl.float32)))).to(bl.dtype).to(tl.float32)
         slot = tl.load(SLOTS + seq).to(tl.int64)
         ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
-        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0) * decay
-        u = beta * (vv - tl.sum(s * kv[:, None], 0))
-        s = s + kv[:, None] * u[None, :]
+        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0)
+        s = _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, seq * stride_q + (h // group) * dk,
+                         seq * stride_k + (h // group) * dk, seq * stride_v + h * dv, seq * stride_a, seq * stride_b,
+                         (seq * hv + h) * dv, h, ks, vs, km, vm, scale, eps)
         tl.store(ptr, s, mask=km[:, None] & vm[None, :])
-        out = tl.sum(s * qv[:, None], 0)
-        tl.store(O + (seq * hv + h) * dv + vs, out.to(O.dtype.element_ty), mask=vm)
+
+    @triton.jit
+    def _sequences_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, CU, O, stride_q, stride_k, stride_v, stride_a,
+                          stride_b, group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One (sequence, value head, block of value dims): its tokens one after another, each as a decode step
+        computes it, the state in registers between them and in the pool before and after."""
+        seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ks = tl.arange(0, BLOCK_K)
+        vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        km, vm = ks < dk, vs < dv
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
+        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0)
+        for t in range(tl.load(CU + seq), tl.load(CU + seq + 1)):
+            s = _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, t * stride_q + (h // group) * dk,
+                             t * stride_k + (h // group) * dk, t * stride_v + h * dv, t * stride_a, t * stride_b,
+                             (t * hv + h) * dv, h, ks, vs, km, vm, scale, eps)
+        tl.store(ptr, s, mask=km[:, None] & vm[None, :])

@@ -261,10 +261,6 @@ class CausalLM(nn.Module):
         paged kernel, `exact_attention.py`), when the forward's context asks for it (docs/engine.md)."""
         if not numerics.batch_invariant:
             return
-        if self.config.linear_layers:
-            raise ValueError("exact_logprobs does not cover linear-attention layers (Qwen3.5, Qwen3-Next): the "
-                             "engine's recurrent decode and training's chunked form sum in different orders; set "
-                             "exact_logprobs: false (docs/models.md measures the mismatch)")
         d = self.config.head_dim
         if not d == next_pow2(d) >= 16:  # the paged attention kernel's tl.dot tiles
             raise ValueError(f"exact_logprobs needs a power-of-two head_dim >= 16 (the paged attention kernel), got "

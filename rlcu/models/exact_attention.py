@@ -18,12 +18,13 @@ import torch
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope_store_kv import rope_store_kv
-from rlcu.models.attention import PackedAttention, qk_norm_operands
+from rlcu.models.attention import PackedAttention, Stateless, qk_norm_operands
+from rlcu.models.linear_attention import Segments
 
 BLOCK = 16  # positions per block of the training buffer: only the addressing depends on it, never the sums
 
 
-class ExactPackedAttention:
+class ExactPackedAttention(Stateless):
     """The packed batch (`cu_seqlens` [n + 1]) laid out as paged sequences, each starting on a block.
     `applies_qk_norm`: `fuses_qk_norm` of the model, as the engine decides it."""
 
@@ -45,6 +46,9 @@ class ExactPackedAttention:
         self.slots = first[seq] * BLOCK + torch.arange(cu[-1], device=dev) - cu_seqlens[seq]
         self.tiles = query_tiles(cu, BLOCK_M, dev)
         self.reference = PackedAttention(cu_seqlens, max_len)
+
+    def segments(self, layer_idx, batch, length, device) -> Segments:
+        return Segments(self.cu)
 
     def __call__(self, layer_idx, q, k, v, cos, sin, scale=None, window=None, qk_norm=None, sinks=None,
                  softcap=None):

@@ -16,12 +16,15 @@ from torch import nn
 
 from rlcu.kernels.gated_delta import (
     causal_conv,
+    causal_conv_exact,
     causal_conv_step,
     causal_conv_step_,
+    gated_delta_exact,
     gated_delta_rule,
     gated_delta_step_,
     gates,
 )
+from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.models.config import ModelConfig
 from rlcu.models.fused_linear import FusedLinear
 
@@ -61,9 +64,14 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        """`batch_invariant` (exact numerics): the normalisation through the RMSNorm kernel, whose sums are a row's
+        own whatever the batch, with a unit weight (its rounding to x's dtype is then the same), the weight after."""
+        if batch_invariant:
+            normed = rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), self.eps)
+        else:
+            xf = x.float()
+            normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
 
 
@@ -95,26 +103,52 @@ class GatedDeltaNet(nn.Module):
         seg: Segments = attention.segments(self.layer_idx, b, t, x.device)
         if seg.mask is not None:
             x = x * seg.mask[..., None].to(x.dtype)
-        mixed, z, beta_logit, a = self.in_proj.split(self.in_proj(x))
-        if seg.conv_pool is not None:  # a decode step: each window shifted where it lies
-            mixed, conv = causal_conv_step_(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.conv_pool,
-                                            seg.slots), None
-        elif seg.decode and seg.conv is not None:  # one token a sequence, after its window
-            mixed, conv = causal_conv_step(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.conv)
-        else:
-            mixed, conv = causal_conv(mixed.reshape(b * t, -1), self.conv1d.weight[:, 0], seg.cu, seg.conv)
+        exact = attention.batch_invariant
+        mixed, z, beta_logit, a = self.in_proj.split(self.in_proj(x, exact))
+        mixed, a, beta_logit = mixed.reshape(b * t, -1), a.reshape(b * t, -1), beta_logit.reshape(b * t, -1)
+        o = (self._mix_exact if exact else self._mix)(mixed, a, beta_logit, seg, attention)
+        o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim), exact)
+        return self.out_proj(o.reshape(b, t, -1), exact)
+
+    def _heads(self, mixed: torch.Tensor):
         q, k, v = mixed.split(self.splits, dim=-1)
         q, k = (x.unflatten(-1, (self.num_k_heads, self.head_k_dim)) for x in (q, k))
-        v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        a, beta_logit = a.reshape(b * t, -1), beta_logit.reshape(b * t, -1)
+        return q, k, v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+
+    def _mix(self, mixed, a, beta_logit, seg: Segments, attention):
+        """The convolution and the delta rule: prefill and training in chunks, decode steps a token each."""
+        if seg.conv_pool is not None:  # a decode step: each window shifted where it lies
+            mixed, conv = causal_conv_step_(mixed, self.conv1d.weight[:, 0], seg.conv_pool, seg.slots), None
+        elif seg.decode and seg.conv is not None:  # one token a sequence, after its window
+            mixed, conv = causal_conv_step(mixed, self.conv1d.weight[:, 0], seg.conv)
+        else:
+            mixed, conv = causal_conv(mixed, self.conv1d.weight[:, 0], seg.cu, seg.conv)
+        q, k, v = self._heads(mixed)
         if seg.pool is not None:
             o, state = gated_delta_step_(q, k, v, a, beta_logit, self.A_log, self.dt_bias, seg.pool, seg.slots), None
         else:
             g, beta = gates(a, beta_logit, self.A_log, self.dt_bias)
             o, state = gated_delta_rule(q, k, v, g, beta, seg.cu, seg.state, seg.decode)
         attention.keep(self.layer_idx, conv, state)
-        o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(b, t, -1))
+        return o
+
+    def _mix_exact(self, mixed, a, beta_logit, seg: Segments, attention):
+        """Exact numerics: every token as a decode step computes it, in prefill chunks and training alike
+        (`causal_conv_exact`, `gated_delta_exact`), so the sums never depend on the chunking or the batch."""
+        if seg.pool is not None:  # a decode step: the states where they lie, updated in place
+            conv, state, slots = seg.conv_pool, seg.pool, seg.slots
+        else:
+            n, dev = len(seg.cu) - 1, mixed.device
+            conv = (seg.conv.to(mixed.dtype).clone() if seg.conv is not None else
+                    mixed.new_zeros(n, self.conv_dim, self.conv1d.weight.shape[-1] - 1))
+            state = (seg.state.float().clone() if seg.state is not None else
+                     torch.zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=dev))
+            slots = torch.arange(n, device=dev)
+        mixed = causal_conv_exact(mixed, self.conv1d.weight[:, 0], seg.cu, conv, slots)
+        o = gated_delta_exact(*self._heads(mixed), a, beta_logit, self.A_log, self.dt_bias, seg.cu, state, slots)
+        if seg.pool is None:
+            attention.keep(self.layer_idx, conv, state)
+        return o
 
 
 def ungroup_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -76,7 +76,10 @@ def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
                                            # attention sinks, biased router and experts, alternating windows
                                            ("gpt_oss", "chunks-of-7-decode-by-3"),
                                            # q/k norms over the whole projection; a shared expert beside the routed
-                                           ("olmoe", "whole-prompts"), ("qwen2_moe", "chunks-of-7-decode-by-3")])
+                                           ("olmoe", "whole-prompts"), ("qwen2_moe", "chunks-of-7-decode-by-3"),
+                                           # Gated DeltaNet beside full attention: states across chunks and forks
+                                           ("qwen3_5_text", "chunks-of-7-decode-by-3"),
+                                           ("qwen3_next", "whole-prompts")])
 @pytest.mark.slow
 def test_engine_logprobs_equal_the_training_forward_bit_for_bit(tmp_path, monkeypatch, family, config):
     """Qwen3 (q/k norms) and Llama/SmolLM2 (tied embeddings); micro-batches of all rows and of 3. Then the
@@ -110,7 +113,7 @@ def test_an_fp8_cache_keeps_the_logprobs_bit_for_bit(tmp_path, monkeypatch):
     assert (unrounded - sampler)[real].abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text", "qwen3_5_text"])
 def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch, family):
     """The exact forward's backward (recomputed with PyTorch) is PackedAttention's gradient."""
     model = exact_model(tmp_path, monkeypatch, family)

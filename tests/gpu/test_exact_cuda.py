@@ -21,7 +21,8 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma2", "gemma3_text", "mistral", "olmo2", "olmo3", "phi3",
-                                    "granite", "smollm3", "seed_oss", "qwen3_moe", "gpt_oss", "olmoe", "qwen2_moe"])
+                                    "granite", "smollm3", "seed_oss", "qwen3_moe", "gpt_oss", "olmoe", "qwen2_moe",
+                                    "qwen3_5_text", "qwen3_next"])
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16-weights"])
 def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(tmp_path, family, precision):
     model, _ = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2,

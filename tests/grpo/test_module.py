@@ -260,13 +260,15 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
 @pytest.mark.parametrize("family,peft,kv", [("qwen3", None, "auto"),
                                             ("qwen3", {"r": 2, "lora_alpha": 4, "target_modules": "all-linear"},
                                              "auto"),
-                                            ("qwen3_moe", None, "auto"), ("qwen3", None, "fp8")],
-                         ids=["full", "lora", "moe", "fp8-cache"])
+                                            ("qwen3_moe", None, "auto"), ("qwen3", None, "fp8"),
+                                            ("qwen3_5_text", None, "auto")],
+                         ids=["full", "lora", "moe", "fp8-cache", "hybrid"])
 def test_exact_logprobs_steps_with_no_mismatch_and_corrects_nothing(tmp_path, monkeypatch, family, peft, kv):
     """Two GRPO steps in exact mode (Triton's interpreter): the trainer's logprobs equal the sampler's at
     both (the second after an update, which with LoRA moves the adapters off zero), so the importance-sampling
     correction weighs every sequence 1. A mixture of experts routes every token as the sampler did; over the
-    engine's FP8 KV cache the trainer reads its keys and values rounded as the cache holds them."""
+    engine's FP8 KV cache the trainer reads its keys and values rounded as the cache holds them; a hybrid's Gated
+    DeltaNet layers take every token as a decode step does, in prefill and training alike."""
     from rlcu.contracts import Numerics
     from rlcu.rollout.native import NativeRollout
     from tests.helpers import fit, match_target, toy_rows

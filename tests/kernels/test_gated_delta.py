@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from rlcu.kernels._triton import HAS_TRITON
 from rlcu.kernels.gated_delta import (
     causal_conv,
+    causal_conv_exact,
     causal_conv_step,
     causal_conv_step_,
     fla_ops,
+    gated_delta_exact,
     gated_delta_reference,
     gated_delta_rule,
     gated_delta_step_,
@@ -184,3 +186,60 @@ def test_fla_is_called_with_its_gates_by_name():
     x, state, cu = inputs([1, 1, 1])
     _fla(op, x["q"], x["k"], x["v"], x["g"], x["beta"], cu, state)
     assert torch.equal(seen["beta"][0], x["beta"].to(x["v"].dtype)) and torch.equal(seen["g"][0], x["g"].float())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dk,dv", [(24, 40), (128, 128)])
+def test_exact_sequences_are_decode_steps_bit_for_bit(monkeypatch, dk, dv):
+    """Exact numerics' sequence kernels (the interpreter on the CPU): three sequences (1, 9 and 13 tokens) from
+    states in a pool give the bits of the decode kernels run one token at a time, and the same again when each is
+    fed in chunks of 4 tokens that continue from the pool; outputs and final states near the float64 recurrence."""
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths, c, kw = [1, 9, 13], 37, 4
+    x, _, cu = inputs(lengths, hk=2, hv=4, dk=dk, dv=dv, device=device)
+    gen = torch.Generator().manual_seed(5)
+    t = sum(lengths)
+    a, b = torch.randn(t, 4, generator=gen).to(device), torch.randn(t, 4, generator=gen).to(device)
+    a_log, dt_bias = torch.randn(4, generator=gen).to(device), torch.randn(4, generator=gen).to(device)
+    mixed, w = torch.randn(t, c, generator=gen).to(device), torch.randn(c, kw, generator=gen).to(device)
+    pool = torch.randn(6, 4, dk, dv, generator=gen).to(device)
+    windows = torch.randn(6, c, kw - 1, generator=gen).to(device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    q, k, v = x["q"], x["k"], x["v"]
+
+    def stepwise():
+        states, wins, outs, convs = pool.clone(), windows.clone(), [], []
+        bounds = cu.tolist()
+        for token in range(max(lengths)):  # decode steps of the sequences still running
+            rows = [i for i in range(3) if token < lengths[i]]
+            at = torch.tensor([bounds[i] + token for i in rows], device=device)
+            sl = slots[rows]
+            convs.append((at, causal_conv_step_(mixed[at], w, wins, sl)))
+            outs.append((at, gated_delta_step_(q[at], k[at], v[at], a[at], b[at], a_log, dt_bias, states, sl)))
+        o, y = torch.empty_like(v), torch.empty_like(mixed)
+        for at, out in outs:
+            o[at] = out
+        for at, out in convs:
+            y[at] = out
+        return o, y, states, wins
+
+    def chunked(size):
+        states, wins, o, y = pool.clone(), windows.clone(), torch.empty_like(v), torch.empty_like(mixed)
+        for start in range(0, max(lengths), size):
+            rows = [i for i in range(3) if start < lengths[i]]
+            pieces = [torch.arange(cu[i] + start, min(cu[i] + start + size, cu[i + 1]), device=device) for i in rows]
+            at = torch.cat(pieces)
+            part = torch.tensor([0, *torch.tensor([len(p) for p in pieces]).cumsum(0).tolist()], dtype=torch.int32,
+                                device=device)
+            y[at] = causal_conv_exact(mixed[at], w, part, wins, slots[rows])
+            o[at] = gated_delta_exact(q[at], k[at], v[at], a[at], b[at], a_log, dt_bias, part, states, slots[rows])
+        return o, y, states, wins
+
+    want = stepwise()
+    for got in (chunked(max(lengths)), chunked(4)):
+        for g_, w_ in zip(got, want):
+            assert torch.equal(g_, w_)
+    g, beta = gates(a, b, a_log, dt_bias)
+    ref, ref_state = gated_delta_reference(q, k, v, g, beta, cu, pool[slots], dtype=torch.float64)
+    assert (want[0].double() - ref).abs().max() < 1e-5 and (want[2][slots].double() - ref_state).abs().max() < 1e-5
