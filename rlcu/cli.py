@@ -123,7 +123,9 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
                     self.config[sub].model[key] = value
 
         def before_instantiate_classes(self) -> None:
-            check_sections(self.config[self.subcommand] if self.subcommand else self.config)
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            check_sections(cfg)
+            load_shares_alone(cfg, explicit)
 
         def after_instantiate_classes(self) -> None:
             global _trainer
@@ -209,6 +211,21 @@ def check_sections(cfg) -> None:
         if len(kept) != len(loggers):
             print("rlcu: wandb is not installed; logging without it (pip install wandb)", file=sys.stderr)
             cfg.trainer.logger = kept
+
+
+def load_shares_alone(cfg, explicit: list[str]) -> None:
+    """Under tensor parallelism (`--trainer.strategy=tp`, or rlcu.FSDP2Strategy with a tensor_parallel_size other
+    than 1) every rank would read the whole model before keeping its share: `low_cpu_mem_usage` is turned on there,
+    so that a node's ranks read it one after another, unless the command line sets it."""
+    strategy = cfg.trainer.get("strategy") if "trainer" in cfg else None
+    if isinstance(strategy, str):
+        split = strategy == "tp"
+    else:
+        path = str(getattr(strategy, "class_path", ""))
+        size = getattr(getattr(strategy, "init_args", None), "tensor_parallel_size", 1)
+        split = path.endswith("FSDP2Strategy") and size not in (1, "1")
+    if split and "low_cpu_mem_usage" not in explicit and "model" in cfg and "low_cpu_mem_usage" in cfg.model:
+        cfg.model.low_cpu_mem_usage = True
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -56,6 +56,7 @@ from rlcu.grpo.streaming import Prescored, Streamer
 from rlcu.grpo.update import Update
 from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
+from rlcu.models.loading import load_pending
 from rlcu.models.lora import add_lora
 from rlcu.models.random_init import materialize
 from rlcu.models.sharding import full_parameters, is_sharded, shard
@@ -180,6 +181,9 @@ class GRPOModule(L.LightningModule):
         if not self.policy.native:
             raise ValueError(f"peft_config: LoRA runs in rlcu's native families; {self.policy.config.model_type} runs "
                              "on the transformers fallback: train it in full, or merge adapters elsewhere")
+        if getattr(self.policy, "pending_weights", None) is not None:
+            raise ValueError("peft_config with low_cpu_mem_usage: the adapters are made on the loaded weights; set "
+                             "low_cpu_mem_usage false (it serves tensor parallelism, which trains without LoRA)")
         add_lora(self.policy, peft_config)
 
     def _agents_and_rewards(self, tools, environment_factory, agent, rewards, reward_weights,
@@ -244,7 +248,7 @@ class GRPOModule(L.LightningModule):
 
     @classmethod
     def _policy(cls, model, tokenizer, opts: ModelOptions):
-        policy, tokenizer = cls._load(model, tokenizer, opts.dtype, opts.trust_remote_code)
+        policy, tokenizer = cls._load(model, tokenizer, opts.dtype, opts.trust_remote_code, opts.low_cpu_mem_usage)
         if opts.cast_lm_head_to_fp32:
             if policy.logits_from_forward:
                 raise ValueError(f"cast_lm_head_to_fp32 needs a model rlcu runs natively; {type(policy).__name__} "
@@ -253,7 +257,7 @@ class GRPOModule(L.LightningModule):
         return policy, tokenizer
 
     @staticmethod
-    def _load(model, tokenizer, dtype: str, trust_remote_code: bool = False):
+    def _load(model, tokenizer, dtype: str, trust_remote_code: bool = False, low_cpu_mem_usage: bool = False):
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ValueError("a model given as a module needs its tokenizer too (tokenizer=...)")
@@ -264,7 +268,8 @@ class GRPOModule(L.LightningModule):
 
                 return HFCausalLM(model), tokenizer
             return model, tokenizer
-        policy, loaded_tokenizer = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        policy, loaded_tokenizer = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code,
+                                              low_cpu_mem_usage=low_cpu_mem_usage)
         if tokenizer is None and loaded_tokenizer is None:
             raise ValueError(f"{model} has no tokenizer: save one into the folder, or pass tokenizer=...")
         return policy, tokenizer if tokenizer is not None else loaded_tokenizer
@@ -292,6 +297,10 @@ class GRPOModule(L.LightningModule):
         """Under Lightning's ModelParallelStrategy: tensor parallelism within each group of `tensor_parallel_size`
         ranks (`tensor_parallel.py`), then FSDP over the data-parallel ranks (`sharding.py`)."""
         mesh = self.device_mesh
+        if mesh is None or mesh["tensor_parallel"].size() == 1:  # low_cpu_mem_usage: the weights come in here
+            for model in (self.policy, self.ref_model):
+                if model is not None:
+                    load_pending(model, "cpu")  # Lightning then moves it, or FSDP shards it
         if mesh is None or is_sharded(self.policy):
             return
         if mesh["tensor_parallel"].size() > 1:
@@ -309,11 +318,17 @@ class GRPOModule(L.LightningModule):
             # the ranks' engines must take the same steps, and these admit work as it arrives in time
             raise ValueError("tensor parallelism runs synchronous single-turn rollouts: set streaming=false and "
                              "leave out tools, environment_factory and agent, or train with strategy fsdp2 or ddp")
+        strategy = self.trainer.strategy
         for model in (self.policy, self.ref_model):
             if model is not None:
                 parallelize(model, tp.get_group())
-                if model.device.type == "meta":  # built without memory (a model whole on no one GPU): the share
-                    materialize(model, self.trainer.strategy.root_device)  # gets random weights, alike on all
+                if getattr(model, "pending_weights", None) is not None:  # low_cpu_mem_usage: a checkpoint's shares,
+                    for turn in range(strategy.num_processes):  # read by one rank of each node at a time
+                        if strategy.local_rank == turn:
+                            load_pending(model, strategy.root_device)
+                        strategy.barrier("rlcu-load-shares")
+                elif model.device.type == "meta":  # built without memory (a model whole on no one GPU): the share
+                    materialize(model, strategy.root_device)  # gets random weights, alike on all
         cfg = self.policy.config
         log.info("tensor parallelism: each of %d ranks holds %d attention heads, %d KV heads and %d MLP columns of "
                  "each layer", tp.size(), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)

@@ -264,6 +264,10 @@ class ModelOptions(OptionGroup):
     title: ClassVar[str] = "model"
     dtype: str = option("float32", "weights' dtype when loading by name")
     trust_remote_code: bool = option(False, "run code that a model's repository ships (transformers')")
+    low_cpu_mem_usage: bool = option(False, "build the model without memory and read its weights in configure_model "
+                                            "(Lightning's hook, before fitting): under tensor parallelism each rank "
+                                            "reads only its shares, as slices of the checkpoint's files "
+                                            "(transformers' name)")
     cast_lm_head_to_fp32: bool = option(False, "the LM head's weight in float32 and its logits computed in float32, "
                                                "in the sampler and the trainer (TRL's, from ScaleRL)")
     exact_logprobs: bool = option(False, "the sampler's logprobs equal the trainer's to the bit (batch-invariant "

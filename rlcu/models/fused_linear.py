@@ -6,6 +6,8 @@ the fused names are the names; Hugging Face folders name the parts, so `load_mod
 `join_hf_parts` and `save_pretrained` splits them with `split_hf_parts`."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -111,9 +113,11 @@ def split_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str
     return state
 
 
-def join_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+def join_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str = "",
+                  join=functools.partial(torch.cat, dim=0)) -> dict[str, torch.Tensor]:
     """A state dict with HF's part names (or already fused: unchanged) -> fused names. Some parts of a
-    projection without the others is an error that names the missing ones."""
+    projection without the others is an error that names the missing ones. `join`: how the parts (a list) become
+    one value (tensors: concatenated rows; `loading.py` joins tensors not read yet)."""
     state = dict(state)
     for fused, parent, m in _fused_modules(model, prefix):
         for kind in ("weight", "bias"):
@@ -124,5 +128,5 @@ def join_hf_parts(state: dict[str, torch.Tensor], model: nn.Module, prefix: str 
             if len(present) < len(keys):
                 raise ValueError(f"the weights have {present} but not {sorted(set(keys) - set(present))}")
             parts = [state.pop(k) for k in keys]
-            state[fused + kind] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # one part: no copy
+            state[fused + kind] = parts[0] if len(parts) == 1 else join(parts)  # one part: no copy
     return state

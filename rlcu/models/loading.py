@@ -21,6 +21,7 @@ from rlcu.models.fused_linear import join_hf_parts, split_hf_parts
 from rlcu.models.gguf import gguf_to_folder
 from rlcu.models.moe import join_expert_parts, split_expert_parts
 from rlcu.models.spec import family
+from rlcu.models.tensor_parallel import split_tensors
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,12 @@ def joined_stops(eos: int | list[int] | None, more: int | list[int] | None) -> i
     return ids + [i for i in ([more] if isinstance(more, int) else more) if i not in ids]
 
 
-def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False):
+def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False,
+               low_cpu_mem_usage: bool = False):
     """Load (model, tokenizer) from any supported source: rlcu's own `CausalLM` for a native family, else the
-    transformers fallback (`hf.py`), said in a log line."""
+    transformers fallback (`hf.py`), said in a log line. `low_cpu_mem_usage`: a native model comes on the meta
+    device, without memory, and reads its weights only when `load_pending` is called (GRPOModule's configure_model:
+    under tensor parallelism each rank then keeps its shares alone); the fallback loads at once either way."""
     folder = resolve_source(source)
     hf_config = json.loads((folder / "config.json").read_text())
     if family(hf_config.get("model_type")) is None:
@@ -148,34 +152,164 @@ def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", 
                                                                                    folder)})
     log.info("%s: %s runs on rlcu's native decoder", folder.name, cfg.model_type)
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    state = map_weights(load_state_dict(folder), hf_config["model_type"], folder)
-    if cfg.spec.load_weights is not None:
-        state = cfg.spec.load_weights(state, cfg)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    try:
-        state = join_expert_parts(join_hf_parts(state, model), model)
-    except ValueError as e:
-        raise ValueError(f"{folder}: {e}; the folder's weights are incomplete") from None
-    expected = {k: v.shape for k, v in model.state_dict().items()
-                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
-    if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match a {cfg.model_type} model; "
-                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    wrong = [f"{k} {tuple(state[k].shape)} (config.json wants {tuple(shape)})" for k, shape in expected.items()
-             if state[k].shape != shape]
-    if wrong:
-        raise ValueError(f"{folder}: tensor {wrong[0]} does not fit the config" +
-                         (f", and {len(wrong) - 1} more" if len(wrong) > 1 else ""))
-    dt = resolve_dtype(dtype)
-    # assigned as they come, so contiguous first: a family's weight map may hand over transposed views (gpt-oss's
-    # experts), which FSDP cannot shard and the grouped GEMMs would read across strides
-    model.load_state_dict({k: v.to(dt).contiguous() for k, v in state.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model = CausalLM(cfg).to(resolve_dtype(dtype))  # the dtype each parameter takes its tensor in
+    read = PendingWeights(folder, hf_config["model_type"], resolve_dtype(dtype))
+    if low_cpu_mem_usage:
+        model.pending_weights = read
+    else:
+        assign_weights(model, read(model))
     return model, load_tokenizer(folder)
+
+
+class PendingWeights:
+    """A checkpoint's weights, read when called (`load_model`): its tensors under rlcu's names, joined into the
+    fused projections, checked against the model and cast to `dtype`."""
+
+    def __init__(self, folder: Path, model_type: str, dtype: torch.dtype):
+        self.folder, self.model_type, self.dtype = folder, model_type, dtype
+
+    def __call__(self, model: CausalLM) -> dict[str, torch.Tensor]:
+        cfg, folder = model.config, self.folder
+        cfg = getattr(getattr(model, "tensor_parallel", None), "config", cfg)  # a split model: the whole one's
+        state = map_weights(load_state_dict(folder), self.model_type, folder)
+        if cfg.spec.load_weights is not None:
+            state = cfg.spec.load_weights(state, cfg)
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        try:
+            state = join_expert_parts(join_hf_parts(state, model), model)
+        except ValueError as e:
+            raise ValueError(f"{folder}: {e}; the folder's weights are incomplete") from None
+        shares = getattr(model, "tensor_parallel", None) is not None  # a share's shape is not the whole's
+        expected = {k: v.shape for k, v in model.state_dict().items()
+                    if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+        if missing or unexpected:
+            raise ValueError(f"{folder}: weights do not match a {cfg.model_type} model; "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        wrong = [f"{k} {tuple(state[k].shape)} (config.json wants {tuple(shape)})" for k, shape in expected.items()
+                 if state[k].shape != shape and not shares]
+        if wrong:
+            raise ValueError(f"{folder}: tensor {wrong[0]} does not fit the config" +
+                             (f", and {len(wrong) - 1} more" if len(wrong) > 1 else ""))
+        # contiguous: a family's weight map may hand over transposed views (gpt-oss's experts), which FSDP cannot
+        # shard and the grouped GEMMs would read across strides
+        return {k: v.to(self.dtype).contiguous() for k, v in state.items()}
+
+
+    def shares(self, model: CausalLM) -> dict[str, torch.Tensor] | None:
+        """A model split by tensor parallelism: this rank's share of each tensor, read as a slice of the safetensors
+        (the rows of its heads and MLP columns in each part, the columns of the row-parallel projections, its rows
+        of the vocabulary), never the whole tensor. None for a family whose weight map needs the whole tensors."""
+        tp, cfg = model.tensor_parallel, model.tensor_parallel.config
+        if cfg.spec.load_weights is not None:
+            return None
+        stored = map_weights(stored_tensors(self.folder), self.model_type, self.folder)
+        if cfg.tie_word_embeddings:
+            stored.pop("lm_head.weight", None)
+        try:
+            stored = join_hf_parts(stored, model, join=lambda parts: parts)  # a fused tensor: its parts' list
+        except ValueError as e:
+            raise ValueError(f"{self.folder}: {e}; the folder's weights are incomplete") from None
+        params = {k: v for k, v in model.state_dict().items()
+                  if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        missing, unexpected = params.keys() - stored.keys(), stored.keys() - params.keys()
+        if missing or unexpected:
+            raise ValueError(f"{self.folder}: weights do not match a {cfg.model_type} model; "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        styles, out = split_tensors(model), {}
+        for key, param in params.items():
+            out[key] = read_share(stored[key], styles.get(key), tp.size, tp.rank).to(self.dtype)
+            if out[key].shape != param.shape:
+                raise ValueError(f"{self.folder}: tensor {key}'s share {tuple(out[key].shape)} does not fit the "
+                                 f"config's {tuple(param.shape)}")
+        return out
+
+
+class StoredTensor:
+    """A tensor of a safetensors file, not read yet: `read` reads the rows or columns asked for alone."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+        self.shape = torch.Size(handle.get_slice(name).get_shape())
+
+    def read(self, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        piece = self.handle.get_slice(self.name)
+        if rows is not None:
+            return piece[rows[0]:rows[1]]
+        return piece[:, cols[0]:cols[1]] if cols is not None else piece[:]
+
+
+def stored_tensors(folder: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a folder's safetensors by name, none of them read."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
+    out = {}
+    for f in files:
+        handle = safe_open(folder / f, framework="pt")
+        out.update({name: StoredTensor(handle, name) for name in handle.keys()})
+    return out
+
+
+def read_share(source, style: tuple | None, size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s share (of `size`) of a tensor split as `style` says (`split_tensors`), read from `source`: a
+    StoredTensor, or the list of a fused projection's parts. Whole where `style` is None. A column-parallel share
+    is, of each part, its chunk of the rows (`tensor_parallel._split_rows`)."""
+    def chunk(n: int) -> tuple[int, int]:  # torch.chunk's: ceil(n / size) rows a rank
+        step = -(-n // size)
+        return min(rank * step, n), min((rank + 1) * step, n)
+
+    kind = style[0] if style else None
+    if kind == "column":
+        if isinstance(source, list):  # the parts as stored
+            return torch.cat([p.read(rows=chunk(p.shape[0])) for p in source])
+        offsets, pieces = 0, []  # a checkpoint that stores the projection fused: its parts by the model's sizes
+        for n in (v * size for v in style[1].values()):
+            a, b = chunk(n)
+            pieces.append(source.read(rows=(offsets + a, offsets + b)))
+            offsets += n
+        return torch.cat(pieces)
+    if isinstance(source, list):
+        return torch.cat([p.read() for p in source])
+    if kind == "row":
+        return source.read(cols=chunk(source.shape[1]))
+    return source.read(rows=chunk(source.shape[0])) if kind in ("vocab", "heads") else source.read()
+
+
+def assign_weights(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
+    """A model on the meta device takes `state`'s tensors as its parameters (no copy where the dtype is the
+    parameter's: `cast_lm_head_to_fp32` may have widened the head before), the LM head tied again where tied."""
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    model.load_state_dict({k: v.to(dtypes.get(k, v.dtype)) for k, v in state.items()}, strict=False, assign=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_pending(model: CausalLM, device: torch.device | str) -> bool:
+    """Reads the weights of a model that `load_model(..., low_cpu_mem_usage=True)` left on the meta device. A model
+    split by tensor parallelism (`tensor_parallel.py`) reads its shares alone, slices of the safetensors
+    (`PendingWeights.shares`), into memory on `device`; where a family's weight map needs the whole tensors, they
+    are read in host memory, each cut to this rank's share, and let go. False where nothing was pending."""
+    read = getattr(model, "pending_weights", None)
+    if read is None:
+        return False
+    if getattr(model, "tensor_parallel", None) is None:
+        assign_weights(model, read(model))
+        model.to(device)
+    else:
+        state = read.shares(model)
+        if state is None:  # whole tensors, each cut by the model's load_state_dict hook
+            state = read(model)
+        tied = model.config.tie_word_embeddings
+        model.to_empty(device=device)  # the shares' memory (`load_state_dict`'s hook cuts a whole tensor)
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_state_dict(state, strict=False)
+    del model.pending_weights
+    return True
 
 
 def map_weights(state: dict[str, torch.Tensor], model_type: str, folder: Path) -> dict[str, torch.Tensor]:

@@ -48,8 +48,10 @@ def token_value(prompts, completions, completion_ids, **kwargs):
 
 def main(folder, out, strategy, devices, batch_size, num_nodes=1):
     torch.manual_seed(0)
+    low_mem = os.environ.get("RLCU_WORKER_LOW_CPU_MEM") == "1"
     module = GRPOModule(folder, rewards=[token_value], rollout=PromptSeeded(), num_generations=G,
-                        max_completion_length=4, learning_rate=1e-2, micro_batch_size=4)
+                        max_completion_length=4, learning_rate=1e-2, micro_batch_size=4, low_cpu_mem_usage=low_mem)
+    assert (module.policy.device.type == "meta") == low_mem  # low_cpu_mem_usage: no weights before configure_model
     data = PromptDataModule(toy_rows(16, seed=3), batch_size=batch_size, seed=1)
     accelerator = os.environ.get("RLCU_WORKER_ACCELERATOR", "cpu")
     steps, resume = int(os.environ.get("RLCU_WORKER_STEPS", STEPS)), os.environ.get("RLCU_WORKER_RESUME")

@@ -18,3 +18,52 @@ def test_generation_configs_stop_ids_join_the_configs(tmp_path, family):
     assert transformers.GenerationConfig.from_pretrained(folder).eos_token_id == [63, 61, 60]  # what generate reads
     (folder / "generation_config.json").unlink()
     assert load_model(folder)[0].config.eos_token_ids == [63]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_low_cpu_mem_usage_reads_the_weights_when_asked(tmp_path, family):
+    """`low_cpu_mem_usage`: the model comes without memory and reads the checkpoint at `load_pending`, into the same
+    tensors an eager load gives (the LM head tied again, a head widened by cast_lm_head_to_fp32 kept wide)."""
+    import torch
+
+    from rlcu.models.loading import load_pending
+
+    folder = tiny_hf_folder(tmp_path, family)
+    eager, _ = load_model(folder, dtype="bfloat16")
+    lazy, tok = load_model(folder, dtype="bfloat16", low_cpu_mem_usage=True)
+    assert tok is not None and all(p.device.type == "meta" for p in lazy.parameters())
+    if not lazy.config.tie_word_embeddings:  # (tied to bf16 embeddings it is refused, as for an eager load)
+        lazy.cast_lm_head_to_fp32()
+    assert load_pending(lazy, "cpu") and not hasattr(lazy, "pending_weights")
+    want, got = eager.state_dict(), lazy.state_dict()
+    assert want.keys() == got.keys() and {v.dtype for v in want.values()} == {torch.bfloat16}
+    for k, v in want.items():
+        if k == "lm_head.weight" and not eager.config.tie_word_embeddings:
+            assert got[k].dtype == torch.float32 and torch.equal(got[k].bfloat16(), v)
+        else:
+            assert torch.equal(got[k], v), k
+    assert (lazy.lm_head.weight is lazy.model.embed_tokens.weight) == eager.config.tie_word_embeddings
+    assert not load_pending(eager, "cpu")  # nothing pending: nothing read
+
+
+def test_low_cpu_mem_usage_in_a_grpo_run_and_its_refusals(tmp_path):
+    """A GRPO module built with low_cpu_mem_usage holds no weights until Lightning's configure_model, then trains as
+    one loaded at once (its reference model for the KL term too); LoRA adapters, which are made on the loaded
+    weights, are refused in one line."""
+    import torch
+
+    from rlcu.grpo.module import GRPOModule
+    from tests.helpers import fit, match_target, toy_rows
+
+    folder = tiny_hf_folder(tmp_path / "m", "llama")
+    runs = {}
+    for lazy in (False, True):
+        torch.manual_seed(0)
+        module = GRPOModule(str(folder), rewards=[match_target], num_generations=2, max_completion_length=3,
+                            learning_rate=1e-2, eval_at_start=False, low_cpu_mem_usage=lazy, beta=0.04)
+        assert (module.policy.device.type == "meta") == (module.ref_model.device.type == "meta") == lazy
+        fit(module, toy_rows(4), 1, tmp_path / f"logs-{lazy}", batch_size=2)
+        runs[lazy] = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    assert all(torch.equal(runs[True][k], v) for k, v in runs[False].items())
+    with pytest.raises(ValueError, match="peft_config with low_cpu_mem_usage"):
+        GRPOModule(str(folder), rewards=[match_target], low_cpu_mem_usage=True, peft_config={"r": 2})

@@ -38,6 +38,9 @@ def _rank(rank, folders, store, out):
         for folder in folders:
             torch.save(_split_model_results(folder), f"{out}/{Path(folder).name}.{rank}.pt")
         torch.save(_meta_built_share(folders[0]), f"{out}/meta.{rank}.pt")
+        for folder in folders:
+            if Path(folder).name in READ_ALONE:
+                torch.save(_shares_read_alone(folder), f"{out}/{Path(folder).name}.lazy.{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -66,6 +69,23 @@ def _split_model_results(folder):
                 vocab_rows=(model.lm_head.weight.shape[0], model.model.embed_tokens.weight.shape[0]))
 
 
+def _shares_read_alone(folder):
+    """`low_cpu_mem_usage`: the model built on the meta device, split, then its shares read from the checkpoint's
+    files as slices."""
+    from rlcu.models.loading import load_pending
+    from rlcu.models.tensor_parallel import full_state_dict, parallelize
+
+    model, _ = load_model(folder, low_cpu_mem_usage=True)
+    assert model.model.embed_tokens.weight.device.type == "meta"
+    parallelize(model, dist.group.WORLD)
+    read = model.pending_weights.shares(model)  # slices of the files: each the size of the rank's parameter
+    assert all(read[k].shape == v.shape for k, v in model.state_dict().items() if k in read)
+    assert load_pending(model, "cpu") and not load_pending(model, "cpu")  # read once
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return dict(state=full_state_dict(model), logits=model.logits(IDS).detach(), tied=tied,
+                shares={k: v.shape for k, v in model.state_dict().items()})
+
+
 def _meta_built_share(folder):
     """A model built on the meta device (no memory), split, then its share given memory and random weights."""
     from rlcu.models.decoder import CausalLM
@@ -81,6 +101,9 @@ def _meta_built_share(folder):
 
 
 SPLIT_FAMILIES = ["llama", "llama-untied-bias", "qwen2", "qwen3", *DENSE_FAMILIES]  # every dense native family
+# read as shares from the files: tied and untied LM heads (with biases), Phi-3's q/k/v and gate/up stored fused,
+# OLMo 2's q/k norms over all heads (split by heads)
+READ_ALONE = ["llama", "llama-untied-bias", "phi3", "olmo2"]
 
 
 def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path):
@@ -104,6 +127,18 @@ def test_two_ranks_compute_what_one_process_does_in_every_dense_family(tmp_path)
             for k, v in got["whole"].items():  # assembled back whole, bit for bit
                 assert torch.equal(got["state"][k], v), f"{family}: {k}"
         assert len({tuple(c) for c in sampled.completion_ids}) > 2, family  # not one answer for every prompt
+    for family, folder in zip(SPLIT_FAMILIES, folders):  # shares read alone: the eager split's, bit for bit
+        if family not in READ_ALONE:
+            continue
+        logits = _whole_model_results(folder)[0]
+        for rank in range(SIZE):
+            eager = torch.load(tmp_path / f"{family}.{rank}.pt", weights_only=False)
+            lazy = torch.load(tmp_path / f"{family}.lazy.{rank}.pt", weights_only=False)
+            assert lazy["tied"] == (family == "llama")
+            assert all(torch.equal(lazy["state"][k], v) for k, v in eager["whole"].items()), family
+            assert lazy["shares"]["model.layers.0.mlp.down_proj.weight"][1] * SIZE == \
+                eager["whole"]["model.layers.0.mlp.down_proj.weight"].shape[1]
+            torch.testing.assert_close(lazy["logits"], logits, rtol=0, atol=1e-5, msg=family)
     # built on the meta device: each rank's share of it materialised; the whole tensors drawn alike on every rank
     meta = [torch.load(tmp_path / f"meta.{rank}.pt") for rank in range(SIZE)]
     whole = load_model(folders[0])[0].state_dict()

@@ -43,6 +43,18 @@ def test_fragments_compose_and_overrides_win():
     assert cfg.model.rewards[0] == "countdown" and cfg.model.num_generations == 4  # the rest from the recipe
 
 
+@pytest.mark.parametrize("strategy,expected", [([], False), (["--trainer.strategy=fsdp2"], False),
+                                               (["--trainer.strategy=tp"], True),
+                                               (["--trainer.strategy=rlcu.FSDP2Strategy",
+                                                 "--trainer.strategy.tensor_parallel_size=2"], True),
+                                               (["--trainer.strategy=tp", "--model.low_cpu_mem_usage=false"], False)])
+def test_tensor_parallel_runs_read_the_model_one_rank_at_a_time(strategy, expected):
+    """Under tensor parallelism each rank would read the whole model before keeping its share: the command turns
+    low_cpu_mem_usage on there, unless the command line says otherwise."""
+    argv = ["fit", "--config", str(ROOT / "recipes/quickstart/config.yaml"), *strategy]
+    assert parse(argv).model.low_cpu_mem_usage is expected
+
+
 def test_run_expands_to_fit_with_the_recipe():
     argv = cli.expand_run(["run", "quickstart", "--model.temperature=0.7"])
     assert argv[:2] == ["fit", "--config"] and argv[2].endswith("recipes/quickstart/config.yaml")
