@@ -80,15 +80,7 @@ def causal_conv_step_(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
     """`causal_conv_step` on windows that live in `pool` [S, C, K - 1] at `slots` [N], shifted there in place:
     x [N, C] (rows at any stride) -> out [N, C], rounded as `causal_conv_step` rounds."""
     if use_triton(pool):
-        n, c = x.shape
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty(n, c, dtype=x.dtype, device=x.device)
-        k = weight.shape[1]
-        block_c = 256
-        _conv_step_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots, out, x.stride(0), c, k,
-                                                         BLOCK_C=block_c, BLOCK_K=next_pow2(k))
-        return out
+        return _conv_triton(x, weight, pool, slots, None)
     out, window = causal_conv_step(x, weight, pool[slots])
     pool.index_copy_(0, slots, window.to(pool.dtype))
     return out
@@ -238,7 +230,7 @@ def gated_delta_step_(q, k, v, a, b, A_log, dt_bias, pool: torch.Tensor, slots: 
     v's dtype. A decode step's state traffic is its largest: one read and one write of each state, where gathering
     into a batch and scattering back would add a copy each way."""
     if use_triton(pool) and q.shape[-1] <= 256:
-        return _step_triton(q, k, v, a, b, A_log, dt_bias, pool, slots)
+        return _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots)
     g, beta = gates(a, b, A_log, dt_bias)
     o, final = gated_delta_reference(q, k, v, g, beta, torch.arange(len(q) + 1, device=q.device), pool[slots])
     pool.index_copy_(0, slots, final)
@@ -263,12 +255,18 @@ def _conv_sequences(x, weight, cu, pool, slots):
             for t in range(a, b):  # one decode step at a time
                 outs.append(causal_conv_step_(x[t:t + 1], weight, pool, slots[i:i + 1]))
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+    return _conv_triton(x, weight, pool, slots, cu)
+
+
+def _conv_triton(x, weight, pool, slots, cu):
+    """`cu` None: one token a sequence (a decode step)."""
     t, c = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
-    k, block_c = weight.shape[1], 256
-    _conv_sequences_kernel[(len(cu) - 1, triton.cdiv(c, block_c))](x, weight, pool, slots, cu, out, x.stride(0), c, k,
-                                                                   BLOCK_C=block_c, BLOCK_K=next_pow2(k))
+    k, block_c, n = weight.shape[1], 256, len(slots)
+    _conv_sequences_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots, slots if cu is None else cu, out,
+                                                         x.stride(0), c, k, BLOCK_C=block_c, BLOCK_K=next_pow2(k),
+                                                         ONE_TOKEN=cu is None)
     return out
 
 
@@ -292,15 +290,7 @@ def _delta_sequences(q, k, v, a, b, A_log, dt_bias, cu, pool, slots):
                 outs.append(gated_delta_step_(*(x[t:t + 1] for x in (q, k, v, a, b)), A_log, dt_bias, pool,
                                               slots[i:i + 1]))
         return torch.cat(outs) if outs else v.new_zeros(0, *v.shape[1:])
-    n, (hk, dk), (hv, dv) = len(cu) - 1, q.shape[1:], v.shape[1:]
-    q, k, v, a, b = (_rows(x) for x in (q, k, v, a, b))
-    o = torch.empty(len(v), hv, dv, dtype=v.dtype, device=v.device)
-    block_k = next_pow2(dk)
-    block_v = min(next_pow2(dv), max(16, 4096 // block_k))
-    _sequences_kernel[(n, hv, triton.cdiv(dv, block_v))](
-        q, k, v, a, b, A_log, dt_bias, pool, slots, cu, o, q.stride(0), k.stride(0), v.stride(0), a.stride(0),
-        b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, BLOCK_K=block_k, BLOCK_V=block_v)
-    return o
+    return _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu)
 
 
 class _ExactConv(torch.autograd.Function):
@@ -346,16 +336,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1]) else x.contiguous()
 
 
-def _step_triton(q, k, v, a, b, A_log, dt_bias, pool, slots):
-    n, hk, dk = q.shape
-    hv, dv = v.shape[1:]
+def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None):
+    """`cu` None: one token a sequence (a decode step)."""
+    (hk, dk), (hv, dv), n = q.shape[1:], v.shape[1:], len(slots)
     q, k, v, a, b = (_rows(x) for x in (q, k, v, a, b))
-    o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
+    o = torch.empty(len(v), hv, dv, dtype=v.dtype, device=v.device)
     block_k = next_pow2(dk)
     block_v = min(next_pow2(dv), max(16, 4096 // block_k))  # a [Dk, BV] tile of the state in registers, no spills
-    _step_kernel[(n, hv, triton.cdiv(dv, block_v))](
-        q, k, v, a, b, A_log, dt_bias, pool, slots, o, q.stride(0), k.stride(0), v.stride(0), a.stride(0),
-        b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, BLOCK_K=block_k, BLOCK_V=block_v)
+    _sequences_kernel[(n, hv, triton.cdiv(dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, pool, slots, slots if cu is None else cu, o, q.stride(0), k.stride(0),
+        v.stride(0), a.stride(0), b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, BLOCK_K=block_k,
+        BLOCK_V=block_v, ONE_TOKEN=cu is None)
     return o
 
 
@@ -381,23 +372,18 @@ if HAS_TRITON:
         tl.debug_barrier()  # and every write before the next token's reads
 
     @triton.jit
-    def _conv_step_kernel(X, W, POOL, SLOTS, OUT, stride_x, c, k, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One (sequence, block of channels): one token (`_conv_token`), its window in the pool at its slot."""
-        seq, cb = tl.program_id(0), tl.program_id(1)
-        cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        slot = tl.load(SLOTS + seq).to(tl.int64)
-        base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
-        _conv_token(X, seq * stride_x, W, base, OUT, seq * c, cs, cs < c, tl.arange(0, BLOCK_K), k)
-
-    @triton.jit
     def _conv_sequences_kernel(X, W, POOL, SLOTS, CU, OUT, stride_x, c, k, BLOCK_C: tl.constexpr,
-                               BLOCK_K: tl.constexpr):
-        """One (sequence, block of channels): its tokens one after another, each as a decode step computes it."""
+                               BLOCK_K: tl.constexpr, ONE_TOKEN: tl.constexpr):
+        """One (sequence, block of channels): its tokens one after another (`_conv_token`), its window in the pool
+        at its slot. ONE_TOKEN (a decode step): row `seq` is the sequence's one token, and CU is not read."""
         seq, cb = tl.program_id(0), tl.program_id(1)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         slot = tl.load(SLOTS + seq).to(tl.int64)
         base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
-        for t in range(tl.load(CU + seq), tl.load(CU + seq + 1)):
+        start, end = seq, seq + 1
+        if not ONE_TOKEN:
+            start, end = tl.load(CU + seq), tl.load(CU + seq + 1)
+        for t in range(start, end):
             _conv_token(X, t * stride_x, W, base, OUT, t * c, cs, cs < c, tl.arange(0, BLOCK_K), k)
 
     @triton.jit
@@ -424,26 +410,12 @@ if HAS_TRITON:
         return s
 
     @triton.jit
-    def _step_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, O, stride_q, stride_k, stride_v, stride_a, stride_b,
-                     group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        """One (sequence, value head, block of value dims): one token (`_delta_token`), its state in the pool."""
-        seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        ks = tl.arange(0, BLOCK_K)
-        vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        km, vm = ks < dk, vs < dv
-        slot = tl.load(SLOTS + seq).to(tl.int64)
-        ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
-        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0)
-        s = _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, seq * stride_q + (h // group) * dk,
-                         seq * stride_k + (h // group) * dk, seq * stride_v + h * dv, seq * stride_a, seq * stride_b,
-                         (seq * hv + h) * dv, h, ks, vs, km, vm, scale, eps)
-        tl.store(ptr, s, mask=km[:, None] & vm[None, :])
-
-    @triton.jit
     def _sequences_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, CU, O, stride_q, stride_k, stride_v, stride_a,
-                          stride_b, group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        """One (sequence, value head, block of value dims): its tokens one after another, each as a decode step
-        computes it, the state in registers between them and in the pool before and after."""
+                          stride_b, group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                          ONE_TOKEN: tl.constexpr):
+        """One (sequence, value head, block of value dims): its tokens one after another (`_delta_token`), the state
+        in registers between them and in the pool at its slot before and after. ONE_TOKEN (a decode step): row `seq`
+        is the sequence's one token, and CU is not read."""
         seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ks = tl.arange(0, BLOCK_K)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -451,7 +423,10 @@ if HAS_TRITON:
         slot = tl.load(SLOTS + seq).to(tl.int64)
         ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
         s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0)
-        for t in range(tl.load(CU + seq), tl.load(CU + seq + 1)):
+        start, end = seq, seq + 1
+        if not ONE_TOKEN:
+            start, end = tl.load(CU + seq), tl.load(CU + seq + 1)
+        for t in range(start, end):
             s = _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, t * stride_q + (h // group) * dk,
                              t * stride_k + (h // group) * dk, t * stride_v + h * dv, t * stride_a, t * stride_b,
                              (t * hv + h) * dv, h, ks, vs, km, vm, scale, eps)

@@ -100,8 +100,8 @@ def test_decode_through_the_triton_step_kernel_under_the_interpreter(model, monk
     prompts = LONG + [LONG[1]] * 2
     want = LLMEngine(model).generate(prompts, sampled())
     calls = []
-    real = gd._step_triton
-    monkeypatch.setattr(gd, "_step_triton", lambda *a: calls.append(len(a[0])) or real(*a))
+    real = gd._delta_triton
+    monkeypatch.setattr(gd, "_delta_triton", lambda *a: calls.append(len(a[0])) or real(*a))
     monkeypatch.setattr(gd, "use_triton", lambda t: True)  # the step kernel only: attention stays on PyTorch
     close(LLMEngine(model).generate(prompts, sampled()), want)
     assert calls and max(calls) == len(prompts)
