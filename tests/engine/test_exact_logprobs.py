@@ -78,8 +78,8 @@ def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
                                            # q/k norms over the whole projection; a shared expert beside the routed
                                            ("olmoe", "whole-prompts"), ("qwen2_moe", "chunks-of-7-decode-by-3"),
                                            # Gated DeltaNet beside full attention: states across chunks and forks
-                                           ("qwen3_5_text", "chunks-of-7-decode-by-3"),
-                                           ("qwen3_next", "whole-prompts")])
+                                           # (Qwen3-Next's experts beside it: tests/gpu/test_exact_cuda.py)
+                                           ("qwen3_5_text", "chunks-of-7-decode-by-3")])
 @pytest.mark.slow
 def test_engine_logprobs_equal_the_training_forward_bit_for_bit(tmp_path, monkeypatch, family, config):
     """Qwen3 (q/k norms) and Llama/SmolLM2 (tied embeddings); micro-batches of all rows and of 3. Then the
