@@ -216,7 +216,7 @@ def check_sections(cfg) -> None:
 def load_shares_alone(cfg, explicit: list[str]) -> None:
     """Under tensor parallelism (`--trainer.strategy=tp`, or rlcu.FSDP2Strategy with a tensor_parallel_size other
     than 1) every rank would read the whole model before keeping its share: `low_cpu_mem_usage` is turned on there,
-    so that a node's ranks read it one after another, unless the command line sets it."""
+    so that each rank reads its shares alone, unless the command line sets it."""
     strategy = cfg.trainer.get("strategy") if "trainer" in cfg else None
     if isinstance(strategy, str):
         split = strategy == "tp"
