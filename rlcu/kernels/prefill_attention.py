@@ -15,7 +15,6 @@ from rlcu.kernels.decode_attention import NO_WINDOW, triton_supports
 from rlcu.kernels.sdpa import sdpa
 
 BLOCK_M = 32  # queries per program
-DECODE_ROWS = 16  # rows of a decode step's program (`decode_rows`)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -123,27 +122,22 @@ def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                           block_m: int | None = None, block_n: int = 64, window: int | None = None,
+                           block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None,
                            sinks: torch.Tensor | None = None, softcap: float | None = None,
                            decode_rows: bool = False):
     """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync); `sinks`
     [Hq]: attention sinks; `softcap`: the scores' soft cap (both `sdpa.py`). `decode_rows`: the caller's word
     that every sequence has one query (a decode step): a program then takes a kv head and the query heads that
     share it as its rows, reading each key once instead of once a query head. A row's sums are the same
-    either way (the same tiles of keys from position 0), so exact mode's decode keeps the training forward's
-    bits. `block_m`: rows a program (None: BLOCK_M queries, or DECODE_ROWS heads of a decode step)."""
+    either way (the same tiles of keys from position 0, the same tile shape), so exact mode's decode keeps the
+    training forward's bits."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
-    head_rows = decode_rows and hq // hkv <= (block_m or BLOCK_M)
-    if block_m is None:
-        # a decode step's program needs only its KV head's query heads as rows: 16 (the smallest tl.dot tile) keep
-        # the 32-row training tiles' bits, since each row's sums are its own (H200: benchmarks/exact_decode_rows.py,
-        # docs/benchmarks.md "2026-12-05, 5135b25"), at the default decode kernel's speed
-        block_m = DECODE_ROWS if head_rows and hq // hkv <= DECODE_ROWS else BLOCK_M
     if tiles is None:
         tiles = query_tiles(cu_seqlens_q.tolist(), block_m, q.device)
     out = torch.empty_like(q)
+    head_rows = decode_rows and hq // hkv <= block_m
     if len(tiles[0]):
         _prefill_kernel[(len(tiles[0]), hkv if head_rows else hq)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out,
