@@ -65,13 +65,12 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        """`batch_invariant` (exact numerics): the normalisation through the RMSNorm kernel, whose sums are a row's
-        own whatever the batch, with a unit weight (its rounding to x's dtype is then the same), the weight after."""
+        """`batch_invariant` (exact numerics): through the RMSNorm kernel, whose sums are a row's own whatever the
+        batch; it rounds the normed row to x's dtype before the weight, as here."""
         if batch_invariant:
-            normed = rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), self.eps)
-        else:
-            xf = x.float()
-            normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+            return (rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
 
 
@@ -139,9 +138,10 @@ class GatedDeltaNet(nn.Module):
             conv, state, slots = seg.conv_pool, seg.pool, seg.slots
         else:
             n, dev = len(seg.cu) - 1, mixed.device
-            conv = (seg.conv.to(mixed.dtype).clone() if seg.conv is not None else
+            # the states gathered from the pool (copies, `StatePool.read`) advance in place, then `keep` puts them back
+            conv = (seg.conv.to(mixed.dtype) if seg.conv is not None else
                     mixed.new_zeros(n, self.conv_dim, self.conv1d.weight.shape[-1] - 1))
-            state = (seg.state.float().clone() if seg.state is not None else
+            state = (seg.state.float() if seg.state is not None else
                      torch.zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=dev))
             slots = torch.arange(n, device=dev)
         mixed = causal_conv_exact(mixed, self.conv1d.weight[:, 0], seg.cu, conv, slots)

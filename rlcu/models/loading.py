@@ -183,10 +183,7 @@ class PendingWeights:
         shares = getattr(model, "tensor_parallel", None) is not None  # a share's shape is not the whole's
         expected = {k: v.shape for k, v in model.state_dict().items()
                     if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-        missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
-        if missing or unexpected:
-            raise ValueError(f"{folder}: weights do not match a {cfg.model_type} model; "
-                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        check_names(expected, state, folder, cfg.model_type)
         wrong = [f"{k} {tuple(state[k].shape)} (config.json wants {tuple(shape)})" for k, shape in expected.items()
                  if state[k].shape != shape and not shares]
         if wrong:
@@ -213,10 +210,7 @@ class PendingWeights:
             raise ValueError(f"{self.folder}: {e}; the folder's weights are incomplete") from None
         params = {k: v for k, v in model.state_dict().items()
                   if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-        missing, unexpected = params.keys() - stored.keys(), stored.keys() - params.keys()
-        if missing or unexpected:
-            raise ValueError(f"{self.folder}: weights do not match a {cfg.model_type} model; "
-                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        check_names(params, stored, self.folder, cfg.model_type)
         styles, out = split_tensors(model), {}
         for key, param in params.items():
             out[key] = read_share(stored[key], styles.get(key), tp.size, tp.rank).to(self.dtype)
@@ -224,6 +218,15 @@ class PendingWeights:
                 raise ValueError(f"{self.folder}: tensor {key}'s share {tuple(out[key].shape)} does not fit the "
                                  f"config's {tuple(param.shape)}")
         return out
+
+
+def check_names(expected: dict, state: dict, folder: Path, model_type: str) -> None:
+    """The checkpoint's tensor names (after the family's map) are the model's, or an error that lists the first
+    missing and unexpected ones."""
+    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not match a {model_type} model; "
+                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
 
 class StoredTensor:
