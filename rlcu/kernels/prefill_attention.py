@@ -15,6 +15,12 @@ from rlcu.kernels.decode_attention import NO_WINDOW, triton_supports
 from rlcu.kernels.sdpa import sdpa
 
 BLOCK_M = 32  # queries per program
+# A decode step's program in exact mode (`decode_rows`): its KV head's query heads as 16 rows on 2 warps. A row's
+# softmax sum (`tl.sum` over a tile of 64 keys) is reduced in a tree that follows the MMA layout, and Triton lays
+# warps over rows first (16 rows each) and the rest over keys: 32 rows on 4 warps and 16 rows on 2 both put 2 warps
+# across the keys, so each row is summed in the same tree as in the training forward's 32-query tiles. 16 rows on 4
+# warps put 4 across the keys and changed the bits (docs/benchmarks.md, "387dc7f").
+DECODE_ROWS, DECODE_WARPS, WARPS = 16, 2, 4
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,22 +128,26 @@ def query_tiles(cu_seqlens_q: list[int], block_m: int, device) -> tuple[torch.Te
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, tiles=None,
-                           block_m: int = BLOCK_M, block_n: int = 64, window: int | None = None,
+                           block_m: int | None = None, block_n: int = 64, window: int | None = None,
                            sinks: torch.Tensor | None = None, softcap: float | None = None,
-                           decode_rows: bool = False):
+                           decode_rows: bool = False, num_warps: int | None = None):
     """`tiles`: `query_tiles(cu_seqlens_q, block_m)`, when the caller has it already (it costs a sync); `sinks`
     [Hq]: attention sinks; `softcap`: the scores' soft cap (both `sdpa.py`). `decode_rows`: the caller's word
     that every sequence has one query (a decode step): a program then takes a kv head and the query heads that
     share it as its rows, reading each key once instead of once a query head. A row's sums are the same
-    either way (the same tiles of keys from position 0, the same tile shape), so exact mode's decode keeps the
-    training forward's bits."""
+    either way (the same tiles of keys from position 0, the same reduction tree: DECODE_ROWS), so exact mode's
+    decode keeps the training forward's bits. `block_m`, `num_warps`: a program's rows and warps (None: BLOCK_M
+    queries on WARPS, or a decode step's DECODE_ROWS heads on DECODE_WARPS)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
+    head_rows = decode_rows and hq // hkv <= (block_m or BLOCK_M)
+    if block_m is None:
+        small = head_rows and hq // hkv <= DECODE_ROWS and q.element_size() == 2  # fp32 dots take another layout
+        block_m, num_warps = (DECODE_ROWS, num_warps or DECODE_WARPS) if small else (BLOCK_M, num_warps)
     if tiles is None:
         tiles = query_tiles(cu_seqlens_q.tolist(), block_m, q.device)
     out = torch.empty_like(q)
-    head_rows = decode_rows and hq // hkv <= block_m
     if len(tiles[0]):
         _prefill_kernel[(len(tiles[0]), hkv if head_rows else hq)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles[0], tiles[1], out,
@@ -145,7 +155,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_M=block_m,
             BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
-            SOFTCAP=softcap or 0.0, HEAD_ROWS=head_rows)
+            SOFTCAP=softcap or 0.0, HEAD_ROWS=head_rows, num_warps=num_warps or WARPS)
     return out
 
 
