@@ -15,12 +15,17 @@ from rlcu.kernels.decode_attention import NO_WINDOW, triton_supports
 from rlcu.kernels.sdpa import sdpa
 
 BLOCK_M = 32  # queries per program
-# A decode step's program in exact mode (`decode_rows`): its KV head's query heads as 16 rows on 2 warps. A row's
-# softmax sum (`tl.sum` over a tile of 64 keys) is reduced in a tree that follows the MMA layout, and Triton lays
-# warps over rows first (16 rows each) and the rest over keys: 32 rows on 4 warps and 16 rows on 2 both put 2 warps
-# across the keys, so each row is summed in the same tree as in the training forward's 32-query tiles. 16 rows on 4
-# warps put 4 across the keys and changed the bits (docs/benchmarks.md, "387dc7f").
-DECODE_ROWS, DECODE_WARPS, WARPS = 16, 2, 4
+# A decode step's program in exact mode (`decode_rows`): its KV head's query heads as 16 rows. A row's softmax sum
+# (`tl.sum` over a tile of 64 keys) is reduced in a tree that follows how Triton lays the program's warps over the
+# tile, and that differs by the dot's kind: with 16-bit inputs (tensor cores) 16 rows on 4 warps keep the training
+# forward's 32-query tiles' bits (on 4 warps) and 16 rows on 2 warps do not; with fp32 inputs (FMA dots) the reverse
+# (benchmarks/exact_decode_rows.py: six head shapes, three dtypes, docs/benchmarks.md).
+DECODE_ROWS, WARPS = 16, 4
+
+
+def decode_warps(element_size: int) -> int:
+    """Warps of a DECODE_ROWS program whose rows keep the training forward's reduction tree."""
+    return WARPS if element_size == 2 else 2
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,14 +142,15 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
     share it as its rows, reading each key once instead of once a query head. A row's sums are the same
     either way (the same tiles of keys from position 0, the same reduction tree: DECODE_ROWS), so exact mode's
     decode keeps the training forward's bits. `block_m`, `num_warps`: a program's rows and warps (None: BLOCK_M
-    queries on WARPS, or a decode step's DECODE_ROWS heads on DECODE_WARPS)."""
+    queries on WARPS, or a decode step's DECODE_ROWS heads on `decode_warps`)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
     head_rows = decode_rows and hq // hkv <= (block_m or BLOCK_M)
     if block_m is None:
-        small = head_rows and hq // hkv <= DECODE_ROWS and q.element_size() == 2  # fp32 dots take another layout
-        block_m, num_warps = (DECODE_ROWS, num_warps or DECODE_WARPS) if small else (BLOCK_M, num_warps)
+        small = head_rows and hq // hkv <= DECODE_ROWS
+        block_m, num_warps = (DECODE_ROWS, num_warps or decode_warps(q.element_size())) if small else (BLOCK_M,
+                                                                                                       num_warps)
     if tiles is None:
         tiles = query_tiles(cu_seqlens_q.tolist(), block_m, q.device)
     out = torch.empty_like(q)
