@@ -189,7 +189,7 @@ def test_fla_is_called_with_its_gates_by_name():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("dk,dv", [(24, 40), (128, 128)])
+@pytest.mark.parametrize("dk,dv", [(8, 6), (24, 40), (128, 128)])  # (8, 6): the GPU exact test's tiny model
 @pytest.mark.parametrize("act,weight", [("float32", "float32"), ("half", "float32"), ("half", "half")])
 def test_exact_sequences_are_decode_steps_bit_for_bit(monkeypatch, dk, dv, act, weight):
     """Exact numerics' sequence kernels (the interpreter on the CPU, the GPU where there is one): three sequences
