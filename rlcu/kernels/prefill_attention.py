@@ -147,10 +147,9 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
     _, bs, hkv, _ = k_cache.shape
     assert triton_supports(d, bs), f"head_dim {d}: a power of two >= 16 only"
     head_rows = decode_rows and hq // hkv <= (block_m or BLOCK_M)
-    if block_m is None:
-        small = head_rows and hq // hkv <= DECODE_ROWS
-        block_m, num_warps = (DECODE_ROWS, num_warps or decode_warps(q.element_size())) if small else (BLOCK_M,
-                                                                                                       num_warps)
+    if block_m is None and head_rows and hq // hkv <= DECODE_ROWS:
+        block_m, num_warps = DECODE_ROWS, num_warps or decode_warps(q.element_size())
+    block_m = block_m or BLOCK_M
     if tiles is None:
         tiles = query_tiles(cu_seqlens_q.tolist(), block_m, q.device)
     out = torch.empty_like(q)
