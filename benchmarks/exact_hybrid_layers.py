@@ -28,26 +28,33 @@ variants = {
     "qnext-default": ("qwen3_next", {}),
     "qnext-all-linear": ("qwen3_next", dict(layer_types=[L])),
 }
-for name in sys.argv[1:] or variants:
-    family, over = variants[name]
-    for prec in ("bf16-autocast", "bf16-weights"):
-        try:
-            with tempfile.TemporaryDirectory() as d:
-                model, _ = load_model(tiny_hf_folder(d, family, vocab_size=512, hidden=256, layers=3, heads=4,
-                                                     kv_heads=2, head_dim=64, **over),
-                                      dtype="bfloat16" if prec == "bf16-weights" else "float32")
-            model.cuda()
-            rows = [p for p in prompts(24, 512) for _ in range(4)]
-            sp = SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, stop_token_ids=list(range(10)), seed=1)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=prec == "bf16-autocast"):
-                engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=300, max_num_seqs=64,
-                                                       numerics=Numerics.EXACT))
-                out = engine.generate(rows, sp)
-                ids, mask, sampler, real = padded_batch(out)
-                tr = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], 7, 1.0).float().cpu()
-            d = (tr - sampler).abs() * real
-            bad = (d > 0).nonzero().tolist()
-            print(f"DIAG {name} {prec}: tokens {int(real.sum())} off {len(bad)} max {d.max().item():.3g} "
-                  f"first {bad[:4]}", flush=True)
-        except Exception as e:
-            print(f"DIAG {name} {prec}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def main():
+    for name in sys.argv[1:] or variants:
+        family, over = variants[name]
+        for prec in ("bf16-autocast", "bf16-weights"):
+            try:
+                with tempfile.TemporaryDirectory() as d:
+                    model, _ = load_model(tiny_hf_folder(d, family, vocab_size=512, hidden=256, layers=3, heads=4,
+                                                         kv_heads=2, head_dim=64, **over),
+                                          dtype="bfloat16" if prec == "bf16-weights" else "float32")
+                model.cuda()
+                rows = [p for p in prompts(24, 512) for _ in range(4)]
+                sp = SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, stop_token_ids=list(range(10)), seed=1)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=prec == "bf16-autocast"):
+                    engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=300, max_num_seqs=64,
+                                                           numerics=Numerics.EXACT))
+                    out = engine.generate(rows, sp)
+                    ids, mask, sampler, real = padded_batch(out)
+                    tr = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], 7, 1.0).float().cpu()
+                gap = (tr - sampler).abs() * real
+                bad = (gap > 0).nonzero().tolist()
+                print(f"DIAG {name} {prec}: tokens {int(real.sum())} off {len(bad)} max {gap.max().item():.3g} "
+                      f"first {bad[:4]}", flush=True)
+            except Exception as e:
+                print(f"DIAG {name} {prec}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
