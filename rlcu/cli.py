@@ -367,6 +367,16 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"rlcu: error: {explain(e)} (RLCU_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
+    finally:
+        close_process_group()
+
+
+def close_process_group() -> None:
+    """Ends the distributed run's process group while the interpreter is whole: gloo's worker threads, left to
+    the exit handlers, can abort a rank that finished its work (`terminate called without an active exception`)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 _trainer = None  # the trainer of the run in progress, once built

@@ -88,3 +88,6 @@ if __name__ == "__main__":
     for folder in folders:
         out = sys.argv[2] if len(folders) == 1 else f"{sys.argv[2]}.{os.path.basename(folder)}"
         main(folder, out, sys.argv[3], *map(int, sys.argv[4:]))
+    from rlcu.cli import close_process_group
+
+    close_process_group()  # as `rlcu run` does: a rank left to gloo's exit handlers may abort after its work

@@ -251,3 +251,13 @@ def test_bench_json_has_no_nan():
 
     line = json.dumps(finite({"loss": float("nan"), "steps": [1.0, float("inf")], "ok": 2}), allow_nan=False)
     assert json.loads(line) == {"loss": None, "steps": [1.0, None], "ok": 2}
+
+
+def test_a_command_ends_the_process_group_it_ran_in(tmp_path, capsys):
+    """torchrun ranks that leave the group to the exit handlers can abort in gloo's threads after their work."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    cli.main(["recipes"])
+    assert "arithmetic" in capsys.readouterr().out
+    assert not dist.is_initialized()
