@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,17 @@ from rlcu.models.moe import Experts, grouped, grouped_linear
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # Experts' stacked projections, PEFT's target_parameters
+# the adapters `lora_disabled` turned off, per thread: the engine may decode on the adapters in one thread while
+# the KL reference runs without them in another (streaming's decode_steps_during_training)
+_OFF = threading.local()
+
+
+class Switch:
+    """An adapter's `enabled`: on, unless `lora_disabled` turned it off in the calling thread."""
+
+    @property
+    def enabled(self) -> bool:
+        return id(self) not in getattr(_OFF, "ids", ())
 
 
 @dataclass
@@ -101,7 +113,7 @@ class LoraSpec:
         raise TypeError(f"a LoRA config is a LoraConfig, a mapping or a LoraSpec, got {type(config).__name__}")
 
 
-class LoraAdapter(nn.Module):
+class LoraAdapter(Switch, nn.Module):
     """The low-rank update of one (fused) projection, for the parts in `targets`."""
 
     def __init__(self, base: FusedLinear, spec: LoraSpec, targets: list[str]):
@@ -115,7 +127,6 @@ class LoraAdapter(nn.Module):
         for i in range(len(targets)):  # as PEFT initialises each part's A
             nn.init.kaiming_uniform_(self.lora_A[i * spec.r:(i + 1) * spec.r], a=math.sqrt(5))
         self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
-        self.enabled = True
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then the update of each
@@ -174,7 +185,7 @@ class LoraAdapter(nn.Module):
         return delta * self.scaling
 
 
-class ExpertAdapter(nn.Module):
+class ExpertAdapter(Switch, nn.Module):
     """LoRA on one stacked expert projection (weight [E, out, in]): expert e computes x (W_e + B_e A_e scaling)^T,
     A [E, r, in], B [E, out, r], initialised as PEFT's ParamWrapper initialises its [r E, in] and [out, r E]."""
 
@@ -182,7 +193,7 @@ class ExpertAdapter(nn.Module):
         super().__init__()
         e, out, inp = weight.shape
         kw = dict(device=weight.device, dtype=weight.dtype)
-        self.r, self.scaling, self.enabled = spec.r, spec.scaling, True
+        self.r, self.scaling = spec.r, spec.scaling
         self.lora_A = nn.Parameter(torch.empty(e, spec.r, inp, **kw))
         self.lora_B = nn.Parameter(torch.zeros(e, out, spec.r, **kw))
         nn.init.kaiming_uniform_(self.lora_A.view(e * spec.r, inp), a=math.sqrt(5))
@@ -233,15 +244,15 @@ def add_lora(model: nn.Module, config) -> LoraSpec:
 
 @contextlib.contextmanager
 def lora_disabled(model: nn.Module):
-    """The base model: every adapter off while the block runs (a KL reference without a second copy)."""
+    """The base model: every adapter off while the block runs (a KL reference without a second copy), in the
+    calling thread only."""
     found = [m.lora for _, m in adapters(model)] + [a for _, m in expert_adapters(model) for a in m.lora.values()]
-    for lora in found:
-        lora.enabled = False
+    before = getattr(_OFF, "ids", frozenset())
+    _OFF.ids = before | {id(lora) for lora in found}
     try:
         yield model
     finally:
-        for lora in found:
-            lora.enabled = True
+        _OFF.ids = before
 
 
 def merge_lora(model: nn.Module) -> None:

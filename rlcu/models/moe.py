@@ -122,9 +122,10 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """The MLP of an MoE layer: `gate` (the router, [E, H]) and `experts`, plus, where the family has one, a
     `shared_expert` (an MLP every token goes through) scaled by the sigmoid of `shared_expert_gate` ([1, H]).
-    With `keep_router_logits` set, each forward leaves its router logits [T, E] in `router_logits` (the
-    load-balancing loss reads them) and the experts they picked in `router_experts`. A forward given `record`
-    hands it (moe_index, experts [T, k]): the engine keeps which experts served each token, beside its KV."""
+    With `keep_router_logits` set, each forward that records gradients leaves its router logits [T, E] in
+    `router_logits` (the load-balancing loss reads them) and the experts they picked in `router_experts`; the
+    engine's forwards, which record none, leave them alone even beside training. A forward given `record` hands it
+    (moe_index, experts [T, k]): the engine keeps which experts served each token, beside its KV."""
 
     def __init__(self, cfg, shared_expert: nn.Module | None = None, moe_index: int = 0):
         super().__init__()
@@ -149,7 +150,7 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits = invariant_linear(flat, self.gate.weight, self.gate.bias) if batch_invariant else self.gate(flat)
         weights, experts = route(logits, self.top_k, self.normalize)
-        if self.keep_router_logits:
+        if self.keep_router_logits and torch.is_grad_enabled():
             self.router_logits, self.router_experts = logits, experts
         if record is not None:
             record(self.moe_index, experts)

@@ -20,7 +20,8 @@ def training_routing(model, prompt: list[int], completion: list[int]) -> torch.T
     moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
     for m in moe:
         m.keep_router_logits = True
-    model.forward_padded(torch.tensor([prompt + completion], device=next(model.parameters()).device), None)
+    with torch.enable_grad():  # as training runs it: routers keep their logits only in forwards that record gradients
+        model.forward_padded(torch.tensor([prompt + completion], device=next(model.parameters()).device), None)
     picked = [route(m.router_logits, m.top_k, m.normalize)[1] for m in sorted(moe, key=lambda m: m.moe_index)]
     for m in moe:
         m.keep_router_logits, m.router_logits = False, None

@@ -45,6 +45,25 @@ def test_adapters_equal_the_merged_model(tmp_path, family, targets, grad):
         assert (model.logits(ids) - base.logits(ids)).abs().max() < ATOL
 
 
+def test_adapters_are_off_only_in_the_thread_that_turned_them_off(tmp_path):
+    """The KL reference (adapters off) may run while the engine decodes on the adapters in another thread
+    (streaming's decode_steps_during_training)."""
+    import threading
+
+    model, _ = with_adapters(tiny_hf_folder(tmp_path, "llama"))
+    ids = torch.randint(0, 60, (2, 7))
+    with torch.no_grad():
+        on = model.logits(ids)
+        elsewhere = []
+        with lora_disabled(model):
+            off = model.logits(ids)
+            worker = threading.Thread(target=lambda: elsewhere.append(model.logits(ids)))
+            worker.start()
+            worker.join()
+        assert torch.equal(model.logits(ids), on)  # back on after the block
+    assert (on - off).abs().max() > 1e-3 and torch.equal(elsewhere[0], on)
+
+
 def test_fp32_adapters_under_bf16_autocast_agree_with_and_without_gradients(tmp_path):
     """Without gradients the parts' updates are in-place GEMMs, which autocast does not cast: fp32 B into bf16 y."""
     model, _ = with_adapters(tiny_hf_folder(tmp_path, "qwen3"))
