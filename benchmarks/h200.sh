@@ -21,7 +21,8 @@
 # exact (issue #45: exact mode and the default side by side; EXACT picks rollout, step, big, fp8, rows, hybrid),
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
-# profile), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
+# profile; BESIDE="64 128" adds streaming with that many decode steps beside each step's training, and the 1.7B
+# long-tail pair with BESIDE's first), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
@@ -177,6 +178,17 @@ case $part in
       log step8x8${mode:+-stream} rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 16 \
         --stop_tokens 512 $mode
     done
+    for n in ${BESIDE:-}; do
+      log step8x8-stream-beside$n rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 16 \
+        --stop_tokens 512 --streaming --decode_steps_during_training "$n"
+    done
+    if [[ -n ${BESIDE:-} ]]; then
+      for n in 0 ${BESIDE%% *}; do
+        log longtail-stream-beside$n rlcu bench step --model qwen3-1.7b-random --prompts 32 --generations 8 \
+          --new_tokens 4096 --lengths lognormal --micro_batch_size 16 --packing --steps 4 --streaming \
+          --max_staleness 2 --decode_steps_during_training "$n"
+      done
+    fi
     log step8x8-stream-prof rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 8 --stop_tokens 512 \
       --streaming --profile "$out/prof-stream" --profile_steps 4 ;;
   http)

@@ -264,6 +264,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--streaming", action="store_true", help="streaming GRPO (the module's streaming=True)")
     s.add_argument("--max_staleness", type=int, default=4, help="with --streaming (the module's option)")
     s.add_argument("--max_inflight_tasks", type=int, default=-1, help="with --streaming (the module's option)")
+    s.add_argument("--decode_steps_during_training", type=int, default=0,
+                   help="with --streaming: decode steps beside each step's scoring and training (the module's option)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2", "tp"), default="auto",
                    help="with --devices > 1: ddp, fsdp2 (FSDP shards; rollouts on the gathered model), or tp (each "
@@ -502,7 +504,8 @@ def bench_step(args) -> dict:
                         adam_state_dtype=args.adam_state_dtype,
                         optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs,
                         score_during_generation=args.score_during_generation, streaming=args.streaming,
-                        max_staleness=args.max_staleness, max_inflight_tasks=args.max_inflight_tasks)
+                        max_staleness=args.max_staleness, max_inflight_tasks=args.max_inflight_tasks,
+                        decode_steps_during_training=args.decode_steps_during_training)
     module.stop_token_ids = list(range(args.stop_tokens))  # by default none: full length, as the peers force it
     if args.lengths == "lognormal":
         module.stop_token_ids = [0]
@@ -581,7 +584,9 @@ def bench_step(args) -> dict:
                 score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,
                 reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms, lengths=args.lengths,
                 streaming=args.streaming, max_staleness=args.max_staleness,
-                max_inflight_tasks=args.max_inflight_tasks, fill_seconds=round(getattr(timer, "filling", 0.0), 2),
+                max_inflight_tasks=args.max_inflight_tasks,
+                decode_steps_during_training=args.decode_steps_during_training,
+                fill_seconds=round(getattr(timer, "filling", 0.0), 2),
                 # trained completion tokens per second of the steady steps (after the first)
                 trained_tokens_per_s=round(sum(s["tokens"] for s in steady) / sum(s["total"] for s in steady), 1),
                 **({"staleness_mean": round(sum(s["staleness"] for s in steady) / len(steady), 2),

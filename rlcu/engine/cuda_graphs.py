@@ -59,6 +59,9 @@ class DecodeGraphs:
         self.state_slots = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        # off while decoding runs beside other GPU work (stream.DecodeBeside): a capture then would make that work's
+        # allocations fail, so a batch without its graph yet runs eagerly
+        self.capture = True
 
     def fits(self, n: int, width: int) -> bool:
         return n <= self.max_batch and width <= self.block_tables.shape[1]
@@ -92,6 +95,8 @@ class DecodeGraphs:
         kind = self.runner.device.type
         key = (bucket, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None, plan)
         if key not in self.graphs:
+            if not self.capture:
+                return self._forward(bucket, key[1], plan)[:n]
             self.graphs[key] = self._capture(bucket, key[1], plan)
         graph, logits = self.graphs[key]
         graph.replay()

@@ -12,9 +12,14 @@ release_memory): the sequences in flight are preempted, and recomputed from thei
 again, so that training has the memory it has in a synchronous run. With release_memory=False the pool is kept,
 with the keys and values computed so far. A generate() on the same engine is refused until the stream is closed.
 A hybrid's recurrent states take a slot for each sequence in flight (`max_sequences` of them), recycled as
-sequences end."""
+sequences end.
+
+`decode_beside` runs a number of decode steps in a worker thread while the caller computes beside them (streaming
+GRPO's scoring and training, before the optimizer step), on a CUDA stream of their own."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -23,6 +28,7 @@ from rlcu.contracts import SamplingParams
 from rlcu.engine.pool import pool_size
 from rlcu.engine.sequence import Sequence
 from rlcu.engine.states import bytes_per_slot
+from rlcu.engine.threads import beside_decoding
 
 
 class EngineStream:
@@ -84,6 +90,11 @@ class EngineStream:
         self.decode_steps += 1
         self.decoded_rows += running
 
+    def decode_beside(self, steps: int) -> DecodeBeside:
+        """`steps` decode steps (fewer if the requests run out) in a worker thread, on the parameters as they are:
+        the caller must not change them before `DecodeBeside.wait()` returns."""
+        return DecodeBeside(self, steps)
+
     def release(self, force: bool = False) -> None:
         """Give the pool back while the caller trains (the engine's release_memory, or `force`): every sequence in
         flight is preempted, so that its keys and values are recomputed from its tokens, on the weights of then,
@@ -133,3 +144,59 @@ class EngineStream:
                 engine.scheduler.bm.free_sequence(seq)
         engine.scheduler, engine._ahead, engine.stream = None, None, None
         engine.release()
+
+
+class DecodeBeside:
+    """A stream's decode steps in a worker thread, beside the caller's own work. On CUDA the steps go to a CUDA
+    stream of their own, ordered after the work queued when they start, so that the GPU runs them between the
+    caller's kernels; they run in the autocast of the thread that started them, as they would have there. Their
+    CUDA graphs are replayed, never captured (`DecodeGraphs.capture`): a batch without its graph yet decodes
+    eagerly. The interpreter's switch interval is shortened meanwhile (`beside_decoding`), so that the decode loop
+    gets the lock back soon after each wait on the GPU."""
+
+    def __init__(self, stream: EngineStream, steps: int):
+        self.stream, self.steps, self.asked, self.error = stream, steps, 0, None
+        with torch.inference_mode(False), torch.no_grad():  # the pool (if released) taken here, not in the worker
+            stream.engine._prepare_runner(stream.num_blocks, stream.state_slots)
+        device = stream.engine.model.device
+        self.kind = device.type
+        self.autocast = torch.get_autocast_dtype(self.kind) if torch.is_autocast_enabled(self.kind) else None
+        self.cuda = None
+        if self.kind == "cuda":
+            self.cuda = torch.cuda.Stream(device)
+            self.cuda.wait_stream(torch.cuda.current_stream(device))
+        self.start_steps = stream.decode_steps
+        self.switch = beside_decoding()
+        self.switch.__enter__()
+        self.thread = threading.Thread(target=self._work, name="rlcu-decode-beside", daemon=True)
+        self.thread.start()
+
+    def _until(self) -> bool:
+        self.asked += 1
+        return self.asked > self.steps
+
+    def _work(self) -> None:
+        runner = self.stream.engine.runner
+        graphs = getattr(runner, "graphs", None)
+        try:
+            with contextlib.ExitStack() as stack:
+                if self.cuda is not None:
+                    stack.enter_context(torch.cuda.stream(self.cuda))
+                stack.enter_context(torch.autocast(self.kind, dtype=self.autocast or torch.bfloat16,
+                                                   enabled=self.autocast is not None))
+                if graphs is not None:
+                    graphs.capture = False
+                    stack.callback(setattr, graphs, "capture", True)
+                self.stream.run(self._until)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by wait()
+            self.error = e
+
+    def wait(self) -> int:
+        """Until the steps are done (their GPU work ordered before the caller's next); returns how many ran."""
+        self.thread.join()
+        self.switch.__exit__(None, None, None)
+        if self.cuda is not None:
+            torch.cuda.current_stream(self.cuda.device).wait_stream(self.cuda)
+        if self.error is not None:
+            raise self.error
+        return self.stream.decode_steps - self.start_steps

@@ -140,8 +140,14 @@ class GRPOModule(L.LightningModule):
             raise ValueError("streaming runs single-turn completions; episodes (tools, environment_factory, agent) "
                              "run synchronously: set streaming=false")
         require(self.rollout, "streaming", "streaming", "use rollout: native, or set streaming=false")
+        spec = getattr(self.policy, "lora_spec", None)
+        if st.decode_steps_during_training and spec is not None and spec.lora_dropout:
+            raise ValueError(f"decode_steps_during_training decodes while the policy trains, and lora_dropout="
+                             f"{spec.lora_dropout} would then drop in the sampler too: set lora_dropout: 0, or "
+                             "decode_steps_during_training: 0")
         return Streamer(self, s.num_generations, st.max_staleness, st.max_inflight_tasks,
-                        self.options.model.score_during_generation, s.max_completion_length)
+                        self.options.model.score_during_generation, s.max_completion_length,
+                        st.decode_steps_during_training)
 
     # ---- what the streamer asks of the module (streaming.Host) ----------------------------------------------
     def open_stream(self, max_sequences: int):
@@ -154,6 +160,11 @@ class GRPOModule(L.LightningModule):
     def score_group(self, row: dict, completion_ids: list[list[int]]) -> ScoredRollout:
         """One group's scores (from the streamer's worker thread, score_during_generation)."""
         return self.scoring.score_completions([row], completion_ids)
+
+    def before_weights_change(self) -> None:
+        """The update's hook before each optimizer step: the decode steps beside training end first."""
+        if self.streamer is not None:
+            self.streamer.wait_beside()
 
     def stream_seed(self, batch: int) -> int:
         """The sampling seed of the batch-th admitted batch: the synchronous step's for the same step."""
@@ -492,13 +503,18 @@ class GRPOModule(L.LightningModule):
             log.warning("%s; stopping", e)
             raise SIGTERMException from e
         finally:
-            self.rollout.release()  # the sequences in flight are recomputed after the update (release_memory)
+            if not self.streamer.beside_steps:  # else the pool stays for the decode steps beside training
+                self.rollout.release()  # the sequences in flight are recomputed after the update (release_memory)
             self.policy.train(was_training)
         if taken is None:  # the stream fills: no optimizer step yet, and the engine decoded all along
             self._idle_since = self._now()
             return None
-        self.scoring.new_step()
-        self._score_and_update(taken.rows, taken.sampled, taken.scorer, (t0, self._now()), taken.metrics)
+        self.streamer.decode_beside()
+        try:
+            self.scoring.new_step()
+            self._score_and_update(taken.rows, taken.sampled, taken.scorer, (t0, self._now()), taken.metrics)
+        finally:
+            self.streamer.wait_beside()
         self.streamer.updated(self.global_step)
         return None
 

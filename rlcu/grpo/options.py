@@ -340,10 +340,16 @@ class StreamingOptions(OptionGroup):
                                    "(TRL's AsyncGRPOTrainer's); groups with an older sample are dropped", minimum=0)
     max_inflight_tasks: int = option(-1, "streaming: samples in flight, in whole steps (TRL's; -1: max(max_staleness, "
                                          "1) steps' worth)", minimum=-1)
+    decode_steps_during_training: int = option(0, "streaming: decode steps each step runs beside its scoring and "
+                                                  "training, on the weights before its optimizer step (0: none); the "
+                                                  "KV pool then stays allocated through training", minimum=0)
 
     def check(self) -> None:
         if self.max_inflight_tasks == 0:
             raise ValueError("max_inflight_tasks must be -1 (auto) or at least 1, got 0")
+        if self.decode_steps_during_training and not self.streaming:
+            raise ValueError(f"decode_steps_during_training={self.decode_steps_during_training} decodes the streaming "
+                             "rollout beside training: set streaming=true, or decode_steps_during_training=0")
 
 
 GROUPS: tuple[type[OptionGroup], ...] = (SamplingOptions, LossOptions, CorrectionOptions, EntropyOptions,

@@ -23,6 +23,11 @@ trains on one batch of groups within the bound (so ranks stay in lockstep), and 
 The sampler correction (vllm_importance_sampling_*) weighs the rest by pi_old / pi_sampler token by token, the
 sampler being the older policies that drew them.
 
+With decode_steps_during_training, a step hands that many decode steps to a worker thread once it has taken its
+groups (`EngineStream.decode_beside`), while it scores and trains on them; they end before its optimizer step, so
+their tokens are drawn under the version they record, and count toward the next step's share. The KV pool is then
+kept through training. The steps are counted, not timed, so a run stays reproducible.
+
 With score_during_generation, a group is scored in a worker thread as soon as it has finished within
 max_staleness, while the stream decodes on (`GroupScorer`); the step then takes the scores it finds, and scores
 what it does not find (or everything again, numbered by the step's samples, when a reward failed).
@@ -136,9 +141,11 @@ class Prescored:
 
 class Streamer:
     def __init__(self, host: Host, num_generations: int, max_staleness: int, max_inflight_tasks: int,
-                 score_during_generation: bool = False, max_tokens: int = 0):
-        """`max_tokens`: a completion's most tokens; each step decodes at least its share of them (0: none)."""
+                 score_during_generation: bool = False, max_tokens: int = 0, beside_steps: int = 0):
+        """`max_tokens`: a completion's most tokens; each step decodes at least its share of them (0: none);
+        `beside_steps`: decode steps beside each step's scoring and training (decode_steps_during_training)."""
         self.host, self.score_during_generation, self.max_tokens = host, score_during_generation, max_tokens
+        self.beside_steps, self.beside, self.decoded_beside, self.beside_now = beside_steps, None, 0, 0
         self.scorer: GroupScorer | None = None
         self.g, self.max_staleness, self.max_inflight_tasks = num_generations, max_staleness, max_inflight_tasks
         self.stream: RolloutStream | None = None
@@ -160,7 +167,8 @@ class Streamer:
         self.batches += 1
         need, steps = len(rows), self.steps_in_flight(len(rows))
         self._submit(version, steps * need * self.g)
-        pace = -(-self.max_tokens // steps)
+        self.beside_now, self.decoded_beside = self.decoded_beside, 0
+        pace = max(-(-self.max_tokens // steps) - self.beside_now, 0)  # the steps decoded beside training count
         self.dropped_now = 0
         if len(self.pending) < steps * need:  # the stream fills: its share of decoding, no training yet
             self._run(lambda: True, pace, should_stop)
@@ -254,7 +262,20 @@ class Streamer:
                    "streaming/queue_groups": float(self._ready(version)),
                    "streaming/in_flight": float(self.stream.in_flight),
                    "streaming/decode_steps": float(steps), "streaming/decode_batch_mean": decode_batch}
+        if self.beside_steps:  # of streaming/decode_steps, those decoded beside the previous step's training
+            metrics["streaming/decode_steps_beside"] = float(self.beside_now)
         return Taken([gr.row for gr in groups], Sampled(batch), ages, metrics, prescored)
+
+    def decode_beside(self) -> None:
+        """After `step` took its groups: start the decode steps that run beside scoring and training."""
+        if self.beside_steps and self.stream is not None and self.stream.in_flight:
+            self.beside = self.stream.decode_beside(self.beside_steps)
+
+    def wait_beside(self) -> None:
+        """Before the parameters change: the decode steps beside training are done (at once if none run)."""
+        if self.beside is not None:
+            beside, self.beside = self.beside, None
+            self.decoded_beside = beside.wait()
 
     def updated(self, version: int) -> None:
         """The optimizer stepped: the tokens sampled from now on are drawn under `version`."""
@@ -263,6 +284,12 @@ class Streamer:
 
     def close(self) -> None:
         """Close the stream; what was pending is submitted again (from its prompts) when the next step opens it."""
+        try:
+            self.wait_beside()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         if self.stream is not None:
             self.stream.close()
             self.stream = None

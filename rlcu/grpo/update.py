@@ -37,6 +37,9 @@ class Host(Protocol):
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor: ...
 
+    def before_weights_change(self) -> None:
+        """Before each optimizer step: whatever reads the parameters beside the update stops."""
+
 
 @dataclass
 class MicroBatchLoss:
@@ -222,6 +225,7 @@ class Update:
             return value
         # torch's clipping coefficient, applied as the step reads the gradients
         max_norm = self.options.optimizer.max_grad_norm
+        self.host.before_weights_change()
         opt.step(grad_scale=min(1.0, max_norm / (value + 1e-6)) if max_norm else 1.0)
         opt.zero_grad()  # the gradients would otherwise sit through the next rollout
         sched.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from rlcu import plugins
 from rlcu.contracts import Continuation, Numerics, Reply, RolloutBatch, SamplingParams, Turn
@@ -87,6 +87,10 @@ class RolloutStream(Protocol):
 
     def take_stats(self) -> tuple[int, float]:
         """(decode steps, mean sequences a step) since the last call."""
+
+    def decode_beside(self, steps: int) -> Any:
+        """Up to `steps` decode steps in a worker thread, on the parameters as they are; the returned handle's
+        `wait()` (before the parameters change) returns how many ran. Needed only by decode_steps_during_training."""
 
     def close(self) -> None: ...
 

@@ -55,3 +55,31 @@ def test_a_streaming_run_trains_on_cuda(tmp_path):
     metrics = [m for m in fit(module, toy_rows(40, seed=1), steps=4, log_dir=tmp_path, batch_size=2,
                               accelerator="gpu") if "reward" in m]
     assert len(metrics) == 4 and max(m["streaming/staleness_max"] for m in metrics) <= 2
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_decoding_beside_training_on_cuda_is_the_run_that_decodes_those_steps_first(tmp_path, monkeypatch, precision):
+    """decode_steps_during_training on CUDA: the worker's decode steps (their own CUDA stream, the graphs captured so
+    far replayed, the autocast of the step) equal, to the bit, the same steps decoded first in the step's thread."""
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.models import load_model
+    from tests.grpo.test_streaming import DecodedFirst
+    from tests.helpers import CHAT_TEMPLATE
+
+    runs = []
+    for beside in (True, False):
+        if not beside:
+            monkeypatch.setattr(EngineStream, "decode_beside", lambda self, steps: DecodedFirst(self, steps))
+        # head_dim 64: the Triton kernels and CUDA graphs of the engine
+        model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=256, heads=4,
+                                               kv_heads=2, head_dim=64, chat_template=CHAT_TEMPLATE))
+        module = GRPOModule(model.cuda(), tokenizer=tok, rewards=[match_target], num_generations=4,
+                            max_completion_length=16, stop=["t7", "t9"], micro_batch_size=8, learning_rate=1e-2,
+                            streaming=True, max_staleness=2, decode_steps_during_training=6)
+        metrics = [m for m in fit(module, toy_rows(40, seed=1), steps=5, log_dir=tmp_path / str(beside),
+                                  batch_size=2, accelerator="gpu", precision=precision) if "reward" in m]
+        runs.append(({k: v.detach().cpu() for k, v in module.policy.state_dict().items()},
+                     [(m["reward"], m.get("streaming/decode_steps_beside")) for m in metrics]))
+    (threaded, threaded_metrics), (first, first_metrics) = runs
+    assert threaded_metrics == first_metrics and all(torch.equal(threaded[k], first[k]) for k in first)
+    assert any(n for _, n in threaded_metrics[1:])

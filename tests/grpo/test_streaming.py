@@ -1,14 +1,19 @@
 """Streaming GRPO against the synchronous run: with max_staleness=0 it is the synchronous run, step for step;
 ahead of it, each token's policy version is the weights that drew it, stale groups are dropped and counted,
 and a resumed run submits the pending prompts again."""
+import threading
+
 import lightning.pytorch as L
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlcu.data.module import PromptDataModule
+from rlcu.engine.llm_engine import LLMEngine
 from rlcu.engine.scheduler import Scheduler
+from rlcu.engine.stream import EngineStream
 from rlcu.grpo.module import GRPOModule
+from rlcu.grpo.update import Update
 from tests.helpers import fit, match_target, toy_model, toy_rows
 
 UNEVEN = ["t7", "t9"]  # stop words the toy model samples about one token in 16: completions of uneven lengths
@@ -155,6 +160,10 @@ def test_streaming_refuses_what_it_cannot_run(tmp_path):
         make(tiny, streaming=True, rollout="reference")
     with pytest.raises(ValueError, match="max_inflight_tasks"):
         make(tiny, streaming=True, max_inflight_tasks=0)
+    with pytest.raises(ValueError, match="set streaming=true"):
+        make(tiny, decode_steps_during_training=4)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        make(tiny, streaming=True, decode_steps_during_training=4, peft_config={"r": 4, "lora_dropout": 0.05})
 
 
 def test_a_stop_request_ends_the_stream_between_decode_steps_and_keeps_the_pending_prompts(tmp_path, monkeypatch):
@@ -186,3 +195,82 @@ def test_scoring_during_generation_scores_the_same_groups_in_a_worker(tmp_path):
     assert len(early_rewards) == 4 and early_rewards == plain_rewards
     assert all(torch.equal(plain[k], early[k]) for k in plain)
     assert sizes == {False: {8}, True: {4}}  # a step's two groups at once, or each group as it finished
+
+
+class DecodedFirst:
+    """EngineStream.decode_beside done in the caller's thread before it goes on: the run that the worker thread,
+    decoding beside scoring and training, must equal."""
+
+    def __init__(self, stream, steps: int):
+        before, asked = stream.decode_steps, iter(range(steps + 1))
+        stream.run(lambda: next(asked) >= steps)
+        self.done = stream.decode_steps - before
+
+    def wait(self) -> int:
+        return self.done
+
+
+@pytest.mark.parametrize("family, options", [
+    ("llama", {}),
+    ("qwen3_5_text", {}),  # a hybrid: its recurrent states advance in the worker
+    ("qwen3_moe", dict(router_aux_loss_coef=0.01)),  # the routers' logits, kept for the loss, stay the trainer's
+    ("llama", dict(peft_config={"r": 4, "lora_alpha": 8}, beta=0.04)),  # the KL reference's adapters off meanwhile
+], ids=["llama", "hybrid", "moe", "lora-kl"])
+def test_decoding_beside_training_is_the_run_that_decodes_those_steps_first(tmp_path, monkeypatch, family, options):
+    runs = []
+    for beside in (True, False):
+        if not beside:
+            monkeypatch.setattr(EngineStream, "decode_beside", lambda self, steps: DecodedFirst(self, steps))
+        module = make(toy_model(tmp_path / "m", family), streaming=True, max_staleness=2, max_completion_length=16,
+                      stop=UNEVEN, decode_steps_during_training=3, **options)
+        metrics = [m for m in fit(module, toy_rows(40, seed=1), steps=5, log_dir=tmp_path / str(beside),
+                                  batch_size=2) if "reward" in m]
+        runs.append((weights(module), metrics))
+    (threaded, threaded_metrics), (first, first_metrics) = runs
+    assert len(threaded_metrics) == 5 and all(torch.equal(threaded[k], first[k]) for k in first)
+    for a, b in zip(threaded_metrics, first_metrics, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(("timing/", "tokens_per", "memory/"))} == {
+            k: v for k, v in b.items() if not k.startswith(("timing/", "tokens_per", "memory/"))}
+    assert [m["streaming/decode_steps_beside"] for m in threaded_metrics[1:]] == [4.0] * 4  # +1: the step ahead
+
+
+def test_decoding_beside_training_ends_before_each_optimizer_step(tmp_path, monkeypatch):
+    """Every decode step starts and ends on one set of weights, none while the optimizer steps, and its tokens record
+    the version of those weights; some of them run in the worker beside training."""
+    module = make(toy_model(tmp_path / "m"), streaming=True, max_staleness=3, max_completion_length=24,
+                  max_inflight_tasks=3 * 2 * 4, stop=UNEVEN, decode_steps_during_training=4)
+    stepping, steps, drawn = [False], [], []
+    wait, optimizer_step, engine_step, postprocess = (GRPOModule.before_weights_change, Update._optimizer_step,
+                                                      LLMEngine.step, Scheduler.postprocess)
+
+    def then_step(self):
+        wait(self)
+        stepping[0] = True
+
+    def step_and_clear(self):
+        try:
+            return optimizer_step(self)
+        finally:
+            stepping[0] = False
+
+    def watched(self):
+        before, during = checksum(module), stepping[0]
+        engine_step(self)
+        steps.append((threading.current_thread().name, during or stepping[0], before == checksum(module)))
+
+    def recording(self, seqs, tokens, logprobs):
+        out = postprocess(self, seqs, tokens, logprobs)
+        drawn.extend((s.versions[-1], checksum(module)) for s in seqs)
+        return out
+
+    for cls, name, fn in ((GRPOModule, "before_weights_change", then_step), (Update, "_optimizer_step", step_and_clear),
+                          (LLMEngine, "step", watched), (Scheduler, "postprocess", recording)):
+        monkeypatch.setattr(cls, name, fn)
+    versions = Versions(module)
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[versions])
+    trainer.fit(module, PromptDataModule(toy_rows(40, seed=1), batch_size=2, seed=1))
+    assert module.global_step == 5
+    assert not any(overlapped for _, overlapped, _ in steps) and all(same for _, _, same in steps)
+    assert sum(name == "rlcu-decode-beside" for name, _, _ in steps) >= 4 * 4
+    assert all(versions.of[v] == c for v, c in drawn)

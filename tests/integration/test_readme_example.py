@@ -160,6 +160,10 @@ def test_architecture_guide_examples_add_a_family_a_loss_and_a_backend():
 @pytest.mark.slow
 def test_streaming_guide_example_trains_two_steps(smollm2_folder):
     scope: dict = {}
-    exec(python_blocks(README.parent / "docs" / "streaming.md")[0], scope)
+    first, beside = python_blocks(README.parent / "docs" / "streaming.md")[:2]
+    exec(first, scope)
     assert scope["trainer"].global_step == 2  # after the batch that filled the stream
     assert {"streaming/staleness_mean", "streaming/dropped_stale"} <= set(scope["trainer"].callback_metrics)
+    exec(beside, scope)  # decoding beside training, on the same rows
+    assert scope["trainer"].global_step == 2 and scope["module"].streamer.beside is None
+    assert "streaming/decode_steps_beside" in scope["trainer"].callback_metrics

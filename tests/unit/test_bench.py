@@ -280,6 +280,10 @@ def test_bench_step_streams_on_long_tail_lengths_the_same_samples_as_the_synchro
     assert stream["streaming"] is True and len(stream["step_seconds"]) == 3 and stream["fill_seconds"] >= 0
     assert stream["trained_tokens_per_s"] > 0 and stream["decode_batch_mean"] > 0
     assert 0 <= stream["staleness_mean"] <= 2 and stream["dropped_stale"] == 0
+    main(common + ["--streaming", "--max_staleness", "2", "--decode_steps_during_training", "8"])
+    beside = last_json(capsys)
+    assert beside["decode_steps_during_training"] == 8 and len(beside["step_seconds"]) == 3
+    assert beside["trained_tokens_per_s"] > 0 and 0 <= beside["staleness_mean"] <= 2
     from rlcu.engine.scheduler import Scheduler
 
     assert Scheduler.postprocess.__name__ == "postprocess"  # the planned lengths end with the bench
