@@ -33,7 +33,7 @@ set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; peers=${3:-.peers}
 mkdir -p "$out"
 rlcu() { python3 -m rlcu.cli "$@"; }
-log() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1; echo "rc=$?"; grep -E '^\{|^TRL|^HFGEN|run [0-9]|step [0-9]' "$out/$name.log" | tail -8; }
+log() { local name=$1; shift; echo "== $name: $*"; "$@" > "$out/$name.log" 2>&1; echo "rc=$?"; grep -E '^\{|^TRL|^HFGEN|^DIAG|run [0-9]|step [0-9]' "$out/$name.log" | tail -8; }
 case $part in
   rlcu)
     log rollout64 rlcu bench rollout --sequences 64 --new_tokens 512
@@ -75,7 +75,8 @@ case $part in
     # (default "rollout step"; "big" is the 8x8 step at the 1.7B shape and LoRA r=16 at the 8B shape; "fp8" the
     # 512-sequence rollout and the 8x8 step over an FP8 KV cache; "rows" exact decode attention at 16 and 32 rows a
     # program, its bits against the training forward's; "hybrid" the 64-sequence rollout and the 8x8 step at the
-    # Qwen3.5-2B shape, whose Gated DeltaNet layers run token by token in exact mode)
+    # Qwen3.5-2B shape, whose Gated DeltaNet layers run token by token in exact mode; "layers" the hybrids' exact
+    # gap bisected by layer kind and by engine feature, benchmarks/exact_hybrid_layers.py)
     for w in ${EXACT:-rollout step}; do
       for mode in default exact; do
         e=; [ $mode = exact ] && e=--exact_logprobs
@@ -85,6 +86,11 @@ case $part in
             log rollout512-$mode rlcu bench rollout --sequences 512 --new_tokens 512 $e ;;
           step) log step8x8-$mode rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 3 $e ;;
           rows) [ $mode = exact ] && log exact-decode-rows python3 benchmarks/exact_decode_rows.py ;;
+          layers) [ $mode = exact ] && log exact-hybrid-layers python3 benchmarks/exact_hybrid_layers.py \
+            q35-all-linear q35-all-linear:lookahead=0 q35-all-linear:cuda_graphs=0 \
+            q35-all-linear:lookahead=0,cuda_graphs=0 q35-all-linear:max_num_seqs=128
+            [ $mode = exact ] && log exact-delta-kernels python3 -m pytest -q -rf tests/kernels/test_gated_delta.py \
+              -k exact_sequences ;;
           hybrid)
             log rollout64-qwen3.5-2b-$mode rlcu bench rollout --model qwen3.5-2b-random --sequences 64 \
               --new_tokens 512 $e
