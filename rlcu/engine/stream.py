@@ -184,6 +184,7 @@ class DecodeBeside:
                     stack.enter_context(torch.cuda.stream(self.cuda))
                 stack.enter_context(torch.autocast(self.kind, dtype=self.autocast or torch.bfloat16,
                                                    enabled=self.autocast is not None))
+                stack.enter_context(torch.profiler.record_function("rlcu/decode_beside"))  # in profiles
                 if graphs is not None:
                     graphs.capture = False
                     stack.callback(setattr, graphs, "capture", True)
