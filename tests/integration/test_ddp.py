@@ -110,7 +110,8 @@ def test_a_recipe_runs_under_ddp_from_the_command_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_streaming_under_ddp_steps_in_lockstep(tmp_path):
+@pytest.mark.parametrize("beside", [0, 4])  # and with decode steps beside each rank's training
+def test_streaming_under_ddp_steps_in_lockstep(tmp_path, beside):
     """Each rank streams its own prompts, drops and samples again what is too stale on its own, and still steps
     with the other: four optimizer steps each, without a rank waiting on a collective the other never joins."""
     import lightning.pytorch as L
@@ -120,12 +121,14 @@ def test_streaming_under_ddp_steps_in_lockstep(tmp_path):
     model, tokenizer = toy_model(tmp_path / "m")
     module = GRPOModule(model, tokenizer=tokenizer, rewards=[match_target], num_generations=4, learning_rate=1e-2,
                         max_completion_length=16, stop=["t7", "t9"], micro_batch_size=8, loss_type="dapo",
-                        streaming=True, max_staleness=1, max_inflight_tasks=3 * 2 * 4)
+                        streaming=True, max_staleness=1, max_inflight_tasks=3 * 2 * 4,
+                        decode_steps_during_training=beside)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, PromptDataModule(toy_rows(64, seed=2), batch_size=2, seed=1))
     # (ddp_spawn hands back rank 0's weights and metrics, not its loop's counters)
     assert trainer.callback_metrics["streaming/staleness_max"] <= 1
+    assert ("streaming/decode_steps_beside" in trainer.callback_metrics) == bool(beside)
     moved = max((p - q).abs().max().item() for p, q in zip(module.policy.parameters(), toy_model(tmp_path / "m")[0]
                                                           .parameters()))
     assert moved > 1e-3
