@@ -49,6 +49,7 @@ class EngineStream:
         engine.stream = self
         self.next_request = 0
         self.decode_steps = self.decoded_rows = 0  # since the last take_stats()
+        self.cuda_stream = None  # the CUDA stream of the decode steps beside other work (`decode_beside`)
 
     @property
     def version(self) -> int:
@@ -163,7 +164,9 @@ class DecodeBeside:
         self.autocast = torch.get_autocast_dtype(self.kind) if torch.is_autocast_enabled(self.kind) else None
         self.cuda = None
         if self.kind == "cuda":
-            self.cuda = torch.cuda.Stream(device)
+            if stream.cuda_stream is None:  # one for the stream's life: the allocator caches memory per CUDA stream
+                stream.cuda_stream = torch.cuda.Stream(device)
+            self.cuda = stream.cuda_stream
             self.cuda.wait_stream(torch.cuda.current_stream(device))
         self.start_steps = stream.decode_steps
         self.switch = beside_decoding()
