@@ -339,7 +339,7 @@ def timed_rollout(args, engine, requests, sampling, continuation, i: int) -> tup
     print(f"  run {i}{' (warm-up)' if i == 0 else ''}: {tokens} tokens in {seconds:.2f} s "
           f"= {tokens / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps, "
           f"{engine.stats['waiting_s']:.2f} s waiting for replies (a reply {engine.stats['mean_reply_ms']:.1f} ms "
-          "after its turn ended)", file=sys.stderr)
+          f"after its turn ended; {engine.stats['replies_pending_s']:.2f} s with a reply pending)", file=sys.stderr)
     return tokens, seconds
 
 
@@ -370,7 +370,7 @@ def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: 
     print(f"  run {i} over HTTP{' (warm-up)' if i == 0 else ''}: {sampled} tokens in {seconds:.2f} s "
           f"= {sampled / seconds:,.0f} tok/s, {engine.stats['steps']} engine steps, "
           f"{engine.stats['waiting_s']:.2f} s waiting for replies (a reply {engine.stats['mean_reply_ms']:.1f} ms "
-          "after its turn ended)", file=sys.stderr)
+          f"after its turn ended; {engine.stats['replies_pending_s']:.2f} s with a reply pending)", file=sys.stderr)
     return seconds
 
 

@@ -65,6 +65,16 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     return t, lp, ready
 
 
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds inside at least one of the (start, end) spans: an episodes' rollout's time with a turn awaiting its
+    reply (where the engine decoded only the others, if any)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(b - max(a, reach), 0.0)
+        reach = max(reach, b)
+    return total
+
+
 def routing_to_host(seqs: list[Sequence]) -> list[torch.Tensor] | None:
     """Each sequence's routing record ([completion tokens, MoE layers, k]), brought to the host in one copy;
     None for a dense model's."""
@@ -259,7 +269,7 @@ class LLMEngine:
                 for future in done:
                     if future in pending:
                         seq, submitted = pending.pop(future)
-                        self._reply_s.append(time.perf_counter() - submitted)
+                        self._replies.append((submitted, time.perf_counter()))
                         self._apply_reply(seq, future.result())
                 if not self.scheduler.is_finished() or self._ahead is not None:
                     self.step()
@@ -381,7 +391,7 @@ class LLMEngine:
         self._ahead = None  # (sequences, logits) of a decode step launched before the host saw the previous tokens
         self._steps = self._lookahead_steps = 0
         self._waiting_s = 0.0  # episodes: seconds with nothing to compute, waiting for a continuation's reply
-        self._reply_s: list[float] = []  # episodes: each turn's seconds from its end to its reply's taking
+        self._replies: list[tuple[float, float]] = []  # episodes: each turn's end and its reply's taking
 
     def _release_window(self) -> tuple[int, int] | None:
         """(keys, tile) where every attention layer has a sliding window: the blocks before a sequence's window go
@@ -404,7 +414,8 @@ class LLMEngine:
         self.stats = {"steps": self._steps, "lookahead_steps": self._lookahead_steps,
                       "preemptions": scheduler.num_preemptions, "num_blocks": bm.num_blocks,
                       "prefill_tokens": scheduler.num_prefill_tokens, "waiting_s": self._waiting_s,
-                      "mean_reply_ms": 1e3 * sum(self._reply_s) / max(len(self._reply_s), 1)}
+                      "mean_reply_ms": 1e3 * sum(b - a for a, b in self._replies) / max(len(self._replies), 1),
+                      "replies_pending_s": covered(self._replies)}
         self.scheduler = None
         if bm.num_free != bm.num_blocks:
             raise AssertionError(f"{bm.num_blocks - bm.num_free} KV blocks leaked")

@@ -184,6 +184,15 @@ def test_a_request_added_while_the_engine_waits_wakes_it(model):
     assert ended[2] < ended["reply 1"]
     # the engine waited, with nothing to compute, for most of reply 1's second; a reply came 1/3 s late on average
     assert 0.5 < engine.stats["waiting_s"] < 1.5 and engine.stats["mean_reply_ms"] > 300
+    # a reply was pending through reply 1's second, the others' spans inside it
+    assert 1.0 <= engine.stats["replies_pending_s"] < 1.5
+
+
+def test_the_time_with_a_reply_pending_counts_overlapping_turns_once():
+    from rlcu.engine.llm_engine import covered
+
+    assert covered([]) == 0.0
+    assert covered([(2.0, 3.0), (0.0, 1.0), (0.5, 1.5), (1.2, 1.4)]) == 2.5
 
 
 def test_spawned_requests_are_numbered_after_the_prompts_and_taken_by_backends_that_say_so(model):
