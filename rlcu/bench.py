@@ -534,7 +534,9 @@ def bench_step(args) -> dict:
             if "streaming/decode_batch_mean" in m:
                 steps[-1].update(staleness=float(m["streaming/staleness_mean"]),
                                  dropped=float(m["streaming/dropped_stale"]),
-                                 decode_batch=float(m["streaming/decode_batch_mean"]))
+                                 decode_batch=float(m["streaming/decode_batch_mean"]),
+                                 decode_steps=float(m["streaming/decode_steps"]),
+                                 beside=float(m.get("streaming/decode_steps_beside", 0.0)))
             steps[-1]["mean_length"] = float(m["completions/mean_length"])
             steps[-1]["clipped_ratio"] = float(m["completions/clipped_ratio"])  # the share that reached new_tokens
             if "logprob_mismatch/max" in m:
@@ -591,7 +593,10 @@ def bench_step(args) -> dict:
                 trained_tokens_per_s=round(sum(s["tokens"] for s in steady) / sum(s["total"] for s in steady), 1),
                 **({"staleness_mean": round(sum(s["staleness"] for s in steady) / len(steady), 2),
                     "dropped_stale": sum(s["dropped"] for s in steps),
-                    "decode_batch_mean": round(sum(s["decode_batch"] for s in steady) / len(steady), 1)}
+                    "decode_batch_mean": round(sum(s["decode_batch"] for s in steady) / len(steady), 1),
+                    # decode steps a steady step ran, and of them those beside the training before it
+                    "decode_steps_mean": round(sum(s["decode_steps"] for s in steady) / len(steady), 1),
+                    "decode_steps_beside_mean": round(sum(s["beside"] for s in steady) / len(steady), 1)}
                    if args.streaming else {}),
                 mean_length=round(sum(s["mean_length"] for s in steady) / len(steady), 1),
                 clipped_ratio=round(sum(s["clipped_ratio"] for s in steady) / len(steady), 3),

@@ -284,6 +284,8 @@ def test_bench_step_streams_on_long_tail_lengths_the_same_samples_as_the_synchro
     beside = last_json(capsys)
     assert beside["decode_steps_during_training"] == 8 and len(beside["step_seconds"]) == 3
     assert beside["trained_tokens_per_s"] > 0 and 0 <= beside["staleness_mean"] <= 2
+    assert 0 < beside["decode_steps_beside_mean"] <= min(9, beside["decode_steps_mean"])  # 8, +1 the step ahead
+    assert stream["decode_steps_beside_mean"] == 0
     from rlcu.engine.scheduler import Scheduler
 
     assert Scheduler.postprocess.__name__ == "postprocess"  # the planned lengths end with the bench
