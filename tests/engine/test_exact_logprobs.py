@@ -113,6 +113,22 @@ def test_an_fp8_cache_keeps_the_logprobs_bit_for_bit(tmp_path, monkeypatch):
     assert (unrounded - sampler)[real].abs().max() > 1e-4
 
 
+@pytest.mark.slow
+def test_a_hybrids_preempted_sequences_keep_the_logprobs_bit_for_bit(tmp_path, monkeypatch):
+    """Gated DeltaNet beside full attention, a pool of 16 blocks for 12 sequences: preempted sequences give their
+    blocks and state slots back and are recomputed from their tokens, and every sampled logprob is still the
+    training forward's."""
+    model = exact_model(tmp_path, monkeypatch, "qwen3_5_text")
+    engine = LLMEngine(model, EngineConfig(block_size=4, max_num_batched_tokens=20, max_num_seqs=6, num_blocks=16,
+                                           numerics=EXACT))
+    out = engine.generate([p for p in PROMPTS_ for _ in range(2)],
+                          SamplingParams(max_tokens=16, temperature=1.0, stop_token_ids=[EOS], seed=1))
+    assert engine.stats["preemptions"] > 0
+    ids, mask, sampler, real = padded_batch(out)
+    trainer = trainer_logprobs(model, ids, mask, real.shape[1], 5, temperature=1.0)
+    assert real.sum() > 60 and torch.equal(trainer[real], sampler[real]), (trainer - sampler)[real].abs().max()
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text", "qwen3_5_text"])
 def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch, family):
     """The exact forward's backward (recomputed with PyTorch) is PackedAttention's gradient."""
