@@ -169,8 +169,8 @@ class DecodeBeside:
             self.cuda = stream.cuda_stream
             self.cuda.wait_stream(torch.cuda.current_stream(device))
         self.start_steps = stream.decode_steps
-        self.switch = beside_decoding()
-        self.switch.__enter__()
+        self.switch = contextlib.ExitStack()  # the shortened switch interval, until wait()
+        self.switch.enter_context(beside_decoding())
         self.thread = threading.Thread(target=self._work, name="rlcu-decode-beside", daemon=True)
         self.thread.start()
 
@@ -198,7 +198,7 @@ class DecodeBeside:
     def wait(self) -> int:
         """Until the steps are done (their GPU work ordered before the caller's next); returns how many ran."""
         self.thread.join()
-        self.switch.__exit__(None, None, None)
+        self.switch.close()
         if self.cuda is not None:
             torch.cuda.current_stream(self.cuda.device).wait_stream(self.cuda)
         if self.error is not None:

@@ -1,6 +1,7 @@
 """Streaming GRPO against the synchronous run: with max_staleness=0 it is the synchronous run, step for step;
 ahead of it, each token's policy version is the weights that drew it, stale groups are dropped and counted,
 and a resumed run submits the pending prompts again."""
+import sys
 import threading
 
 import lightning.pytorch as L
@@ -266,11 +267,11 @@ def test_decoding_beside_training_ends_before_each_optimizer_step(tmp_path, monk
     for cls, name, fn in ((GRPOModule, "before_weights_change", then_step), (Update, "_optimizer_step", step_and_clear),
                           (LLMEngine, "step", watched), (Scheduler, "postprocess", recording)):
         monkeypatch.setattr(cls, name, fn)
-    versions = Versions(module)
+    versions, interval = Versions(module), sys.getswitchinterval()
     trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[versions])
     trainer.fit(module, PromptDataModule(toy_rows(40, seed=1), batch_size=2, seed=1))
-    assert module.global_step == 5
+    assert module.global_step == 5 and sys.getswitchinterval() == interval  # shortened only while decoding beside
     assert not any(overlapped for _, overlapped, _ in steps) and all(same for _, _, same in steps)
     assert sum(name == "rlcu-decode-beside" for name, _, _ in steps) >= 4 * 4
     assert all(versions.of[v] == c for v, c in drawn)
