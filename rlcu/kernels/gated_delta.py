@@ -264,9 +264,9 @@ def _conv_triton(x, weight, pool, slots, cu):
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
     k, block_c, n = weight.shape[1], 256, len(slots)
-    _conv_sequences_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots, slots if cu is None else cu, out,
-                                                         x.stride(0), c, k, BLOCK_C=block_c, BLOCK_K=next_pow2(k),
-                                                         ONE_TOKEN=cu is None)
+    _conv_sequences_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots.long(), _cu32(cu, x.device), out,
+                                                         x.stride(0), c, k, int(cu is None), BLOCK_C=block_c,
+                                                         BLOCK_K=next_pow2(k))
     return out
 
 
@@ -336,6 +336,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == x.shape[-1]) else x.contiguous()
 
 
+def _cu32(cu, device):
+    """The kernels' CU as int32 on every path (a decode step's is never read): its pointer type is part of the
+    compiled binary, which decode steps and sequences must share."""
+    return torch.empty(1, dtype=torch.int32, device=device) if cu is None else cu.to(torch.int32)
+
+
 def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None):
     """`cu` None: one token a sequence (a decode step)."""
     (hk, dk), (hv, dv), n = q.shape[1:], v.shape[1:], len(slots)
@@ -344,9 +350,9 @@ def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None):
     block_k = next_pow2(dk)
     block_v = min(next_pow2(dv), max(16, 4096 // block_k))  # a [Dk, BV] tile of the state in registers, no spills
     _sequences_kernel[(n, hv, triton.cdiv(dv, block_v))](
-        q, k, v, a, b, A_log, dt_bias, pool, slots, slots if cu is None else cu, o, q.stride(0), k.stride(0),
-        v.stride(0), a.stride(0), b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, BLOCK_K=block_k,
-        BLOCK_V=block_v, ONE_TOKEN=cu is None)
+        q, k, v, a, b, A_log, dt_bias, pool, slots.long(), _cu32(cu, v.device), o, q.stride(0), k.stride(0),
+        v.stride(0), a.stride(0), b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, int(cu is None),
+        BLOCK_K=block_k, BLOCK_V=block_v)
     return o
 
 
@@ -371,17 +377,19 @@ if HAS_TRITON:
         tl.store(base + js[None, :], nxt.to(base.dtype.element_ty), mask=inside)
         tl.debug_barrier()  # and every write before the next token's reads
 
-    @triton.jit
-    def _conv_sequences_kernel(X, W, POOL, SLOTS, CU, OUT, stride_x, c, k, BLOCK_C: tl.constexpr,
-                               BLOCK_K: tl.constexpr, ONE_TOKEN: tl.constexpr):
+    @triton.jit(do_not_specialize=["one_token"])
+    def _conv_sequences_kernel(X, W, POOL, SLOTS, CU, OUT, stride_x, c, k, one_token, BLOCK_C: tl.constexpr,
+                               BLOCK_K: tl.constexpr):
         """One (sequence, block of channels): its tokens one after another (`_conv_token`), its window in the pool
-        at its slot. ONE_TOKEN (a decode step): row `seq` is the sequence's one token, and CU is not read."""
+        at its slot. `one_token` (a decode step): row `seq` is the sequence's one token, and CU is not read. A
+        runtime argument, not specialized: decode steps and sequences run one binary, so one token's arithmetic
+        (its contractions into FMAs, its reduction trees) is the same on both sides."""
         seq, cb = tl.program_id(0), tl.program_id(1)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         slot = tl.load(SLOTS + seq).to(tl.int64)
         base = POOL + slot * c * (k - 1) + cs[:, None] * (k - 1)
         start, end = seq, seq + 1
-        if not ONE_TOKEN:
+        if one_token == 0:
             start, end = tl.load(CU + seq), tl.load(CU + seq + 1)
         for t in range(start, end):
             _conv_token(X, t * stride_x, W, base, OUT, t * c, cs, cs < c, tl.arange(0, BLOCK_K), k)
@@ -409,13 +417,13 @@ if HAS_TRITON:
         tl.store(O + o_offset + vs, out.to(O.dtype.element_ty), mask=vm)
         return s
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["one_token"])
     def _sequences_kernel(Q, K, V, A, B, A_LOG, DT_BIAS, POOL, SLOTS, CU, O, stride_q, stride_k, stride_v, stride_a,
-                          stride_b, group, dk, dv, hv, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                          ONE_TOKEN: tl.constexpr):
+                          stride_b, group, dk, dv, hv, scale, eps, one_token, BLOCK_K: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
         """One (sequence, value head, block of value dims): its tokens one after another (`_delta_token`), the state
-        in registers between them and in the pool at its slot before and after. ONE_TOKEN (a decode step): row `seq`
-        is the sequence's one token, and CU is not read."""
+        in registers between them and in the pool at its slot before and after. `one_token` (a decode step): row
+        `seq` is the sequence's one token, and CU is not read; runtime, not specialized, as the convolution's."""
         seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ks = tl.arange(0, BLOCK_K)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -424,7 +432,7 @@ if HAS_TRITON:
         ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
         s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0)
         start, end = seq, seq + 1
-        if not ONE_TOKEN:
+        if one_token == 0:
             start, end = tl.load(CU + seq), tl.load(CU + seq + 1)
         for t in range(start, end):
             s = _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, t * stride_q + (h // group) * dk,

@@ -68,6 +68,24 @@ def test_training_rows_take_their_own_tiles_with_the_same_bits(monkeypatch, n, k
         assert torch.equal(linear_triton(x[i:i + 1], w, b), full[i:i + 1])
 
 
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("k,n", [(256, 88), (24, 256)])  # the GPU exact test's tiny hybrid: in_proj, out_proj
+def test_rows_keep_their_bits_where_k_and_n_are_not_whole_tiles(monkeypatch, k, n):
+    """A layer whose K or N is no multiple of any tile (Gated DeltaNet's fused in_proj of 88 columns, its out_proj
+    of K=24): a row alone (a decode step's tile, K 128 wide), among 7, among 200 and in a training forward's tiles
+    is the same bits."""
+    from rlcu.kernels import matmul
+
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 150)
+    x, w, _ = inputs(200, k, n, DTYPES[-1], bias=False, seed=7)
+    full = linear_triton(x, w)
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 1 << 30)
+    assert torch.equal(linear_triton(x, w), full) and tiles(200, n, k) != tiles(1, n, k)
+    for i in (0, 77, 199):
+        assert torch.equal(linear_triton(x[i:i + 1], w), full[i:i + 1])
+    assert torch.equal(linear_triton(x[60:67], w), full[60:67])
+
 @pytest.mark.parametrize("group_m", [1, 3, 8])
 def test_row_tiles_in_groups_cover_every_tile_with_the_same_bits(group_m):
     """11 row tiles by 5 column tiles: groups of 3 and 8 leave a short last group; each tile is written (the

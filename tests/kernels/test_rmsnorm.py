@@ -98,3 +98,16 @@ def _rms64(x, w, residual=None, eps=1e-6, offset=0.0):
     s = x + residual if residual is not None else x
     out = (offset + w) * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     return (out, s) if residual is not None else out
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_around_it():
+    """Exact numerics' gated norm (rlcu/models/linear_attention.py): each value head's output of 6 (the GPU exact
+    test's tiny hybrid) or 128 wide, normed alone, among a decode step's rows or among a training forward's, is the
+    same bits."""
+    g = torch.Generator().manual_seed(3)
+    for width in (6, 128):
+        x = torch.randn(300, 4, width, generator=g).to(DTYPES[-1]).to(DEVICE)
+        w = (1 + 0.1 * torch.randn(width, generator=g)).to(DEVICE)
+        full = rms_norm_triton(x, w, 1e-6)
+        for rows in (slice(0, 1), slice(5, 12), slice(100, 164), slice(299, 300)):
+            assert torch.equal(rms_norm_triton(x[rows], w, 1e-6), full[rows])
