@@ -6,12 +6,19 @@ forward's ("off"), the largest difference, the first (row, position) pairs, and 
 position off, how many follow, and the row's prompt and completion lengths.
 
 A variant may name engine settings after a colon, to bisect the engine's features the same way:
-`q35-all-linear:lookahead=0,cuda_graphs=0` (EngineConfig's fields; 0/1 for booleans).
+`q35-all-linear:lookahead=0,cuda_graphs=0` (EngineConfig's fields; 0/1 for booleans). `ops=1` among them (CUDA
+graphs off, so that every call is seen) bisects by operation: forward hooks on the row-local modules (linear
+layers, norms, MLPs: each output row a function of its input row alone) record what each gave the engine, input
+bits to output bits, and the training forward's rows are looked up there. A module whose same input gave another
+output is batch-variant; when every module agrees, the gap is in what carries state (the convolution, the delta
+rule, attention). Prints `DIAG-OPS` lines: per module, rows with the same output, another output, an input the
+engine never saw.
 
     PYTHONPATH=. python3 benchmarks/exact_hybrid_layers.py [VARIANT[:FIELD=VALUE,...] ...]   (from the repository root)
 """
 import sys
 import tempfile
+from collections import Counter, defaultdict
 
 import torch
 
@@ -43,6 +50,55 @@ def engine_settings(spec: str) -> dict:
     return out
 
 
+ROW_LOCAL = ("Linear", "FusedLinear", "RMSNorm", "GatedRMSNorm", "MLP")
+
+
+class OpRecorder:
+    """Forward hooks on the row-local modules: while `recording`, each output row's bits are kept under its input
+    rows' bits, per module; afterwards each row is counted as "same", "other" (the same input gave other bits) or
+    "unseen". Rows: the output's leading dimensions, each input taken as that many rows."""
+
+    def __init__(self, model):
+        self.recording, self.seen, self.counts = True, defaultdict(dict), defaultdict(Counter)
+        self.order = []
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules()
+                        if type(m).__name__ in ROW_LOCAL]
+
+    @staticmethod
+    def _rows(t: torch.Tensor, r: int) -> list[bytes]:
+        b = t.detach().contiguous().reshape(r, -1).view(torch.uint8).cpu().numpy()
+        return [row.tobytes() for row in b]
+
+    def _hook(self, name):
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
+            if not torch.is_tensor(out) or out.dim() < 2:
+                return
+            r = out.numel() // out.shape[-1]
+            ins = [self._rows(a, r) for a in args if torch.is_tensor(a) and a.dim() and a.numel() % r == 0]
+            keys = [b"|".join(parts) for parts in zip(*ins)]
+            if name not in self.order:
+                self.order.append(name)
+            seen = self.seen[name]
+            for key, value in zip(keys, self._rows(out, r)):
+                if self.recording:
+                    seen[key] = value
+                else:
+                    self.counts[name]["unseen" if key not in seen else "same" if seen[key] == value else "other"] += 1
+        return hook
+
+    def report(self, label: str) -> None:
+        for name in self.order:
+            c = self.counts[name]
+            if c["other"] or name == self.order[0]:
+                print(f"DIAG-OPS {label}: {name} same {c['same']} other {c['other']} unseen {c['unseen']}",
+                      flush=True)
+        print(f"DIAG-OPS {label}: modules with another output: "
+              f"{[n for n in self.order if self.counts[n]['other']] or 'none'}", flush=True)
+        for h in self.handles:
+            h.remove()
+
+
 def rows_off(gap, real, out) -> str:
     """Per row with a token off: row, first position off, tokens off, prompt and completion lengths."""
     parts = []
@@ -58,6 +114,9 @@ def main():
         name, _, spec = arg.partition(":")
         family, over = variants[name]
         settings = engine_settings(spec)
+        ops = settings.pop("ops", False)
+        if ops:
+            settings["cuda_graphs"] = False
         for prec in ("bf16-autocast", "bf16-weights"):
             try:
                 with tempfile.TemporaryDirectory() as d:
@@ -70,8 +129,11 @@ def main():
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=prec == "bf16-autocast"):
                     engine = LLMEngine(model, EngineConfig(**{**dict(max_num_batched_tokens=300, max_num_seqs=64,
                                                                      numerics=Numerics.EXACT), **settings}))
+                    recorder = OpRecorder(model) if ops else None
                     out = engine.generate(rows, sp)
                     ids, mask, sampler, real = padded_batch(out)
+                    if recorder:
+                        recorder.recording = False
                     tr = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], 7, 1.0).float().cpu()
                 gap = (tr - sampler).abs() * real
                 bad = (gap > 0).nonzero().tolist()
@@ -79,6 +141,8 @@ def main():
                       f"first {bad[:4]} stats {engine.stats}", flush=True)
                 if bad:
                     print(f"DIAG {arg} {prec}: {rows_off(gap, real, out)}", flush=True)
+                if recorder:
+                    recorder.report(f"{arg} {prec}")
             except Exception as e:
                 print(f"DIAG {arg} {prec}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
 

@@ -22,7 +22,7 @@
 # fp8 (the rollouts and the two 0.6B steps with kv_cache_dtype auto, then fp8), streaming (issue #44: the 8x8 step
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile; BESIDE="64 128" adds streaming with that many decode steps beside each step's training, and the 1.7B
-# long-tail pair with BESIDE's first), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
+# long tail synchronous, then streaming with 0 and BESIDE's first, or LONG_BESIDE's values, beside), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
 # curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
@@ -88,7 +88,8 @@ case $part in
           rows) [ $mode = exact ] && log exact-decode-rows python3 benchmarks/exact_decode_rows.py ;;
           layers) [ $mode = exact ] && log exact-hybrid-layers python3 benchmarks/exact_hybrid_layers.py \
             q35-all-linear q35-all-linear:lookahead=0 q35-all-linear:cuda_graphs=0 \
-            q35-all-linear:lookahead=0,cuda_graphs=0 q35-all-linear:max_num_seqs=128
+            q35-all-linear:lookahead=0,cuda_graphs=0 q35-all-linear:max_num_seqs=128 q35-all-linear:ops=1 \
+            qnext-default:ops=1
             [ $mode = exact ] && log exact-delta-kernels python3 -m pytest -q -rf tests/kernels/test_gated_delta.py \
               -k exact_sequences ;;
           hybrid)
@@ -189,7 +190,9 @@ case $part in
         --stop_tokens 512 --streaming --decode_steps_during_training "$n"
     done
     if [[ -n ${BESIDE:-} ]]; then
-      for n in 0 ${BESIDE%% *}; do
+      log longtail-sync rlcu bench step --model qwen3-1.7b-random --prompts 32 --generations 8 --new_tokens 4096 \
+        --lengths lognormal --micro_batch_size 16 --packing --steps 3
+      for n in ${LONG_BESIDE:-0 ${BESIDE%% *}}; do
         log longtail-stream-beside$n rlcu bench step --model qwen3-1.7b-random --prompts 32 --generations 8 \
           --new_tokens 4096 --lengths lognormal --micro_batch_size 16 --packing --steps 4 --streaming \
           --max_staleness 2 --decode_steps_during_training "$n"
