@@ -382,8 +382,8 @@ if HAS_TRITON:
                                BLOCK_K: tl.constexpr):
         """One (sequence, block of channels): its tokens one after another (`_conv_token`), its window in the pool
         at its slot. `one_token` (a decode step): row `seq` is the sequence's one token, and CU is not read. A
-        runtime argument, not specialized: decode steps and sequences run one binary, so one token's arithmetic
-        (its contractions into FMAs, its reduction trees) is the same on both sides."""
+        runtime argument, not specialized: decode steps and sequences run one binary, a token's arithmetic compiled
+        once for both (two binaries of this source gave decode states apart in the last bits on an H100)."""
         seq, cb = tl.program_id(0), tl.program_id(1)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         slot = tl.load(SLOTS + seq).to(tl.int64)
