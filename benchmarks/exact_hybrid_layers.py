@@ -88,9 +88,9 @@ class OpRecorder:
         return hook
 
     def report(self, label: str) -> None:
-        for name in self.order:
+        for name in self.order:  # in forward order: the first module with rows unseen is where the gap begins
             c = self.counts[name]
-            if c["other"] or name == self.order[0]:
+            if c["other"] or c["unseen"] or name == self.order[0]:
                 print(f"DIAG-OPS {label}: {name} same {c['same']} other {c['other']} unseen {c['unseen']}",
                       flush=True)
         print(f"DIAG-OPS {label}: modules with another output: "
