@@ -265,7 +265,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max_staleness", type=int, default=4, help="with --streaming (the module's option)")
     s.add_argument("--max_inflight_tasks", type=int, default=-1, help="with --streaming (the module's option)")
     s.add_argument("--decode_steps_during_training", type=int, default=0,
-                   help="with --streaming: decode steps beside each step's scoring and training (the module's option)")
+                   help="with --streaming: decode steps beside each step's scoring and training (the module's option; "
+                        "-1: until the training is done)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2", "tp"), default="auto",
                    help="with --devices > 1: ddp, fsdp2 (FSDP shards; rollouts on the gathered model), or tp (each "

@@ -92,8 +92,8 @@ class EngineStream:
         self.decoded_rows += running
 
     def decode_beside(self, steps: int) -> DecodeBeside:
-        """`steps` decode steps (fewer if the requests run out) in a worker thread, on the parameters as they are:
-        the caller must not change them before `DecodeBeside.wait()` returns."""
+        """`steps` decode steps (fewer if the requests run out; -1: until `wait()` is called) in a worker thread, on
+        the parameters as they are: the caller must not change them before `DecodeBeside.wait()` returns."""
         return DecodeBeside(self, steps)
 
     def release(self, force: bool = False) -> None:
@@ -157,6 +157,7 @@ class DecodeBeside:
 
     def __init__(self, stream: EngineStream, steps: int):
         self.stream, self.steps, self.asked, self.error = stream, steps, 0, None
+        self.done = threading.Event()  # steps -1: set by wait(), the decode loop stops at its next step
         with torch.inference_mode(False), torch.no_grad():  # the pool (if released) taken here, not in the worker
             stream.engine._prepare_runner(stream.num_blocks, stream.state_slots)
         device = stream.engine.model.device
@@ -176,7 +177,7 @@ class DecodeBeside:
 
     def _until(self) -> bool:
         self.asked += 1
-        return self.asked > self.steps
+        return self.done.is_set() if self.steps < 0 else self.asked > self.steps
 
     def _work(self) -> None:
         runner = self.stream.engine.runner
@@ -197,6 +198,7 @@ class DecodeBeside:
 
     def wait(self) -> int:
         """Until the steps are done (their GPU work ordered before the caller's next); returns how many ran."""
+        self.done.set()
         self.thread.join()
         self.switch.close()
         if self.cuda is not None:

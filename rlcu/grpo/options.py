@@ -341,8 +341,9 @@ class StreamingOptions(OptionGroup):
     max_inflight_tasks: int = option(-1, "streaming: samples in flight, in whole steps (TRL's; -1: max(max_staleness, "
                                          "1) steps' worth)", minimum=-1)
     decode_steps_during_training: int = option(0, "streaming: decode steps each step runs beside its scoring and "
-                                                  "training, on the weights before its optimizer step (0: none); the "
-                                                  "KV pool then stays allocated through training", minimum=0)
+                                                  "training, on the weights before its optimizer step (0: none; -1: "
+                                                  "until the training is done, as many as fit, not reproducible); "
+                                                  "the KV pool then stays allocated through training", minimum=-1)
 
     def check(self) -> None:
         if self.max_inflight_tasks == 0:

@@ -89,8 +89,9 @@ class RolloutStream(Protocol):
         """(decode steps, mean sequences a step) since the last call."""
 
     def decode_beside(self, steps: int) -> Any:
-        """Up to `steps` decode steps in a worker thread, on the parameters as they are; the returned handle's
-        `wait()` (before the parameters change) returns how many ran. Needed only by decode_steps_during_training."""
+        """Up to `steps` decode steps in a worker thread (-1: until `wait()`), on the parameters as they are; the
+        returned handle's `wait()` (before the parameters change) returns how many ran. Needed only by
+        decode_steps_during_training."""
 
     def close(self) -> None: ...
 

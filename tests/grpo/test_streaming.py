@@ -165,6 +165,8 @@ def test_streaming_refuses_what_it_cannot_run(tmp_path):
         make(tiny, decode_steps_during_training=4)
     with pytest.raises(ValueError, match="lora_dropout"):
         make(tiny, streaming=True, decode_steps_during_training=4, peft_config={"r": 4, "lora_dropout": 0.05})
+    with pytest.raises(ValueError, match="decode_steps_during_training must be >= -1"):
+        make(tiny, streaming=True, decode_steps_during_training=-2)
 
 
 def test_a_stop_request_ends_the_stream_between_decode_steps_and_keeps_the_pending_prompts(tmp_path, monkeypatch):
@@ -235,11 +237,13 @@ def test_decoding_beside_training_is_the_run_that_decodes_those_steps_first(tmp_
     assert [m["streaming/decode_steps_beside"] for m in threaded_metrics[1:]] == [4.0] * 4  # +1: the step ahead
 
 
-def test_decoding_beside_training_ends_before_each_optimizer_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("beside", [4, -1], ids=["4-steps", "until-trained"])
+def test_decoding_beside_training_ends_before_each_optimizer_step(tmp_path, monkeypatch, beside):
     """Every decode step starts and ends on one set of weights, none while the optimizer steps, and its tokens record
-    the version of those weights; some of them run in the worker beside training."""
+    the version of those weights; some of them run in the worker beside training (4 a step, or with -1 as many as
+    the training leaves time for)."""
     module = make(toy_model(tmp_path / "m"), streaming=True, max_staleness=3, max_completion_length=24,
-                  max_inflight_tasks=3 * 2 * 4, stop=UNEVEN, decode_steps_during_training=4)
+                  max_inflight_tasks=3 * 2 * 4, stop=UNEVEN, decode_steps_during_training=beside)
     stepping, steps, drawn = [False], [], []
     wait, optimizer_step, engine_step, postprocess = (GRPOModule.before_weights_change, Update._optimizer_step,
                                                       LLMEngine.step, Scheduler.postprocess)
@@ -273,5 +277,5 @@ def test_decoding_beside_training_ends_before_each_optimizer_step(tmp_path, monk
     trainer.fit(module, PromptDataModule(toy_rows(40, seed=1), batch_size=2, seed=1))
     assert module.global_step == 5 and sys.getswitchinterval() == interval  # shortened only while decoding beside
     assert not any(overlapped for _, overlapped, _ in steps) and all(same for _, _, same in steps)
-    assert sum(name == "rlcu-decode-beside" for name, _, _ in steps) >= 4 * 4
+    assert sum(name == "rlcu-decode-beside" for name, _, _ in steps) >= (4 * 4 if beside > 0 else 1)
     assert all(versions.of[v] == c for v, c in drawn)
