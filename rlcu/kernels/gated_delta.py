@@ -339,7 +339,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _cu32(cu, device):
     """The kernels' CU as int32 on every path (a decode step's is never read): its pointer type is part of the
     compiled binary, which decode steps and sequences must share."""
-    return torch.empty(1, dtype=torch.int32, device=device) if cu is None else cu.to(torch.int32)
+    return _unread_cu(device) if cu is None else cu.to(torch.int32)
+
+
+@functools.cache
+def _unread_cu(device: torch.device) -> torch.Tensor:
+    """A decode step's CU, one per device: never read, so no decode step allocates one."""
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None):
