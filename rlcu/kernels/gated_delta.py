@@ -266,7 +266,7 @@ def _conv_triton(x, weight, pool, slots, cu):
     k, block_c, n = weight.shape[1], 256, len(slots)
     _conv_sequences_kernel[(n, triton.cdiv(c, block_c))](x, weight, pool, slots.long(), _cu32(cu, x.device), out,
                                                          x.stride(0), c, k, int(cu is None), BLOCK_C=block_c,
-                                                         BLOCK_K=next_pow2(k))
+                                                         BLOCK_K=next_pow2(k), enable_fp_fusion=False)
     return out
 
 
@@ -358,7 +358,7 @@ def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None):
     _sequences_kernel[(n, hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, pool, slots.long(), _cu32(cu, v.device), o, q.stride(0), k.stride(0),
         v.stride(0), a.stride(0), b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, int(cu is None),
-        BLOCK_K=block_k, BLOCK_V=block_v)
+        BLOCK_K=block_k, BLOCK_V=block_v, enable_fp_fusion=False)
     return o
 
 
@@ -388,8 +388,10 @@ if HAS_TRITON:
                                BLOCK_K: tl.constexpr):
         """One (sequence, block of channels): its tokens one after another (`_conv_token`), its window in the pool
         at its slot. `one_token` (a decode step): row `seq` is the sequence's one token, and CU is not read. A
-        runtime argument, not specialized: decode steps and sequences run one binary, a token's arithmetic compiled
-        once for both (two binaries of this source gave decode states apart in the last bits on an H100)."""
+        runtime argument, not specialized: decode steps and sequences run one binary (two binaries of this source
+        gave decode states apart in the last bits on an H100). Launched without fused multiply-adds
+        (enable_fp_fusion=False): a decode step runs the token loop once, a sequence many times, through different
+        copies of its body once the compiler has pipelined it, and the copies may fuse differently."""
         seq, cb = tl.program_id(0), tl.program_id(1)
         cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         slot = tl.load(SLOTS + seq).to(tl.int64)
@@ -429,7 +431,8 @@ if HAS_TRITON:
                           BLOCK_V: tl.constexpr):
         """One (sequence, value head, block of value dims): its tokens one after another (`_delta_token`), the state
         in registers between them and in the pool at its slot before and after. `one_token` (a decode step): row
-        `seq` is the sequence's one token, and CU is not read; runtime, not specialized, as the convolution's."""
+        `seq` is the sequence's one token, and CU is not read; runtime, not specialized, and launched without fused
+        multiply-adds, as the convolution's."""
         seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ks = tl.arange(0, BLOCK_K)
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
