@@ -23,7 +23,8 @@
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile; BESIDE="64 128" adds streaming with that many decode steps beside each step's training, and the 1.7B
 # long tail synchronous, then streaming with 0 and BESIDE's first, or LONG_BESIDE's values, beside), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
-# curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
+# stream-curves (issue #44: recipes synchronous and streaming over seeds, held-out accuracy per sample trained;
+# RECIPES, SEEDS, STEPS, EVERY), curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
 # default "gsm8k reasoning-gym", MODEL the model, default smollm2-135m-instruct, TRL_EVAL_EVERY TRL's steps between
 # held-out evaluations, default the recipe's; SIDES "rlcu", "trl" or both, the default: one side per run of
@@ -209,6 +210,30 @@ case $part in
       log rollout512-$kv rlcu bench rollout --sequences 512 --new_tokens 512 --kv_cache_dtype $kv
       log step8x8-$kv rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 4 --kv_cache_dtype $kv
       log step32x8-$kv rlcu bench step --prompts 32 --generations 8 --new_tokens 512 --steps 3 --kv_cache_dtype $kv
+    done ;;
+  stream-curves)
+    # issue #44: each recipe (RECIPES, default "arithmetic reasoning-gym") for STEPS optimizer steps (default 50),
+    # held-out greedy accuracy every EVERY steps (default 10), synchronous then streaming, with each seed of SEEDS
+    # (default "0 1 2") as both the run's and the sampler's seed; then recipes/seed_curves.py on the CSVs
+    root=$PWD; out=$(cd "$out" && pwd)
+    for recipe in ${RECIPES:-arithmetic reasoning-gym}; do
+      csvs=()
+      for mode in synchronous streaming; do
+        run=("--run" "$mode")
+        for seed in ${SEEDS:-0 1 2}; do
+          dir="$out/$recipe-$mode-s$seed"; mkdir -p "$dir"
+          (cd "$dir" && log "$recipe-$mode-s$seed" python3 -m rlcu.cli run "$recipe" --seed_everything="$seed" \
+            --model.seed="$seed" --trainer.max_steps="${STEPS:-50}" --trainer.max_time=null \
+            --trainer.val_check_interval="${EVERY:-10}" --model.eval_num_samples=0 \
+            --model.streaming="$([ $mode = streaming ] && echo true || echo false)")
+          cp "$dir/runs/$recipe/version_0/metrics.csv" "$out/$recipe-$mode-s$seed.csv" && run+=("$out/$recipe-$mode-s$seed.csv")
+        done
+        csvs+=("${run[@]}")
+      done
+      per_step=$(python3 -c "import yaml; c = yaml.safe_load(open('$root/recipes/$recipe/config.yaml')); \
+        print(c['data']['batch_size'] * c['model']['num_generations'])")
+      python3 "$root/recipes/seed_curves.py" "${csvs[@]}" --samples_per_step "$per_step" --out "$out/$recipe-streaming.png" \
+        | tee "$out/$recipe-streaming.md"
     done ;;
   curves)
     out=$(cd "$out" && pwd); root=$PWD; minutes=${MINUTES:-8}; model=${MODEL:-smollm2-135m-instruct}
