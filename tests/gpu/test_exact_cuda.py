@@ -14,8 +14,6 @@ from tests.helpers import tiny_hf_folder
 pytestmark = pytest.mark.gpu
 
 
-
-
 def prompts(n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 200, (n,), generator=g).tolist()
