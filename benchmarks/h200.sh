@@ -23,7 +23,7 @@
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile; BESIDE="64 128" adds streaming with that many decode steps beside each step's training, and the 1.7B
 # long tail synchronous, then streaming with 0 and BESIDE's first, or LONG_BESIDE's values, beside, at
-# max_staleness LONG_STALENESS, default 2), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
+# max_staleness LONG_STALENESS, default 2, and LONG_ARGS: say "--beside_priority -1 --max_num_seqs 512"), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs),
 # stream-curves (issue #44: recipes synchronous and streaming over seeds, held-out accuracy per sample trained;
 # RECIPES, SEEDS, STEPS, EVERY), curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
@@ -197,7 +197,7 @@ case $part in
       for n in ${LONG_BESIDE:-0 ${BESIDE%% *}}; do
         log longtail-stream-beside$n rlcu bench step --model qwen3-1.7b-random --prompts 32 --generations 8 \
           --new_tokens 4096 --lengths lognormal --micro_batch_size 16 --packing --steps 4 --streaming \
-          --max_staleness "${LONG_STALENESS:-2}" --decode_steps_during_training "$n"
+          --max_staleness "${LONG_STALENESS:-2}" --decode_steps_during_training "$n" ${LONG_ARGS:-}
       done
     fi
     log step8x8-stream-prof rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 8 --stop_tokens 512 \

@@ -267,6 +267,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--decode_steps_during_training", type=int, default=0,
                    help="with --streaming: decode steps beside each step's scoring and training (the module's option; "
                         "-1: until the training is done)")
+    s.add_argument("--beside_priority", type=int, default=0,
+                   help="the CUDA stream priority of the decode steps beside training (the engine's option; lower is "
+                        "sooner)")
+    s.add_argument("--max_num_seqs", type=int, default=0,
+                   help="sequences in one decode step (the engine's option; 0: 256, or prompts x generations if more)")
     s.add_argument("--devices", type=int, default=1, help="GPUs, one process each (Lightning starts the others)")
     s.add_argument("--strategy", choices=("auto", "ddp", "fsdp2", "tp"), default="auto",
                    help="with --devices > 1: ddp, fsdp2 (FSDP shards; rollouts on the gathered model), or tp (each "
@@ -496,7 +501,8 @@ def bench_step(args) -> dict:
     rollout = NativeRollout(EngineConfig(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
                                          lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
                                          release_memory=not args.keep_memory, kv_cache_dtype=args.kv_cache_dtype,
-                                         max_num_seqs=max(256, args.prompts * args.generations)))
+                                         max_num_seqs=args.max_num_seqs or max(256, args.prompts * args.generations),
+                                         beside_priority=args.beside_priority))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
                         max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
@@ -589,6 +595,8 @@ def bench_step(args) -> dict:
                 streaming=args.streaming, max_staleness=args.max_staleness,
                 max_inflight_tasks=args.max_inflight_tasks,
                 decode_steps_during_training=args.decode_steps_during_training,
+                beside_priority=args.beside_priority,
+                max_num_seqs=args.max_num_seqs or max(256, args.prompts * args.generations),
                 fill_seconds=round(getattr(timer, "filling", 0.0), 2),
                 # trained completion tokens per second of the steady steps (after the first)
                 trained_tokens_per_s=round(sum(s["tokens"] for s in steady) / sum(s["total"] for s in steady), 1),

@@ -105,6 +105,9 @@ class EngineConfig:
     # True: at any batch size (a warning where it cannot run); False: never
     shared_prefix: bool | None = None
     continuation_workers: int = 16  # threads that run continuations (tools, environments) beside decoding
+    # the CUDA stream priority of decode steps run beside other work (streaming's decode_steps_during_training):
+    # lower is sooner, as torch.cuda.Stream's (-1: their kernels take SMs ahead of the training's as these free up)
+    beside_priority: int = 0
     # "auto": keys and values in the forward's dtype; "fp8" (or "fp8_e4m3", vLLM's names): e4m3 with unit scale,
     # half the bytes a decode step reads and twice the sequences a pool holds, for a logprob cost (docs/engine.md)
     kv_cache_dtype: str = "auto"

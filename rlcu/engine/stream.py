@@ -166,7 +166,7 @@ class DecodeBeside:
         self.cuda = None
         if self.kind == "cuda":
             if stream.cuda_stream is None:  # one for the stream's life: the allocator caches memory per CUDA stream
-                stream.cuda_stream = torch.cuda.Stream(device)
+                stream.cuda_stream = torch.cuda.Stream(device, priority=stream.engine.config.beside_priority)
             self.cuda = stream.cuda_stream
             self.cuda.wait_stream(torch.cuda.current_stream(device))
         self.start_steps = stream.decode_steps

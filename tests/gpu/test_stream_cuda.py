@@ -57,12 +57,15 @@ def test_a_streaming_run_trains_on_cuda(tmp_path):
     assert len(metrics) == 4 and max(m["streaming/staleness_max"] for m in metrics) <= 2
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_decoding_beside_training_on_cuda_is_the_run_that_decodes_those_steps_first(tmp_path, monkeypatch, precision):
-    """decode_steps_during_training on CUDA: the worker's decode steps (their own CUDA stream, the graphs captured so
-    far replayed, the autocast of the step) equal, to the bit, the same steps decoded first in the step's thread."""
+@pytest.mark.parametrize(("precision", "priority"), [("32-true", 0), ("bf16-mixed", 0), ("bf16-mixed", -1)])
+def test_decoding_beside_training_on_cuda_is_the_run_that_decodes_those_steps_first(tmp_path, monkeypatch, precision,
+                                                                                     priority):
+    """decode_steps_during_training on CUDA: the worker's decode steps (their own CUDA stream, at the engine's
+    beside_priority, the graphs captured so far replayed, the autocast of the step) equal, to the bit, the same steps
+    decoded first in the step's thread."""
     from rlcu.grpo.module import GRPOModule
     from rlcu.models import load_model
+    from rlcu.rollout.native import NativeRollout
     from tests.grpo.test_streaming import DecodedFirst
     from tests.helpers import CHAT_TEMPLATE
 
@@ -75,7 +78,8 @@ def test_decoding_beside_training_on_cuda_is_the_run_that_decodes_those_steps_fi
                                                kv_heads=2, head_dim=64, chat_template=CHAT_TEMPLATE))
         module = GRPOModule(model.cuda(), tokenizer=tok, rewards=[match_target], num_generations=4,
                             max_completion_length=16, stop=["t7", "t9"], micro_batch_size=8, learning_rate=1e-2,
-                            streaming=True, max_staleness=2, decode_steps_during_training=6)
+                            streaming=True, max_staleness=2, decode_steps_during_training=6,
+                            rollout=NativeRollout(EngineConfig(beside_priority=priority)))
         metrics = [m for m in fit(module, toy_rows(40, seed=1), steps=5, log_dir=tmp_path / str(beside),
                                   batch_size=2, accelerator="gpu", precision=precision) if "reward" in m]
         runs.append(({k: v.detach().cpu() for k, v in module.policy.state_dict().items()},

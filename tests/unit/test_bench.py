@@ -286,6 +286,11 @@ def test_bench_step_streams_on_long_tail_lengths_the_same_samples_as_the_synchro
     assert beside["trained_tokens_per_s"] > 0 and 0 <= beside["staleness_mean"] <= 2
     assert 0 < beside["decode_steps_beside_mean"] <= min(9, beside["decode_steps_mean"])  # 8, +1 the step ahead
     assert stream["decode_steps_beside_mean"] == 0
+    main(common + ["--streaming", "--max_staleness", "2", "--decode_steps_during_training", "8", "--max_num_seqs", "1",
+                   "--beside_priority", "-1"])
+    capped = last_json(capsys)  # the engine's options reach it: one sequence a decode step, where 1.7 ran uncapped
+    assert capped["max_num_seqs"] == 1 and capped["beside_priority"] == -1 and capped["decode_batch_mean"] <= 1
+    assert beside["max_num_seqs"] == 256 and beside["decode_batch_mean"] > 1
     from rlcu.engine.scheduler import Scheduler
 
     assert Scheduler.postprocess.__name__ == "postprocess"  # the planned lengths end with the bench
