@@ -13,6 +13,7 @@ from rlcu.kernels._triton import use_triton
 from rlcu.kernels.rope import rope
 from rlcu.kernels.rope_store_kv import supported as rope_kernel_supported
 from rlcu.kernels.sdpa import sdpa as sdpa_heads_first
+from rlcu.kernels.varlen_attention import varlen_attention
 from rlcu.models.linear_attention import Segments, rows_as_sequences
 
 
@@ -91,6 +92,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
                             sinks, softcap).transpose(1, 2)
 
 
+def capped_or_sinks_kernel(q: torch.Tensor, sinks, softcap) -> bool:
+    """Whether a layer with soft-capped scores or sinks attends through `varlen_attention` (forward and backward in
+    Triton) rather than `sdpa`'s PyTorch form: on CUDA in 16 bits, where flash attention would run without them."""
+    return (sinks is not None or softcap is not None) and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 class PaddedAttention(Stateless):
     """Self-attention over a padded batch (prompt left-padded, completion right-padded)."""
 
@@ -101,6 +108,20 @@ class PaddedAttention(Stateless):
         unpadded = attention_mask is None or bool(attention_mask.all())
         self.attention_mask = None if unpadded else attention_mask.bool()
         self.masks: dict[int | None, torch.Tensor | None] = {}
+        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def row_bounds(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's tokens as a sequence of the flattened [B * T] rows (on the host, read once a forward): a
+        row's tokens lie between its padding."""
+        if self.bounds is None:
+            base = torch.arange(batch) * length
+            if self.attention_mask is None:
+                self.bounds = base, base + length
+            else:
+                valid = self.attention_mask.int()
+                first, after = valid.argmax(1).cpu(), length - valid.flip(1).argmax(1).cpu()
+                self.bounds = base + first, base + after
+        return self.bounds
 
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return rows_as_sequences(batch, length, device, self.attention_mask)
@@ -109,25 +130,33 @@ class PaddedAttention(Stateless):
         t = q.shape[1]
         if window is not None and window >= t:
             window = None  # every key is inside the window
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if capped_or_sinks_kernel(q, sinks, softcap):
+            b = q.shape[0]
+            out = varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), *self.row_bounds(b, t), scale,
+                                   window, sinks, softcap)
+            return out.view(q.shape)  # a padding row's output 0 where sdpa's sees the keys before it: never read
         if window not in self.masks:
             valid = self.attention_mask
             if valid is None and window is not None:
                 valid = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
             self.masks[window] = None if valid is None else causal_key_mask(valid, t, window)
-        return sdpa(rope(q, cos, sin), rope(k, cos, sin), v, self.masks[window], scale, sinks, softcap)
+        return sdpa(q, k, v, self.masks[window], scale, sinks, softcap)
 
 
 class PackedAttention(Stateless):
     """Padding-free training: the batch's sequences one after another in a single row ([1, T]), each
     attending causally within itself. `cu_seqlens` [n + 1] (int32) marks where each starts. On CUDA in
     bf16/fp16 this is variable-length flash attention (`torch.nn.attention.varlen`, forward and
-    backward); elsewhere SDPA with a block-diagonal causal mask (the CPU and fp32 path)."""
+    backward), or with soft-capping or sinks `varlen_attention`; elsewhere SDPA with a block-diagonal causal mask
+    (the CPU and fp32 path)."""
 
     batch_invariant = False
 
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int):
         self.cu, self.max_len = cu_seqlens.to(torch.int32), max_len
         self.masks: dict[int | None, torch.Tensor] = {}
+        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # on the host, for varlen_attention
 
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return Segments(self.cu)
@@ -140,6 +169,11 @@ class PackedAttention(Stateless):
         if (sinks is None and softcap is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
                 and varlen is not None and (window is None or varlen.windows)):
             return varlen(q[0], k[0], v[0], self.cu, self.max_len, scale, window)[None]
+        if capped_or_sinks_kernel(q, sinks, softcap):
+            if self.bounds is None:
+                cu = self.cu.cpu()
+                self.bounds = cu[:-1], cu[1:]
+            return varlen_attention(q[0], k[0], v[0], *self.bounds, scale, window, sinks, softcap)[None]
         if window not in self.masks:
             t = q.shape[1]
             segment = torch.repeat_interleave(torch.arange(len(self.cu) - 1, device=q.device),

@@ -1,0 +1,45 @@
+"""Training attention of layers with soft-capped scores or sinks: through rlcu's varlen kernel (as on CUDA in 16 bits,
+here under the Triton interpreter in fp32) it equals the PyTorch form (`sdpa`), outputs and gradients, for padded
+batches and packed sequences."""
+import pytest
+import torch
+
+from rlcu.models import attention
+
+pytest.importorskip("triton")
+
+
+def run(module, q, k, v, sinks, scale, window, softcap, weight):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, *([sinks] if sinks is not None else []))]
+    cos, sin = torch.ones(*q.shape[:2], 1, q.shape[-1]), torch.zeros(*q.shape[:2], 1, q.shape[-1])
+    out = module(0, *leaves[:3], cos, sin, scale, window, leaves[3] if sinks is not None else None, softcap)
+    return out, torch.autograd.grad((out * weight).sum(), leaves)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize(("softcap", "sinks", "window"), [(2.0, False, None), (None, True, None), (1.5, True, 5)])
+def test_capped_and_sink_layers_through_the_kernel_equal_sdpa(monkeypatch, layout, softcap, sinks, window):
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = 4, 2, 16
+    if layout == "padded":
+        mask = torch.ones(3, 23, dtype=torch.bool)
+        mask[0, :3], mask[0, -2:], mask[2, :10] = False, False, False
+        shape = (3, 23)
+        make = lambda: attention.PaddedAttention(mask)  # noqa: E731 - a fresh one a run: it caches its masks
+        weight_rows = mask[:, :, None, None].float()  # padding rows' outputs are never read
+    else:
+        cu = torch.tensor([0, 1, 8, 45, 50], dtype=torch.int32)
+        shape = (1, 50)
+        make = lambda: attention.PackedAttention(cu, 37)  # noqa: E731
+        weight_rows = torch.ones(1, 50, 1, 1)
+    q, k, v = (torch.randn(*shape, h, d, generator=g) for h in (hq, hkv, hkv))
+    sink = torch.randn(hq, generator=g) if sinks else None
+    weight = torch.randn(*shape, hq, d, generator=g) * weight_rows
+    want, want_grads = run(make(), q, k, v, sink, 0.3, window, softcap, weight)
+    calls = []
+    monkeypatch.setattr(attention, "capped_or_sinks_kernel", lambda q_, s_, c_: calls.append(1) or True)
+    got, got_grads = run(make(), q, k, v, sink, 0.3, window, softcap, weight)
+    assert calls
+    torch.testing.assert_close(got * weight_rows, want * weight_rows, atol=2e-5, rtol=2e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
