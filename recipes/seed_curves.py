@@ -97,9 +97,8 @@ def main(argv=None) -> None:
             ax.fill_between(x, [q.low for q in pts], [q.high for q in pts], alpha=0.2)
         ax.set(xlabel="samples trained", ylabel="held-out greedy accuracy", title="eval/accuracy, seeds' range shaded")
         ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=90)
+        ax.legend(loc="lower right")
+        fig.savefig(args.out, dpi=90, bbox_inches="tight")
         print(f"wrote {args.out}")
 
 
