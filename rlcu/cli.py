@@ -204,6 +204,7 @@ def check_sections(cfg) -> None:
             raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
                              f"{cfg[section]!r}; leave it out for the defaults")
     check_output_folders(cfg)
+    check_whole_plugins(cfg)
     add_progress_bar(cfg)
     loggers = cfg.trainer.logger
     if isinstance(loggers, list) and not wandb_available():
@@ -211,6 +212,19 @@ def check_sections(cfg) -> None:
         if len(kept) != len(loggers):
             print("rlcu: wandb is not installed; logging without it (pip install wandb)", file=sys.stderr)
             cfg.trainer.logger = kept
+
+
+def check_whole_plugins(cfg) -> None:
+    """A plugin option (rollout, rewards, ...) set key by key (--model.rollout.init_args.X=...) reaches the parser as
+    jsonargparse's NestedArg, which no plugin is: say how to give it whole."""
+    for name, value in vars(cfg.model).items() if "model" in cfg else ():
+        if type(value).__name__ == "NestedArg":
+            keys = value.key.split(".")
+            nested = str(value.val)
+            for key in reversed(keys[1:] if keys[0] == "init_args" else keys):
+                nested = f"{{{key}: {nested}}}"
+            raise ValueError(f"model.{name} takes one value, not keys under it ({value.key}={value.val}); give it "
+                             f"whole, as --model.{name}='{{name: NAME, init_args: {nested}}}'")
 
 
 def load_shares_alone(cfg, explicit: list[str]) -> None:

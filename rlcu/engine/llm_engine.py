@@ -128,6 +128,9 @@ class EngineConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError(f"block_size and max_num_seqs must be >= 1, got {self.block_size}, {self.max_num_seqs}")
+        if not isinstance(self.beside_priority, int) or isinstance(self.beside_priority, bool):
+            raise ValueError(f"beside_priority must be an integer CUDA stream priority (0, or -1 to run ahead of the "
+                             f"training's kernels), got {self.beside_priority!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs "
                              "(every running sequence decodes each step)")

@@ -136,6 +136,20 @@ def test_unknown_plugin_lists_available(capsys, tiny_model, tmp_path, monkeypatc
     assert code == 2 and "unknown reward 'math_answr'; available:" in err and "math_answer" in err
 
 
+def test_a_plugin_set_key_by_key_or_with_a_wrong_engine_setting_is_one_line(capsys, tiny_model, tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(fast_run(tiny_model, tmp_path, "--model.rollout.init_args.engine.release_memory=false"),
+                         capsys)
+    assert code == 2 and err.count("rlcu: error:") == 1
+    assert ("model.rollout takes one value, not keys under it (engine.release_memory=false); give it whole, as "
+            "--model.rollout='{name: NAME, init_args: {engine: {release_memory: false}}}'") in err
+    code, err = run_main(fast_run(tiny_model, tmp_path,
+                                  "--model.rollout={name: native, init_args: {engine: {beside_priority: high}}}"),
+                         capsys)
+    assert code == 2 and "beside_priority must be an integer CUDA stream priority" in err and "'high'" in err
+
+
 def test_missing_dataset_column_is_an_error_before_training(capsys, tiny_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = Path(__file__).resolve().parents[1] / "fixtures" / "no_prompt.jsonl"
