@@ -19,27 +19,31 @@ from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton
 BLOCK = 32  # queries, and keys, a tile
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+def varlen_tiles(starts: torch.Tensor, ends: torch.Tensor, device) -> torch.Tensor:
+    """The kernels' work list for sequences at rows starts[i] .. ends[i] - 1 (int, on the host): [tiles, 3] int32 on
+    `device`, (first row, the sequence's start, its end) for every BLOCK rows of every sequence. Made once for all
+    the layers of a forward."""
+    starts, ends = torch.as_tensor(starts).long().cpu(), torch.as_tensor(ends).long().cpu()
+    count = (ends - starts).clamp(min=0).add(BLOCK - 1).div(BLOCK, rounding_mode="floor")
+    seq = torch.repeat_interleave(torch.arange(len(starts)), count)
+    within = torch.arange(len(seq)) - torch.repeat_interleave(count.cumsum(0) - count, count)
+    tiles = torch.stack([starts[seq] + within * BLOCK, starts[seq], ends[seq]], 1)
+    return (tiles if len(tiles) else torch.zeros(1, 3, dtype=torch.long)).to(device, torch.int32)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: torch.Tensor,
                      scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
                      softcap: float | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] (Hkv divides Hq); `starts`/`ends` [N] (int, on any device): sequence i is rows
-    starts[i] .. ends[i] - 1; `window`: a query sees the keys less than `window` before it; `sinks` [Hq]; `softcap`
-    the scores' cap -> [T, Hq, D], with gradients for q, k, v and sinks."""
+    """q [T, Hq, D], k/v [T, Hkv, D] (Hkv divides Hq); `tiles`: `varlen_tiles` of the sequences' rows; `window`: a
+    query sees the keys less than `window` before it; `sinks` [Hq]; `softcap` the scores' cap -> [T, Hq, D], with
+    gradients for q, k, v and sinks."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    bounds = torch.stack([torch.as_tensor(starts), torch.as_tensor(ends)], 1).to(torch.int64).cpu()
-    return _VarlenAttention.apply(q, k, v, sinks, bounds, scale, window, softcap)
-
-
-def _tiles(bounds: torch.Tensor, device) -> torch.Tensor:
-    """[tiles, 3] int32: (first row, sequence's start, sequence's end) of every BLOCK rows of every sequence."""
-    rows = [(a, lo, hi) for lo, hi in bounds.tolist() for a in range(lo, hi, BLOCK)]
-    return torch.tensor(rows or [(0, 0, 0)], dtype=torch.int32).to(device)
+    return _VarlenAttention.apply(q, k, v, sinks, tiles, scale, window, softcap)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bounds, scale, window, softcap):
-        tiles = _tiles(bounds, q.device)
+    def forward(ctx, q, k, v, sinks, tiles, scale, window, softcap):
         o, lse = _forward(q, k, v, sinks, tiles, scale, window, softcap)
         ctx.save_for_backward(q, k, v, sinks, o, lse, tiles)
         ctx.scale, ctx.window, ctx.softcap = scale, window, softcap

@@ -13,7 +13,7 @@ from rlcu.kernels._triton import use_triton
 from rlcu.kernels.rope import rope
 from rlcu.kernels.rope_store_kv import supported as rope_kernel_supported
 from rlcu.kernels.sdpa import sdpa as sdpa_heads_first
-from rlcu.kernels.varlen_attention import varlen_attention
+from rlcu.kernels.varlen_attention import varlen_attention, varlen_tiles
 from rlcu.models.linear_attention import Segments, rows_as_sequences
 
 
@@ -108,20 +108,19 @@ class PaddedAttention(Stateless):
         unpadded = attention_mask is None or bool(attention_mask.all())
         self.attention_mask = None if unpadded else attention_mask.bool()
         self.masks: dict[int | None, torch.Tensor | None] = {}
-        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tiles: torch.Tensor | None = None  # varlen_attention's work list, made once a forward
 
-    def row_bounds(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's tokens as a sequence of the flattened [B * T] rows (on the host, read once a forward): a
-        row's tokens lie between its padding."""
-        if self.bounds is None:
+    def row_tiles(self, batch: int, length: int, device) -> torch.Tensor:
+        """Each row's tokens as a sequence of the flattened [B * T] rows: a row's tokens lie between its padding."""
+        if self.tiles is None:
             base = torch.arange(batch) * length
             if self.attention_mask is None:
-                self.bounds = base, base + length
+                self.tiles = varlen_tiles(base, base + length, device)
             else:
                 valid = self.attention_mask.int()
                 first, after = valid.argmax(1).cpu(), length - valid.flip(1).argmax(1).cpu()
-                self.bounds = base + first, base + after
-        return self.bounds
+                self.tiles = varlen_tiles(base + first, base + after, device)
+        return self.tiles
 
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return rows_as_sequences(batch, length, device, self.attention_mask)
@@ -133,8 +132,8 @@ class PaddedAttention(Stateless):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if capped_or_sinks_kernel(q, sinks, softcap):
             b = q.shape[0]
-            out = varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), *self.row_bounds(b, t), scale,
-                                   window, sinks, softcap)
+            out = varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), self.row_tiles(b, t, q.device),
+                                   scale, window, sinks, softcap)
             return out.view(q.shape)  # a padding row's output 0 where sdpa's sees the keys before it: never read
         if window not in self.masks:
             valid = self.attention_mask
@@ -156,7 +155,7 @@ class PackedAttention(Stateless):
     def __init__(self, cu_seqlens: torch.Tensor, max_len: int):
         self.cu, self.max_len = cu_seqlens.to(torch.int32), max_len
         self.masks: dict[int | None, torch.Tensor] = {}
-        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # on the host, for varlen_attention
+        self.tiles: torch.Tensor | None = None  # varlen_attention's work list, made once a forward
 
     def segments(self, layer_idx, batch, length, device) -> Segments:
         return Segments(self.cu)
@@ -170,10 +169,10 @@ class PackedAttention(Stateless):
                 and varlen is not None and (window is None or varlen.windows)):
             return varlen(q[0], k[0], v[0], self.cu, self.max_len, scale, window)[None]
         if capped_or_sinks_kernel(q, sinks, softcap):
-            if self.bounds is None:
+            if self.tiles is None:
                 cu = self.cu.cpu()
-                self.bounds = cu[:-1], cu[1:]
-            return varlen_attention(q[0], k[0], v[0], *self.bounds, scale, window, sinks, softcap)[None]
+                self.tiles = varlen_tiles(cu[:-1], cu[1:], q.device)
+            return varlen_attention(q[0], k[0], v[0], self.tiles, scale, window, sinks, softcap)[None]
         if window not in self.masks:
             t = q.shape[1]
             segment = torch.repeat_interleave(torch.arange(len(self.cu) - 1, device=q.device),

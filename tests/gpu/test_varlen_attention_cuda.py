@@ -3,7 +3,7 @@ against float64 autograd of the PyTorch reference: within bf16's rounding of the
 import pytest
 import torch
 
-from rlcu.kernels.varlen_attention import varlen_attention
+from rlcu.kernels.varlen_attention import varlen_attention, varlen_tiles
 from tests.kernels.test_varlen_attention import reference
 
 pytestmark = pytest.mark.gpu
@@ -25,8 +25,8 @@ def test_bf16_forward_and_gradients_on_cuda(d, hq, hkv, window, softcap, sinks):
     want = reference(*leaves64[:3], bounds, t, d ** -0.5, window, leaves64[3] if sinks else None, softcap)
     want_grads = torch.autograd.grad(want, leaves64, grad)
     leaves = [x.to("cuda", torch.bfloat16).requires_grad_() for x in inputs]
-    got = varlen_attention(*leaves[:3], torch.tensor(cut[:-1]), torch.tensor(cut[1:]), d ** -0.5, window,
-                           leaves[3] if sinks else None, softcap)
+    got = varlen_attention(*leaves[:3], varlen_tiles(torch.tensor(cut[:-1]), torch.tensor(cut[1:]), "cuda"),
+                           d ** -0.5, window, leaves[3] if sinks else None, softcap)
     got_grads = torch.autograd.grad(got, leaves, grad.to("cuda", torch.bfloat16))
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (got, *got_grads), (want, *want_grads)):
         err = (a.double().cpu() - b).abs().max().item()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlcu.kernels.sdpa import sdpa
-from rlcu.kernels.varlen_attention import varlen_attention
+from rlcu.kernels.varlen_attention import BLOCK, varlen_attention, varlen_tiles
 
 pytest.importorskip("triton")
 
@@ -43,8 +43,9 @@ def test_forward_and_gradients_equal_float64_autograd(layout, window, softcap, s
     want = reference(*leaves64[:3], bounds, t, scale, window, leaves64[3] if sinks else None, softcap)
     want_grads = torch.autograd.grad(want, leaves64, grad)
     leaves = [x.float().requires_grad_() for x in leaves64]
-    got = varlen_attention(*leaves[:3], torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]),
-                           scale, window, leaves[3] if sinks else None, softcap)
+    tiles = varlen_tiles(torch.tensor([b[0] for b in bounds]), torch.tensor([b[1] for b in bounds]), "cpu")
+    assert tiles.tolist() == [[a, lo, hi] for lo, hi in bounds for a in range(lo, hi, BLOCK)]
+    got = varlen_attention(*leaves[:3], tiles, scale, window, leaves[3] if sinks else None, softcap)
     got_grads = torch.autograd.grad(got, leaves, grad.float())
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got_grads, want_grads):
