@@ -596,7 +596,7 @@ def bench_step(args) -> dict:
                 max_inflight_tasks=args.max_inflight_tasks,
                 decode_steps_during_training=args.decode_steps_during_training,
                 beside_priority=args.beside_priority,
-                max_num_seqs=args.max_num_seqs or max(256, args.prompts * args.generations),
+                max_num_seqs=rollout.config.max_num_seqs,
                 fill_seconds=round(getattr(timer, "filling", 0.0), 2),
                 # trained completion tokens per second of the steady steps (after the first)
                 trained_tokens_per_s=round(sum(s["tokens"] for s in steady) / sum(s["total"] for s in steady), 1),
