@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -173,7 +174,8 @@ def build_model(name: str, device: str, dtype: str):
     if name in FAMILY_SHAPES:
         return random_family_model(name, device, resolve_dtype(dtype))
     model, tok = load_model(name, dtype=dtype)
-    return model.to(device), tok
+    # the benchmarks sample token ids: a folder without a tokenizer gets one that covers the vocabulary
+    return model.to(device), tok if tok is not None else word_tokenizer(model.config.vocab_size)
 
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT's target_parameters for MoE
@@ -226,6 +228,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--http", action="store_true",
                    help="with --turns: each timed run twice, in-process, then as agent programs that make each turn an "
                         "HTTP /v1/completions call to the agent endpoint (the same token counts)")
+    r.add_argument("--agent_processes", type=int, default=0,
+                   help="with --http: worker processes the agent programs run in (GRPOModule's agent_processes; 0: a "
+                        "thread of this process)")
     s = sub.choices["step"]
     s.add_argument("--prompts", type=int, default=8)
     s.add_argument("--generations", type=int, default=8)
@@ -307,12 +312,19 @@ def bench_rollout(args) -> dict:
     elif args.http:
         raise ValueError("--http runs episodes: give --turns 2 or more")
     runs, http_runs = [], []
-    for i in range(1 + args.repeats):
-        tokens, seconds = timed_rollout(args, engine, requests, sampling, continuation, i)
-        runs.append(seconds)
-        if args.http:
-            http_runs.append(timed_http_rollout(args, engine, requests, sampling, tok, model.config.vocab_size, i,
-                                                tokens))
+    from rlcu.agents.workers import ProgramWorkers
+
+    workers = ProgramWorkers(args.agent_processes) if args.http and args.agent_processes else None
+    try:
+        for i in range(1 + args.repeats):
+            tokens, seconds = timed_rollout(args, engine, requests, sampling, continuation, i)
+            runs.append(seconds)
+            if args.http:
+                http_runs.append(timed_http_rollout(args, engine, requests, sampling, tok, model.config.vocab_size,
+                                                    i, tokens, workers))
+    finally:
+        if workers is not None:
+            workers.close()
     best = min(runs[1:]) if args.repeats else runs[0]
     http = {}
     if args.http:
@@ -349,7 +361,8 @@ def timed_rollout(args, engine, requests, sampling, continuation, i: int) -> tup
     return tokens, seconds
 
 
-def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: int, i: int, tokens: int) -> float:
+def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: int, i: int, tokens: int,
+                       workers=None) -> float:
     """Seconds of the same episodes as `episodes()` makes them, each run by an agent program that calls the agent
     endpoint once a turn over HTTP (aiohttp; token ids in, `token_ids` out), from the endpoint's start to its stop.
     `tokens`: what the in-process run sampled; the HTTP run must sample as many."""
@@ -359,9 +372,10 @@ def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: 
 
     _sync(args.device)
     start = time.perf_counter()
-    program = http_episode(args, sampling.max_turn_tokens, vocab_size)
+    program = HTTPEpisode(args.turns, sampling.max_turn_tokens, random_prompt_ids(1, args.turn_tokens, vocab_size,
+                                                                                seed=1)[0])
     runner = ProgramRunner([{"prompt": ids} for ids in requests], program, None, "bench", sampling.max_tokens,
-                           timeout=3600, tokenizer=tokenizer)
+                           timeout=3600, tokenizer=tokenizer, workers=workers)
     try:
         out = engine.generate(runner.prompt_ids, replace(sampling, first_turn_tokens=runner.first_turn_tokens),
                               runner)
@@ -380,26 +394,28 @@ def timed_http_rollout(args, engine, requests, sampling, tokenizer, vocab_size: 
     return seconds
 
 
-def http_episode(args, per_turn: int, vocab_size: int):
-    """An agent program of `args.turns` /v1/completions calls of `per_turn` tokens each, the prompt growing by the
-    served token ids and then `episodes()`'s `args.turn_tokens` environment tokens (sent as the next prompt's
-    addition, which the endpoint masks out of the loss as the in-process continuation's are)."""
-    appended = random_prompt_ids(1, args.turn_tokens, vocab_size, seed=1)[0]
+@dataclass(frozen=True)
+class HTTPEpisode:
+    """An agent program of `turns` /v1/completions calls of `per_turn` tokens each, the prompt growing by the
+    served token ids and then `appended`, `episodes()`'s environment tokens (sent as the next prompt's addition,
+    which the endpoint masks out of the loss as the in-process continuation's are). A class, so that it pickles
+    for --agent_processes."""
+    turns: int
+    per_turn: int
+    appended: list[int]
 
-    async def agent(endpoint, row):
+    async def __call__(self, endpoint, row):
         import aiohttp
 
         ids = list(row["prompt"])
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {endpoint.api_key}"}) as session:
-            for turn in range(args.turns):
-                body = {"model": endpoint.model, "prompt": ids, "max_tokens": per_turn}
+            for turn in range(self.turns):
+                body = {"model": endpoint.model, "prompt": ids, "max_tokens": self.per_turn}
                 async with session.post(endpoint.base_url + "/completions", json=body) as response:
                     out = await response.json()
                     if response.status != 200:
                         raise RuntimeError(f"HTTP {response.status}: {out}")
-                ids += out["choices"][0]["token_ids"] + (appended if turn < args.turns - 1 else [])
-
-    return agent
+                ids += out["choices"][0]["token_ids"] + (self.appended if turn < self.turns - 1 else [])
 
 
 def bench_reference_rollout(args, model, requests) -> dict:

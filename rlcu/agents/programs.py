@@ -48,6 +48,7 @@ from rlcu import plugins
 from rlcu.agents.endpoint import Endpoint, HTTPError, new_event_loop
 from rlcu.agents.episodes import Episodes
 from rlcu.agents.formats import ToolFormat
+from rlcu.agents.workers import ProgramWorkers
 from rlcu.contracts import Reply, RolloutEnded, Spawns, Turn
 
 
@@ -171,8 +172,9 @@ class ProgramRunner:
 
     def __init__(self, rows: list[dict], program: Callable, fmt: ToolFormat | None, model_name: str,
                  max_completion_length: int, timeout: float | None, tokenizer=None, history: str = "exact",
-                 max_branches: int = 0, max_prompt_length: int = 512):
+                 max_branches: int = 0, max_prompt_length: int = 512, workers: ProgramWorkers | None = None):
         """`fmt`: the chat format, or None where the tokenizer has no chat template (text episodes only).
+        `workers`: worker processes to run the programs in (`agent_processes`); None runs them on a thread here.
         `history`: agent_history, what a later call's earlier assistant messages must be (`_extension`).
         `max_branches`: conversations an episode may start besides its first (0: a call that branches gets HTTP
         409), each one more request of the rollout (`spawns`, for a backend with the `spawns` capability) whose
@@ -182,6 +184,9 @@ class ProgramRunner:
         if max_branches < 0:
             raise ValueError(f"max_branches must be >= 0, got {max_branches}")
         self.program, self.format, self.model_name, self.history = program, fmt, model_name, history
+        if tokenizer is None and fmt is None:
+            raise ValueError("agent programs need the model's tokenizer: give ProgramRunner a tokenizer or a chat "
+                             "format (the model folder has neither)")
         self.tokenizer = tokenizer if tokenizer is not None else fmt.tokenizer
         self.max_completion_length, self.timeout, self.max_branches = max_completion_length, timeout, max_branches
         self.episodes = [ProgramEpisode(secrets.token_hex(8), row, root_index=i) for i, row in enumerate(rows)]
@@ -197,10 +202,9 @@ class ProgramRunner:
         self.endpoint = Endpoint(self)
         self.endpoint.start()
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._run_programs, name="rlcu-agents", daemon=True)
-        self._thread.start()
+        self._workers, self._run, self._loop, self._thread = workers, None, None, None
         try:
+            self._start_programs()
             roots = self.episodes[:self.num_episodes]
             self.prompt_ids = [self._first_call(e, i) for i, e in enumerate(roots)]
             self.first_turn_tokens = [e.first_limit for e in roots]
@@ -209,6 +213,23 @@ class ProgramRunner:
             raise
 
     # ---- the programs --------------------------------------------------------------------------------
+    def _start_programs(self) -> None:
+        if self._workers is not None:
+            roots = self.episodes[:self.num_episodes]
+            self._run = self._workers.run(self.program, [(i, self.endpoint.base_url(e.id), e.row)
+                                                         for i, e in enumerate(roots)],
+                                          self.endpoint.api_key, self.model_name, self.timeout, self._returned)
+            return
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._run_programs, name="rlcu-agents", daemon=True)
+        self._thread.start()
+
+    def _returned(self, index: int, result: Any, error: BaseException | None) -> None:
+        """A worker process's program returned (or raised) in episode `index`."""
+        ep = self.episodes[index]
+        ep.result, ep.error = result, error
+        self._ended(ep)
+
     def _run_programs(self) -> None:
         asyncio.set_event_loop(self._loop)
         shared = SharedClient(self.endpoint.api_key, self._loop)
@@ -552,6 +573,14 @@ class ProgramRunner:
         for ep in self.episodes[:self.num_episodes]:
             self._ended(ep)
         self.endpoint.stop()
+        if self._workers is not None:
+            if self._run is not None:
+                if not returned:
+                    self._workers.cancel(self._run)
+                self._workers.finish(self._run, TEARDOWN_S)
+            return
+        if self._thread is None:
+            return
         if returned:  # the programs' own teardown (their shared client, an environment's servers) ends by itself
             self._thread.join(TEARDOWN_S)
         if self._thread.is_alive():

@@ -32,6 +32,7 @@ from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --train
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.agents.formats import tool_format
 from rlcu.agents.programs import ProgramRunner, agent_reward, load_program
+from rlcu.agents.workers import ProgramWorkers
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import (
     Continuation,
@@ -203,7 +204,7 @@ class GRPOModule(L.LightningModule):
         environment's `get_reward` joins the rewards. An agent program: episodes through the endpoint, and what
         the program returns joins the rewards as `agent`."""
         limits = self.options.agents
-        self.program = None
+        self.program, self.program_workers = None, None
         if agent is not None:
             if tools or environment_factory is not None:
                 raise ValueError("agent runs its own tools and environment: give agent, or tools / "
@@ -603,7 +604,7 @@ class GRPOModule(L.LightningModule):
         s = self.options.sampling
         runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
                                s.max_completion_length, limits.agent_timeout, self.tokenizer, limits.agent_history,
-                               limits.max_branches, s.max_prompt_length)
+                               limits.max_branches, s.max_prompt_length, self._program_workers())
         try:
             for i, ids in enumerate(runner.prompt_ids[::g]):
                 self.check_prompt_length(len(ids), i)
@@ -613,6 +614,17 @@ class GRPOModule(L.LightningModule):
             return Sampled(batch, runner.record())
         finally:
             runner.close()
+
+    def _program_workers(self) -> ProgramWorkers | None:
+        """The worker processes of `agent_processes`, started at the first rollout and kept until teardown."""
+        if self.options.agents.agent_processes and self.program_workers is None:
+            self.program_workers = ProgramWorkers(self.options.agents.agent_processes)
+        return self.program_workers
+
+    def teardown(self, stage: str) -> None:
+        if self.program_workers is not None:
+            self.program_workers.close()
+            self.program_workers = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams,
                  continuation: Continuation | None = None,
