@@ -1,7 +1,8 @@
 """The agent endpoint's own cost per call, without the engine: 64 agent programs of 4 /v1/completions calls each (as
 `rlcu bench rollout --turns 4 --http` runs them) against rlcu's `Endpoint` with a handler that answers at once, while
 a thread spins in Python as the engine's does between its steps. The programs run on a thread of this process (on
-asyncio's event loops, then on uvloop's), then in worker processes (`agent_processes`, on uvloop).
+asyncio's event loops, then on uvloop's), then in worker processes with the endpoint's HTTP side in a process of
+its own (`agent_processes`, on uvloop).
 
     python3 benchmarks/endpoint_loops.py [--episodes 64] [--turns 4] [--repeats 5] [--processes 1]
 """
@@ -12,6 +13,7 @@ import threading
 import time
 
 import aiohttp
+import torch
 
 from rlcu.agents import endpoint as endpoint_module
 from rlcu.agents.programs import AgentEndpoint
@@ -72,26 +74,39 @@ def in_workers(workers: ProgramWorkers, endpoint, args) -> None:
 def timed(loop_kind: str, args) -> list[float]:
     make = asyncio.new_event_loop if loop_kind == "asyncio" else endpoint_module.new_event_loop
     endpoint_module.new_event_loop, original = make, endpoint_module.new_event_loop  # the endpoint's loop
-    stop = threading.Event()
+    stop, steps = threading.Event(), [0]
 
-    def engine():  # Python between the engine's steps, competing for the interpreter lock
+    def engine():  # the engine's thread: Python between short operations that let go of the interpreter lock
+        a = torch.ones(8, 8)
         while not stop.is_set():
-            sum(range(1000))
+            if args.engine == "spin":
+                sum(range(1000))
+            else:
+                for _ in range(20):
+                    a = torch.add(a, 1.0)
+            steps[0] += 1
 
     spinner = threading.Thread(target=engine, daemon=True)
     spinner.start()
+    time.sleep(0.2)
+    alone = steps[0]
+    time.sleep(1.0)
+    alone = steps[0] - alone  # the engine's steps a second with nothing beside it
+    busy = []
     loop = make()  # the programs' loop
     workers = ProgramWorkers(args.processes) if loop_kind == "workers" else None
     try:
-        with endpoint_module.Endpoint(Instant(args.tokens)) as endpoint:
+        with (endpoint_module.Endpoint(Instant(args.tokens)) if workers is None
+              else workers.endpoint(Instant(args.tokens))) as endpoint:
             times = []
             for _ in range(args.repeats):
-                start = time.perf_counter()
+                start, before = time.perf_counter(), steps[0]
                 if workers is None:
                     loop.run_until_complete(wave(endpoint, args))
                 else:
                     in_workers(workers, endpoint, args)
                 times.append(time.perf_counter() - start)
+                busy.append((steps[0] - before) / times[-1] / alone)
     finally:
         stop.set()
         spinner.join()
@@ -99,7 +114,7 @@ def timed(loop_kind: str, args) -> list[float]:
         if workers is not None:
             workers.close()
         endpoint_module.new_event_loop = original
-    return times
+    return times, busy
 
 
 def main():
@@ -110,16 +125,21 @@ def main():
     p.add_argument("--tokens", type=int, default=128, help="token ids each call returns")
     p.add_argument("--repeats", type=int, default=5, help="waves on each arm; the first (a warm-up) is not counted")
     p.add_argument("--processes", type=int, default=1, help="worker processes of the last arm")
+    p.add_argument("--engine", choices=("ops", "spin"), default="ops",
+                   help="the engine's thread: short torch operations, each letting go of the interpreter lock, as "
+                        "its steps' Python does (ops); or pure Python that keeps it for the switch interval (spin)")
     args = p.parse_args()
     import uvloop  # noqa: F401  (both arms, or the second would be asyncio's again)
 
     calls = args.episodes * args.turns
     for kind in ("asyncio", "uvloop", "workers", "asyncio", "uvloop", "workers"):
-        times = timed(kind, args)
+        times, busy = timed(kind, args)
         best, median = min(times[1:]), statistics.median(times[1:])
-        name = f"{args.processes} worker process(es), uvloop" if kind == "workers" else f"a thread, {kind}"
+        name = (f"{args.processes} worker process(es) and the endpoint's process, uvloop" if kind == "workers"
+                else f"a thread, {kind}")
         print(f"programs on {name}: {calls} calls, best {best * 1e3:.0f} ms, median {median * 1e3:.0f} ms "
-              f"({median / calls * 1e3:.2f} ms a call); runs {[round(t * 1e3) for t in times]}", flush=True)
+              f"({median / calls * 1e3:.2f} ms a call); runs {[round(t * 1e3) for t in times]}; the engine's "
+              f"steps meanwhile {statistics.median(busy[1:]):.0%} of its rate alone", flush=True)
 
 
 if __name__ == "__main__":

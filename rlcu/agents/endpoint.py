@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import threading
 from typing import Any, Protocol
@@ -21,6 +22,10 @@ MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 30.0
 # a stopped endpoint's rollout has ended: what is still open then is a stalled or abandoned client, not an answer
 SHUTDOWN_TIMEOUT_S = 1.0
+
+
+def new_key() -> str:
+    return "rlcu-" + secrets.token_urlsafe(24)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -66,7 +71,7 @@ class Endpoint:
 
     def __init__(self, handler: Handler, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S):
         self.handler, self.max_body_bytes, self.body_timeout = handler, max_body_bytes, body_timeout
-        self.api_key = "rlcu-" + secrets.token_urlsafe(24)
+        self.api_key: str | None = new_key()  # None: every request gets 401
         self.port: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -130,7 +135,7 @@ class Endpoint:
 
     # ---- HTTP ----------------------------------------------------------------------------------------
     def _check(self, request) -> str:
-        if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+        if self.api_key is None or request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
             raise HTTPError(401, "wrong or missing API key: use the key rlcu gave the agent", "invalid_api_key")
         episode = request.match_info["episode"]
         if not self.handler.has_episode(episode):
@@ -229,3 +234,213 @@ class Endpoint:
             except Exception as e:  # noqa: BLE001 - the endpoint answers, whatever a handler did
                 return self._error(500, f"{type(e).__name__}: {e}", "server_error")
         return errors
+
+
+# ---- the HTTP side in a process of its own -----------------------------------------------------------
+def watch(loop: asyncio.AbstractEventLoop, conn, callback) -> None:
+    """`callback` whenever `conn` (a multiprocessing Connection) has something to read. uvloop makes a watched
+    descriptor non-blocking, and a Connection's recv and send assume a blocking one (a message longer than the
+    pipe's buffer would end in BlockingIOError): it is made blocking again."""
+    loop.add_reader(conn.fileno(), callback)
+    os.set_blocking(conn.fileno(), True)
+
+
+NOT_RUNNING = "no episode {!r} is running (it ended, timed out, or never existed)"
+
+
+class EndpointProcess:
+    """The endpoint's HTTP side in a process of its own (`agent_processes`): an `Endpoint` there parses each
+    request and writes each answer, and what a call means is still the handler's, here, one pipe message a call
+    each way. In this process the HTTP stack's Python (many event-loop turns a call, each waiting for the
+    interpreter lock the engine's thread holds between its steps) becomes one message in and one out.
+
+    It serves one handler at a time (`serve`), rollout after rollout on one port, until `close()`; between
+    rollouts every request gets 401."""
+
+    def __init__(self, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S,
+                 start_timeout: float = 120.0):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_front, args=(child, max_body_bytes, body_timeout),
+                                   name="rlcu-endpoint", daemon=True)
+        self.process.start()
+        child.close()
+        if not self._conn.poll(start_timeout):
+            self.process.kill()
+            raise RuntimeError(f"the agent endpoint's process did not start within {start_timeout:g} s")
+        self.port: int = self._conn.recv()
+        self._send_lock = threading.Lock()
+        self.handler: Handler | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.loop = new_event_loop()
+        watch(self.loop, self._conn, self._readable)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rlcu-endpoint-calls", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self.process.is_alive() and self.loop is not None
+
+    def base_url(self, episode: str) -> str:
+        return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
+
+    def serve(self, handler: Handler) -> "Served":
+        return Served(self, handler)
+
+    def _attach(self, handler: Handler | None, api_key: str | None) -> None:
+        self.handler = handler
+        self._send(("key", api_key, handler.model_name if handler is not None else ""))
+        if handler is None:  # the calls still waiting for an answer get 404, as the episode has ended
+            asyncio.run_coroutine_threadsafe(self._cancel_calls(), self.loop).result(30)
+
+    async def _cancel_calls(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _readable(self) -> None:
+        try:
+            while True:  # every call that came, in one turn of the loop: a wave of calls comes at once
+                _, number, route, episode, body = self._conn.recv()
+                task = self.loop.create_task(self._call(number, route, episode, body))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                if not self._conn.poll():
+                    return
+        except (EOFError, OSError):  # the process exited: what it served is gone with it
+            self.loop.remove_reader(self._conn.fileno())
+
+    async def _call(self, number: int, route: str, episode: str, body: dict) -> None:
+        handler = self.handler
+        try:
+            if handler is None or not handler.has_episode(episode):
+                raise HTTPError(404, NOT_RUNNING.format(episode), "episode_not_found")
+            out = await (handler.chat if route == "chat" else handler.completion)(episode, body)
+            reply = (200, out)
+        except HTTPError as e:
+            reply = (e.status, (str(e), e.code))
+        except asyncio.CancelledError:  # the rollout ended before the answer
+            reply = (404, (NOT_RUNNING.format(episode), "episode_not_found"))
+        except Exception as e:  # noqa: BLE001 - the endpoint answers, whatever a handler did
+            reply = (500, (f"{type(e).__name__}: {e}", "server_error"))
+        try:
+            self._send(("reply", number, *reply))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.loop is None:
+            return
+        try:
+            self._send(None)
+        except OSError:
+            pass
+        self.process.join(5.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.remove_reader(self._conn.fileno())
+        self.loop.close()
+        self._conn.close()
+        self.loop = None
+
+
+class Served:
+    """An `EndpointProcess` serving one rollout's handler: what `Endpoint` offers a rollout (`base_url`,
+    `api_key`, `start`, `stop`, `loop` while it serves), on the process's port."""
+
+    def __init__(self, front: EndpointProcess, handler: Handler):
+        self.front, self.handler, self.api_key, self.port = front, handler, new_key(), front.port
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def base_url(self, episode: str) -> str:
+        return self.front.base_url(episode)
+
+    def start(self) -> None:
+        self.front._attach(self.handler, self.api_key)
+        self.loop = self.front.loop
+
+    def stop(self) -> None:
+        if self.loop is not None and self.front.loop is not None:
+            self.front._attach(None, None)
+        self.loop = None
+
+    def __enter__(self) -> "Served":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Proxy:
+    """In the endpoint's process: the handler, whose calls go to the trainer's process and whose answers come
+    back on the same pipe."""
+
+    def __init__(self, conn, endpoint: Endpoint, stopped: threading.Event):
+        self.conn, self.endpoint, self.stopped = conn, endpoint, stopped
+        self.model_name = ""
+        self.pending: dict[int, asyncio.Future] = {}
+        self.calls = 0
+
+    def has_episode(self, episode: str) -> bool:
+        return True  # the trainer's process answers 404 for an episode it does not run
+
+    async def chat(self, episode: str, body: dict) -> dict:
+        return await self._ask("chat", episode, body)
+
+    async def completion(self, episode: str, body: dict) -> dict:
+        return await self._ask("completion", episode, body)
+
+    async def _ask(self, route: str, episode: str, body: dict) -> dict:
+        self.calls += 1
+        number, answer = self.calls, asyncio.get_running_loop().create_future()
+        self.pending[number] = answer
+        try:
+            self.conn.send(("call", number, route, episode, body))
+            status, out = await answer
+        finally:
+            self.pending.pop(number, None)
+        if status != 200:
+            raise HTTPError(status, *out)
+        return out
+
+    def readable(self) -> None:
+        while True:  # every answer that came, in one turn of the loop
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if message is None:  # close(), or the trainer's process is gone
+                self.endpoint.loop.remove_reader(self.conn.fileno())
+                self.stopped.set()
+                return
+            if message[0] == "key":
+                self.endpoint.api_key, self.model_name = message[1], message[2]
+            elif message[0] == "reply" and message[1] in self.pending:
+                self.pending[message[1]].set_result((message[2], message[3]))
+            if not self.conn.poll():
+                return
+
+
+def _front(conn, max_body_bytes: int, body_timeout: float) -> None:
+    """The endpoint's process: an `Endpoint` on a free port whose handler is the trainer's, through `conn`."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops this process
+    stopped = threading.Event()
+    endpoint = Endpoint(None, max_body_bytes, body_timeout)
+    endpoint.api_key = None
+    endpoint.handler = proxy = _Proxy(conn, endpoint, stopped)
+    endpoint.start()
+    endpoint.loop.call_soon_threadsafe(watch, endpoint.loop, conn, proxy.readable)
+    conn.send(endpoint.port)
+    stopped.wait()
+    endpoint.stop()

@@ -199,7 +199,7 @@ class ProgramRunner:
         self.waiting_turns = len(self.episodes) * (1 + max_branches)
         # reentrant: a call resolves its turn's reply (`_next_turn`) while it holds the lock
         self.lock = threading.RLock()
-        self.endpoint = Endpoint(self)
+        self.endpoint = Endpoint(self) if workers is None else workers.endpoint(self)
         self.endpoint.start()
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self._workers, self._run, self._loop, self._thread = workers, None, None, None

@@ -1,10 +1,11 @@
 """Agent programs in processes of their own (`agent_processes`): each rollout's episodes are spread over N worker
-processes, each running its share on an event loop of its own. In the trainer's process, the programs' Python (an
-HTTP client parsing JSON, an agent framework) and the endpoint's share one interpreter lock with the engine's
-thread, whose Python runs between its steps: every call then waits for the lock on both sides. In a worker, a
-program's work runs beside the engine instead.
+processes, each running its share on an event loop of its own, and the endpoint's HTTP side runs in one more
+(`endpoint.EndpointProcess`). In the trainer's process, the programs' Python (an HTTP client parsing JSON, an agent
+framework) and the endpoint's share one interpreter lock with the engine's thread, whose Python runs between its
+steps: every call then waits for the lock on both sides. In their own processes their work runs beside the engine,
+and a call costs the trainer's process one message in and one out.
 
-The workers start once (the spawn method: safe beside CUDA and threads) and serve every rollout until `close()`.
+The processes start once (the spawn method: safe beside CUDA and threads) and serve every rollout until `close()`.
 A program, its rows and what it returns cross by pickle: a program is a function or object importable by name (or
 a picklable object); a program or row that does not pickle is refused before the rollout starts."""
 from __future__ import annotations
@@ -17,6 +18,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+
+from rlcu.agents.endpoint import EndpointProcess, Handler, Served, watch
 
 START_S = 120.0  # a fresh worker imports rlcu's agents and the program's module before it answers
 
@@ -45,9 +48,19 @@ class ProgramWorkers:
         self._runs = 0
         self._lock = threading.Lock()
         self._listener: threading.Thread | None = None
+        self.front: EndpointProcess | None = None
+
+    def endpoint(self, handler: Handler) -> Served:
+        """The endpoint for one rollout's `handler`, served from the endpoint's process (started here, and
+        started anew where a process of the pool has exited)."""
+        if self.front is None or not self.front.alive() or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        return self.front.serve(handler)
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
+        self.front = EndpointProcess()
         for _ in range(self.processes):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=serve, args=(child,), name="rlcu-agent-worker", daemon=True)
@@ -68,9 +81,8 @@ class ProgramWorkers:
                              f"and {getattr(program, '__qualname__', type(program).__name__)} does not pickle ({e}); "
                              "define it at the top level of an importable module, or set agent_processes: 0") \
                 from None
-        if not self._procs or not all(p.is_alive() for p in self._procs):
-            self.close()
-            self._start()
+        if not self._procs:
+            raise RuntimeError("ProgramWorkers.run before endpoint(): the programs' endpoint is served first")
         shares = [episodes[k::self.processes] for k in range(self.processes)]
         with self._lock:
             self._runs += 1
@@ -159,7 +171,9 @@ class ProgramWorkers:
             conn.close()
         if self._listener is not None:
             self._listener.join(5.0)
-        self._conns, self._procs, self._listener = [], [], None
+        if self.front is not None:
+            self.front.close()
+        self._conns, self._procs, self._listener, self.front = [], [], None, None
 
 
 # ---- in a worker -------------------------------------------------------------------------------------
@@ -187,7 +201,7 @@ async def _serve(conn: Connection) -> None:
             loop.remove_reader(conn.fileno())
             inbox.put_nowait(None)
 
-    loop.add_reader(conn.fileno(), readable)
+    watch(loop, conn, readable)
     running: dict[int, asyncio.Task] = {}
     while (message := await inbox.get()) is not None:
         if message[0] == "run":

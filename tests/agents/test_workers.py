@@ -1,11 +1,19 @@
 """Agent programs in worker processes (`agent_processes`): the same episodes as on the trainer's thread, token for
 token, rollout after rollout on the same workers; a program that raises, returns early, does not pickle or loses
-its worker is one line naming it; a GRPO step trains with them and the workers stop at teardown."""
+its worker is one line naming it; a GRPO step trains with them and the workers stop at teardown. The endpoint's
+HTTP side in a process of its own answers bad requests as the one in a thread does, rollout after rollout."""
+import asyncio
+import concurrent.futures
+import json
 import os
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
 
+from rlcu.agents.endpoint import EndpointProcess, HTTPError
 from rlcu.agents.formats import tool_format
 from rlcu.agents.programs import ProgramRunner
 from rlcu.agents.workers import ProgramWorkers
@@ -112,3 +120,65 @@ def test_a_grpo_step_trains_an_agent_program_in_a_worker_process(tmp_path):
     assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert module.program_workers is None, "the workers outlive the fit"
+
+
+class Stub:
+    """A handler: episode "e1" answers at once (a 409 for a body asking it), "slow" never answers."""
+
+    model_name = "policy"
+
+    def has_episode(self, episode: str) -> bool:
+        return episode in ("e1", "slow")
+
+    async def chat(self, episode: str, body: dict) -> dict:
+        if episode == "slow":
+            await asyncio.Event().wait()
+        if body.get("branch"):
+            raise HTTPError(409, "a branch", "episode_branch")
+        if body.get("boom"):
+            raise KeyError("boom")
+        return {"id": "c1", "object": "chat.completion", "created": 0, "model": "policy",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "t5 t6"},
+                             "finish_reason": "stop", "logprobs": None}]}
+
+    async def completion(self, episode: str, body: dict) -> dict:
+        raise HTTPError(400, "no text here")
+
+
+def test_the_endpoints_process_answers_bad_requests_and_between_rollouts_and_closes_its_port():
+    from tests.agents.test_programs import _post
+
+    front = EndpointProcess()
+    try:
+        served = front.serve(Stub())
+        served.start()
+        url, key = served.base_url("e1") + "/chat/completions", served.api_key
+        good = json.dumps({"messages": [{"role": "user", "content": "t1"}]}).encode()
+        statuses = {name: _post(url, body, k)[0] for name, body, k in [
+            ("wrong key", good, "rlcu-wrong"), ("no key", good, None), ("malformed", b"{not json", key),
+            ("10 MB", b'{"x": "' + b"a" * (10 << 20) + b'"}', key), ("branch", b'{"branch": 1}', key),
+            ("raises", b'{"boom": 1}', key), ("text", b'{"prompt": "x"}', key)]}
+        statuses["text"] = _post(served.base_url("e1") + "/completions", b'{"prompt": "x"}', key)[0]
+        statuses["unknown episode"] = _post(served.base_url("e2") + "/chat/completions", good, key)[0]
+        status, out = _post(url, good, key)
+        assert statuses == {"wrong key": 401, "no key": 401, "malformed": 400, "10 MB": 413, "branch": 409,
+                            "raises": 500, "text": 400, "unknown episode": 404}
+        assert status == 200 and out["choices"][0]["message"]["content"] == "t5 t6"
+        stream = json.dumps({"messages": [{"role": "user", "content": "t1"}], "stream": True}).encode()
+        request = urllib.request.Request(url, stream, {"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.read().decode().endswith("data: [DONE]\n\n")
+        slow = concurrent.futures.ThreadPoolExecutor(1).submit(_post, served.base_url("slow") + "/chat/completions",
+                                                                good, key)
+        time.sleep(0.5)
+        served.stop()  # the rollout ends: its unanswered call gets 404, its key no longer opens anything
+        assert slow.result(30)[0] == 404
+        assert _post(url, good, key)[0] == 401
+        again = front.serve(Stub())  # the next rollout, on the same port
+        again.start()
+        assert again.port == served.port and _post(url, good, again.api_key)[0] == 200
+        again.stop()
+    finally:
+        front.close()
+    with pytest.raises(urllib.error.URLError):
+        _post(url, good, key)
