@@ -290,7 +290,11 @@ class EndpointProcess:
 
     def _attach(self, handler: Handler | None, api_key: str | None) -> None:
         self.handler = handler
-        self._send(("key", api_key, handler.model_name if handler is not None else ""))
+        try:
+            self._send(("key", api_key, handler.model_name if handler is not None else ""))
+        except OSError:  # the process has exited: nothing is served, and the next rollout starts it anew
+            if handler is not None:
+                raise RuntimeError("the agent endpoint's process has exited") from None
         if handler is None:  # the calls still waiting for an answer get 404, as the episode has ended
             asyncio.run_coroutine_threadsafe(self._cancel_calls(), self.loop).result(30)
 
