@@ -216,6 +216,10 @@ class GRPOModule(L.LightningModule):
                 rewards = []  # left at the default: the program's returns are the reward
             return resolve_rewards(rewards, reward_weights, [BoundReward(agent_reward, "agent", 1.0)],
                                    processing_classes)
+        if limits.agent_processes:
+            raise ValueError("agent_processes runs agent programs (agent: ...), and this run has none; tools and "
+                             "environments run in the trainer's process (tool_isolation: process forks each tool "
+                             "call): drop agent_processes")
         self.agent = AgentOptions.build(self.tokenizer, tools, environment_factory, limits.tool_format,
                                         limits.max_tool_calling_iterations,
                                         self.options.sampling.max_completion_length, limits.tool_timeout,

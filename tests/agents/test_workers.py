@@ -120,6 +120,8 @@ def test_a_grpo_step_trains_an_agent_program_in_a_worker_process(tmp_path):
     assert any(m.get("episodes/mean_calls") == 2.0 for m in metrics)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert module.program_workers is None, "the workers outlive the fit"
+    with pytest.raises(ValueError, match="agent_processes runs agent programs .* drop agent_processes"):
+        GRPOModule(model, tokenizer=tok, tools=[len], agent_processes=2)
 
 
 class Stub:
