@@ -270,7 +270,13 @@ class EndpointProcess:
         if not self._conn.poll(start_timeout):
             self.process.kill()
             raise RuntimeError(f"the agent endpoint's process did not start within {start_timeout:g} s")
-        self.port: int = self._conn.recv()
+        try:
+            self.port: int = self._conn.recv()
+        except EOFError:
+            self.process.join(5.0)
+            raise RuntimeError(f"the agent endpoint's process exited as it started (code {self.process.exitcode}); "
+                               "a script that sets agent_processes starts processes the spawn way, so it needs its "
+                               "training under `if __name__ == \"__main__\":`") from None
         self._send_lock = threading.Lock()
         self.handler: Handler | None = None
         self._tasks: set[asyncio.Task] = set()

@@ -118,7 +118,11 @@ class ProgramWorkers:
     def _listen(self) -> None:
         workers = {conn: k for k, conn in enumerate(self._conns)}
         while workers:
-            for conn in wait(list(workers)):
+            try:
+                ready = wait(list(workers))
+            except (OSError, ValueError):  # close() closed the pipes
+                return
+            for conn in ready:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):  # the worker exited: its unfinished episodes end with an error
@@ -220,7 +224,15 @@ async def _rollout(conn: Connection, number: int, payload: bytes, share: list, a
     from rlcu.agents.programs import AgentEndpoint, SharedClient
 
     shared = SharedClient(api_key, asyncio.get_running_loop())
-    program = pickle.loads(payload)
+    try:
+        program = pickle.loads(payload)
+    except Exception as e:  # noqa: BLE001 - a module the trainer's process has and this one cannot import
+        error = RuntimeError(f"the agent worker process cannot load the program ({type(e).__name__}: {e}); give "
+                             "it by an import path that a fresh Python process can import")
+        for index, _, _ in share:
+            conn.send(("ended", number, index, None, error))
+        conn.send(("done", number))
+        return
 
     async def one(index: int, base_url: str, row: dict) -> None:
         result, error = None, None

@@ -6,7 +6,9 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import sys
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -97,6 +99,14 @@ def test_a_program_in_a_worker_that_fails_is_one_line_naming_the_episode(tiny, w
         runner([{"prompt": "x"}], closure, tok, workers)
     with pytest.raises(ValueError, match=r"a row does not pickle .* set agent_processes: 0"):
         runner([{"prompt": "x", "f": lambda: 0}], quits, tok, workers)
+    here = types.ModuleType("rlcu_test_only_here")  # pickles by name here; a fresh process cannot import it
+    exec("async def agent(endpoint, row):\n    return 1.0", here.__dict__)
+    sys.modules[here.__name__] = here
+    try:
+        with pytest.raises(RuntimeError, match=r"agent worker process cannot load the program .* import path"):
+            runner([{"prompt": "x"}], here.agent, tok, workers)
+    finally:
+        del sys.modules[here.__name__]
 
 
 def test_a_lost_worker_ends_its_episodes_with_an_error_and_the_next_rollout_starts_anew(tiny, workers):
