@@ -19,6 +19,7 @@ import threading
 from typing import Any, Protocol
 
 MAX_BODY_BYTES = 1 << 20
+NOT_RUNNING = "no episode {!r} is running (it ended, timed out, or never existed)"
 BODY_TIMEOUT_S = 30.0
 # a stopped endpoint's rollout has ended: what is still open then is a stalled or abandoned client, not an answer
 SHUTDOWN_TIMEOUT_S = 1.0
@@ -139,8 +140,7 @@ class Endpoint:
             raise HTTPError(401, "wrong or missing API key: use the key rlcu gave the agent", "invalid_api_key")
         episode = request.match_info["episode"]
         if not self.handler.has_episode(episode):
-            raise HTTPError(404, f"no episode {episode!r} is running (it ended, timed out, or never existed)",
-                            "episode_not_found")
+            raise HTTPError(404, NOT_RUNNING.format(episode), "episode_not_found")
         return episode
 
     async def _body(self, request) -> dict:
@@ -245,7 +245,6 @@ def watch(loop: asyncio.AbstractEventLoop, conn, callback) -> None:
     os.set_blocking(conn.fileno(), True)
 
 
-NOT_RUNNING = "no episode {!r} is running (it ended, timed out, or never existed)"
 
 
 class EndpointProcess:

@@ -21,8 +21,6 @@ from multiprocessing.connection import Connection, wait
 
 from rlcu.agents.endpoint import EndpointProcess, Handler, Served, watch
 
-START_S = 120.0  # a fresh worker imports rlcu's agents and the program's module before it answers
-
 
 @dataclass
 class _Run:
