@@ -220,18 +220,28 @@ case $part in
   stream-curves)
     # issue #44: each recipe (RECIPES, default "arithmetic reasoning-gym") for STEPS optimizer steps (default 50),
     # held-out greedy accuracy every EVERY steps (default 10), synchronous then streaming, with each seed of SEEDS
-    # (default "0 1 2") as both the run's and the sampler's seed; then recipes/seed_curves.py on the CSVs
+    # (default "0 1 2") as both the run's and the sampler's seed; then recipes/seed_curves.py on the CSVs. The runs
+    # share the GPU, all at once (their curves are per sample trained, not per minute); MAX_TIME bounds each run
+    # (Lightning's trainer.max_time, default null), so that a slow run still ends with its metrics written
     root=$PWD; out=$(cd "$out" && pwd)
+    for recipe in ${RECIPES:-arithmetic reasoning-gym}; do
+      for mode in synchronous streaming; do
+        for seed in ${SEEDS:-0 1 2}; do
+          dir="$out/$recipe-$mode-s$seed"; mkdir -p "$dir"
+          (cd "$dir" && log "$recipe-$mode-s$seed" python3 -m rlcu.cli run "$recipe" --seed_everything="$seed" \
+            --model.seed="$seed" --trainer.max_steps="${STEPS:-50}" --trainer.max_time="${MAX_TIME:-null}" \
+            --trainer.val_check_interval="${EVERY:-10}" --model.eval_num_samples=0 \
+            --model.streaming="$([ $mode = streaming ] && echo true || echo false)") > "$dir.summary" 2>&1 &
+        done
+      done
+    done
+    wait
     for recipe in ${RECIPES:-arithmetic reasoning-gym}; do
       csvs=()
       for mode in synchronous streaming; do
         run=("--run" "$mode")
         for seed in ${SEEDS:-0 1 2}; do
-          dir="$out/$recipe-$mode-s$seed"; mkdir -p "$dir"
-          (cd "$dir" && log "$recipe-$mode-s$seed" python3 -m rlcu.cli run "$recipe" --seed_everything="$seed" \
-            --model.seed="$seed" --trainer.max_steps="${STEPS:-50}" --trainer.max_time=null \
-            --trainer.val_check_interval="${EVERY:-10}" --model.eval_num_samples=0 \
-            --model.streaming="$([ $mode = streaming ] && echo true || echo false)")
+          dir="$out/$recipe-$mode-s$seed"; cat "$dir.summary"
           cp "$dir/runs/$recipe/version_0/metrics.csv" "$out/$recipe-$mode-s$seed.csv" && run+=("$out/$recipe-$mode-s$seed.csv")
         done
         csvs+=("${run[@]}")
