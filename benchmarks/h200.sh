@@ -222,7 +222,8 @@ case $part in
     # held-out greedy accuracy every EVERY steps (default 10), synchronous then streaming, with each seed of SEEDS
     # (default "0 1 2") as both the run's and the sampler's seed; then recipes/seed_curves.py on the CSVs. The runs
     # share the GPU, all at once (their curves are per sample trained, not per minute); MAX_TIME bounds each run
-    # (Lightning's trainer.max_time, default null), so that a slow run still ends with its metrics written
+    # (Lightning's trainer.max_time, default null), so that a slow run still ends with its metrics written; a recipe
+    # whose runs wrote none (reasoning-gym without its packages: benchmarks/offline_setup.sh) is named and skipped
     root=$PWD; out=$(cd "$out" && pwd)
     for recipe in ${RECIPES:-arithmetic reasoning-gym}; do
       for mode in synchronous streaming; do
@@ -246,6 +247,9 @@ case $part in
         done
         csvs+=("${run[@]}")
       done
+      if ! ls "$out/$recipe"-synchronous-s*.csv "$out/$recipe"-streaming-s*.csv > /dev/null 2>&1; then
+        echo "stream-curves: $recipe has no metrics for one of its modes; see $out/$recipe-*.log"; continue
+      fi
       per_step=$(python3 -c "import yaml; c = yaml.safe_load(open('$root/recipes/$recipe/config.yaml')); \
         print(c['data']['batch_size'] * c['model']['num_generations'])")
       python3 "$root/recipes/seed_curves.py" "${csvs[@]}" --samples_per_step "$per_step" --out "$out/$recipe-streaming.png" \
