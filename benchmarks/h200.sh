@@ -23,7 +23,7 @@
 # synchronous and streaming, each step's phases and allocator retries, then streaming with four extra steps under one
 # profile; BESIDE="64 128" adds streaming with that many decode steps beside each step's training, and the 1.7B
 # long tail synchronous, then streaming with 0 and BESIDE's first, or LONG_BESIDE's values, beside, at
-# max_staleness LONG_STALENESS, default 2, and LONG_ARGS: say "--beside_priority -1 --max_num_seqs 512"), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs on a thread and in AGENT_PROCESSES worker processes),
+# max_staleness LONG_STALENESS, default 2, and LONG_ARGS: say "--beside_priority -1 --max_num_seqs 512"), http (issue #42: 64 episodes of 4 turns in-process, then as HTTP agent programs with the default agent_processes, on a thread, and in AGENT_PROCESSES worker processes),
 # stream-curves (issue #44: recipes synchronous and streaming over seeds, held-out accuracy per sample trained;
 # RECIPES, SEEDS, STEPS, EVERY), curves (recipes trained for MINUTES minutes, default 8, with held-out accuracy, on GPU 0 while
 # recipes/trl_baseline.py runs the same recipe on GPU 1, or after it on a machine of one GPU; RECIPES picks them,
@@ -203,10 +203,13 @@ case $part in
     log step8x8-stream-prof rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 8 --stop_tokens 512 \
       --streaming --profile "$out/prof-stream" --profile_steps 4 ;;
   http)
-    # six timed runs each way, and http_ratio_median beside the best runs' ratio; the programs on a thread of the
-    # engine's process, then in AGENT_PROCESSES worker processes (default "1 4")
-    log turns4-http rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http --repeats 6
-    for n in ${AGENT_PROCESSES:-1 4}; do
+    # six timed runs each way, and http_ratio_median beside the best runs' ratio: the command as issue #42 gives it
+    # (agent_processes at its default: worker processes, one per 4 cores, 1 to 4), the programs on a thread of the
+    # engine's process, then in AGENT_PROCESSES worker processes (default none)
+    log turns4-http-default rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http --repeats 6
+    log turns4-http-thread rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http --repeats 6 \
+      --agent_processes 0
+    for n in ${AGENT_PROCESSES:-}; do
       log turns4-http-processes$n rlcu bench rollout --sequences 64 --new_tokens 512 --turns 4 --http --repeats 6 \
         --agent_processes "$n"
     done ;;

@@ -228,9 +228,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--http", action="store_true",
                    help="with --turns: each timed run twice, in-process, then as agent programs that make each turn an "
                         "HTTP /v1/completions call to the agent endpoint (the same token counts)")
-    r.add_argument("--agent_processes", type=int, default=0,
+    r.add_argument("--agent_processes", type=int, default=-1,
                    help="with --http: worker processes the agent programs run in (GRPOModule's agent_processes; 0: a "
-                        "thread of this process)")
+                        "thread of this process; -1: its default, here processes, one per 4 CPU cores, 1 to 4)")
     s = sub.choices["step"]
     s.add_argument("--prompts", type=int, default=8)
     s.add_argument("--generations", type=int, default=8)
@@ -312,9 +312,10 @@ def bench_rollout(args) -> dict:
     elif args.http:
         raise ValueError("--http runs episodes: give --turns 2 or more")
     runs, http_runs = [], []
-    from rlcu.agents.workers import ProgramWorkers
+    from rlcu.agents.workers import ProgramWorkers, resolve_processes
 
-    workers = ProgramWorkers(args.agent_processes) if args.http and args.agent_processes else None
+    processes = resolve_processes(args.agent_processes, HTTPEpisode) if args.http else 0
+    workers = ProgramWorkers(processes) if processes else None
     try:
         for i in range(1 + args.repeats):
             tokens, seconds = timed_rollout(args, engine, requests, sampling, continuation, i)
@@ -331,8 +332,8 @@ def bench_rollout(args) -> dict:
         http_best = min(http_runs[1:]) if args.repeats else http_runs[0]
         timed = slice(1, None) if args.repeats else slice(None)
         # the best runs' ratio, and the medians' (steadier when the runs spread as wide as the gap)
-        http = dict(http=True, http_seconds=round(http_best, 3), http_tok_per_s=round(tokens / http_best),
-                    http_ratio=round(best / http_best, 3),
+        http = dict(http=True, agent_processes=processes, http_seconds=round(http_best, 3),
+                    http_tok_per_s=round(tokens / http_best), http_ratio=round(best / http_best, 3),
                     http_ratio_median=round(statistics.median(runs[timed]) / statistics.median(http_runs[timed]), 3))
     profile = profile_rollout(args, engine, requests, sampling, continuation) if args.profile else {}
     return dict(bench="rollout", model=args.model, path="native", sequences=args.sequences,

@@ -358,12 +358,16 @@ def main(argv: list[str] | None = None) -> None:
 
             export(argv[1:])
             return
+        from rlcu.agents.workers import started_from_cli  # this process's main module is rlcu's: spawning is safe
+
         if argv[0] == "bench":
             from rlcu.bench import run as bench
 
-            bench(argv[1:])
+            with started_from_cli():
+                bench(argv[1:])
             return
-        build_cli(expand_run(argv))
+        with started_from_cli():
+            build_cli(expand_run(argv))
     except SystemExit as e:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 

@@ -7,11 +7,19 @@ and a call costs the trainer's process one message in and one out.
 
 The processes start once (the spawn method: safe beside CUDA and threads) and serve every rollout until `close()`.
 A program, its rows and what it returns cross by pickle: a program is a function or object importable by name (or
-a picklable object); a program or row that does not pickle is refused before the rollout starts."""
+a picklable object); a program or row that does not pickle is refused before the rollout starts.
+
+`agent_processes: -1` (the default) picks for the run (`resolve_processes`): worker processes where spawning them is
+safe and the program pickles, a thread otherwise. Spawning is safe where the process's main module is guarded:
+the `rlcu` command's (`started_from_cli`). A script of the user's may not be, and a spawned process re-runs an
+unguarded script's top level, a second training run; so the Python API keeps the thread unless asked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -20,6 +28,37 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from rlcu.agents.endpoint import EndpointProcess, Handler, Served, watch
+
+log = logging.getLogger(__name__)
+AUTO = -1
+_main_spawns_safely = False
+
+
+@contextlib.contextmanager
+def started_from_cli():
+    """Marks the `rlcu` command's run: its main module is rlcu's own, which a spawned process may import again."""
+    global _main_spawns_safely
+    before, _main_spawns_safely = _main_spawns_safely, True
+    try:
+        yield
+    finally:
+        _main_spawns_safely = before
+
+
+def resolve_processes(setting: int, program: object) -> int:
+    """The worker processes a run's agent programs get: `setting` where it is 0 or more; for AUTO (-1), one per
+    4 CPU cores, 1 to 4, where the main module spawns safely and `program` pickles, else 0 (a thread)."""
+    if setting != AUTO:
+        return setting
+    if not _main_spawns_safely:
+        return 0
+    try:
+        pickle.dumps(program)
+    except Exception as e:  # noqa: BLE001 - pickle raises several kinds
+        log.info("agent_processes: -1 runs %s on a thread of this process: it does not pickle (%s)",
+                 getattr(program, "__qualname__", type(program).__name__), e)
+        return 0
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 @dataclass

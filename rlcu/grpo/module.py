@@ -32,7 +32,7 @@ from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --train
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.agents.formats import tool_format
 from rlcu.agents.programs import ProgramRunner, agent_reward, load_program
-from rlcu.agents.workers import ProgramWorkers
+from rlcu.agents.workers import ProgramWorkers, resolve_processes
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import (
     Continuation,
@@ -211,12 +211,13 @@ class GRPOModule(L.LightningModule):
                                  "environment_factory, not both")
             fmt = (tool_format(limits.tool_format, self.tokenizer, self.options.sampling.chat_template_kwargs)
                    if getattr(self.tokenizer, "chat_template", None) else None)  # None: text episodes only
-            self.agent, self.program = None, (load_program(agent), fmt)
+            program = load_program(agent)
+            self.agent, self.program = None, (program, fmt, resolve_processes(limits.agent_processes, program))
             if isinstance(rewards, tuple) and rewards == ("math_answer",):
                 rewards = []  # left at the default: the program's returns are the reward
             return resolve_rewards(rewards, reward_weights, [BoundReward(agent_reward, "agent", 1.0)],
                                    processing_classes)
-        if limits.agent_processes:
+        if limits.agent_processes > 0:
             raise ValueError("agent_processes runs agent programs (agent: ...), and this run has none; tools and "
                              "environments run in the trainer's process (tool_isolation: process forks each tool "
                              "call): drop agent_processes")
@@ -603,7 +604,7 @@ class GRPOModule(L.LightningModule):
 
     def _sample_programs(self, rows: list[dict], g: int, sampling: SamplingParams) -> Sampled:
         """`g` episodes per row of the agent program, each through the endpoint, which stops with the rollout."""
-        program, fmt = self.program
+        program, fmt, _ = self.program
         limits = self.options.agents
         s = self.options.sampling
         runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
@@ -621,8 +622,9 @@ class GRPOModule(L.LightningModule):
 
     def _program_workers(self) -> ProgramWorkers | None:
         """The worker processes of `agent_processes`, started at the first rollout and kept until teardown."""
-        if self.options.agents.agent_processes and self.program_workers is None:
-            self.program_workers = ProgramWorkers(self.options.agents.agent_processes)
+        processes = self.program[2]
+        if processes and self.program_workers is None:
+            self.program_workers = ProgramWorkers(processes)
         return self.program_workers
 
     def teardown(self, stage: str) -> None:

@@ -1,7 +1,8 @@
 """Agent programs in worker processes (`agent_processes`): the same episodes as on the trainer's thread, token for
 token, rollout after rollout on the same workers; a program that raises, returns early, does not pickle or loses
 its worker is one line naming it; a GRPO step trains with them and the workers stop at teardown. The endpoint's
-HTTP side in a process of its own answers bad requests as the one in a thread does, rollout after rollout."""
+HTTP side in a process of its own answers bad requests as the one in a thread does, rollout after rollout. The
+default (-1) picks processes under the rlcu command for a program that pickles, a thread otherwise."""
 import asyncio
 import concurrent.futures
 import json
@@ -18,7 +19,7 @@ import torch
 from rlcu.agents.endpoint import EndpointProcess, HTTPError
 from rlcu.agents.formats import tool_format
 from rlcu.agents.programs import ProgramRunner
-from rlcu.agents.workers import ProgramWorkers
+from rlcu.agents.workers import AUTO, ProgramWorkers, resolve_processes, started_from_cli
 from rlcu.contracts import SamplingParams
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
 from rlcu.models import load_model
@@ -194,3 +195,31 @@ def test_the_endpoints_process_answers_bad_requests_and_between_rollouts_and_clo
         front.close()
     with pytest.raises(urllib.error.URLError):
         _post(url, good, key)
+
+
+def test_the_default_picks_processes_under_the_rlcu_command_for_a_program_that_pickles(tmp_path, monkeypatch, caplog):
+    from rlcu.grpo.module import GRPOModule
+
+    async def closure(endpoint, row):
+        return 1.0
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert resolve_processes(0, three_calls) == 0 and resolve_processes(3, closure) == 3  # given: as given
+    assert resolve_processes(AUTO, three_calls) == 0  # from Python: a script may not be guarded
+    with started_from_cli():
+        assert resolve_processes(AUTO, three_calls) == 4
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        assert resolve_processes(AUTO, three_calls) == 1
+        with caplog.at_level("INFO", logger="rlcu.agents.workers"):
+            assert resolve_processes(AUTO, closure) == 0
+        assert "runs test_the_default_picks_processes_under_the_rlcu_command_for_a_program_that_pickles.<locals>." \
+               "closure on a thread of this process: it does not pickle" in caplog.text
+        model, tok = load_model(tiny_hf_folder(tmp_path, "qwen3", chat_template=CHAT_TEMPLATE))
+        module = GRPOModule(model, tokenizer=tok, agent="tests.agents.test_programs:echo_target")
+        assert module.program[2] == 1
+        assert GRPOModule(model, tokenizer=tok, agent="tests.agents.test_programs:echo_target",
+                          agent_processes=0).program[2] == 0
+    assert resolve_processes(AUTO, three_calls) == 0, "the rlcu command's mark outlives it"
+    assert GRPOModule(model, tokenizer=tok, agent="tests.agents.test_programs:echo_target").program[2] == 0
+    with pytest.raises(ValueError, match=r"agent_processes must be >= -1 \(-1: auto\), got -2"):
+        GRPOModule(model, tokenizer=tok, agent="tests.agents.test_programs:echo_target", agent_processes=-2)

@@ -1,5 +1,6 @@
 """`rlcu bench` end to end on the CPU with a tiny model (its speed is measured on the H200, never here)."""
 import json
+import os
 
 import pytest
 
@@ -44,12 +45,12 @@ def test_bench_rollout_runs_multi_turn_episodes(tmp_path, capsys):
     assert out["turns"] == 4 and out["tokens"] == 4 * 12  # sampled tokens only: the appended ones do not count
 
 
-@pytest.mark.parametrize("processes", [0, 1])
+@pytest.mark.parametrize("processes", [0, None])
 def test_bench_rollout_runs_the_same_episodes_over_http(tmp_path, capsys, monkeypatch, processes):
     """--http: each episode a program making its four turns as /v1/completions calls to the agent endpoint, beside
     the in-process run; both sample the same tokens (the bench checks it), and every call went over HTTP, from a
-    thread or from a worker process (--agent_processes 1, on a folder without a tokenizer: the bench's episodes
-    are token ids)."""
+    thread (--agent_processes 0) or from worker processes (the default under the rlcu command: one per 4 cores, 1
+    to 4; on a folder without a tokenizer: the bench's episodes are token ids)."""
     import rlcu.agents.programs as programs
     import rlcu.bench as bench
 
@@ -62,13 +63,14 @@ def test_bench_rollout_runs_the_same_episodes_over_http(tmp_path, capsys, monkey
 
     monkeypatch.setattr(programs.ProgramRunner, "completion", counted)
     folder = tiny_hf_folder(tmp_path, "qwen3")
-    if processes:
+    if processes is None:
         for f in folder.glob("tokenizer*"):
             f.unlink()
     main(["bench", "rollout", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--sequences", "4",
           "--generations", "2", "--prompt_len", "5", "--new_tokens", "12", "--turns", "4", "--turn_tokens", "3",
-          "--repeats", "1", "--http", "--agent_processes", str(processes)])
+          "--repeats", "1", "--http", *([] if processes is None else ["--agent_processes", str(processes)])])
     out = last_json(capsys)
+    assert out["agent_processes"] == (max(1, min(4, (os.cpu_count() or 1) // 4)) if processes is None else 0)
     assert out["http"] is True and out["tokens"] == 4 * 12 and out["http_tok_per_s"] > 0 and out["http_ratio"] > 0
     assert out["http_ratio_median"] > 0
     assert len(calls) == 2 * 4 * 4  # two runs (warm-up, timed) of 4 episodes of 4 calls
