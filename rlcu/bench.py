@@ -228,9 +228,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--http", action="store_true",
                    help="with --turns: each timed run twice, in-process, then as agent programs that make each turn an "
                         "HTTP /v1/completions call to the agent endpoint (the same token counts)")
-    r.add_argument("--agent_processes", type=int, default=-1,
-                   help="with --http: worker processes the agent programs run in (GRPOModule's agent_processes; 0: a "
-                        "thread of this process; -1: its default, here processes, one per 4 CPU cores, 1 to 4)")
+    from rlcu.grpo.options import FIELDS
+
+    r.add_argument("--agent_processes", type=int, default=FIELDS["agent_processes"][1].default,
+                   help="with --http: GRPOModule's agent_processes, the same values and default (under rlcu bench the "
+                        "default gives worker processes)")
     s = sub.choices["step"]
     s.add_argument("--prompts", type=int, default=8)
     s.add_argument("--generations", type=int, default=8)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from rlcu.agents.formats import FORMATS as TOOL_FORMATS
 from rlcu.agents.programs import HISTORIES as AGENT_HISTORIES
 from rlcu.agents.tools import MAX_RESULT_CHARS
+from rlcu.agents.workers import AUTO as AUTO_PROCESSES
 from rlcu.calls import ISOLATION
 from rlcu.contracts import SamplingParams
 from rlcu.grpo import registry
@@ -320,12 +321,12 @@ class AgentLimits(OptionGroup):
                                          "place (served: for frameworks that write them back in a form of their own, "
                                          "as smolagents does; the sample keeps the served tokens)",
                                 choices=AGENT_HISTORIES)
-    agent_processes: int = option(-1, "worker processes the agent programs run in (each rollout's episodes spread "
-                                      "over them), so that the programs' Python does not take the interpreter lock "
-                                      "the engine needs between its steps; the program, its rows and its returns "
-                                      "must pickle (docs/agents.md); 0: a thread of the trainer's process; -1: "
-                                      "processes (one per 4 CPU cores, 1 to 4) under the rlcu command where the "
-                                      "program pickles, a thread otherwise", minimum=-1, why=" (-1: auto)")
+    agent_processes: int = option(
+        AUTO_PROCESSES, "worker processes the agent programs run in (each rollout's episodes spread over them), so "
+        "that the programs' Python does not take the interpreter lock the engine needs between its steps; the "
+        "program, its rows and its returns must pickle (docs/agents.md); 0: a thread of the trainer's process; -1: "
+        "processes (one per 4 CPU cores, 1 to 4) under the rlcu command where the program pickles, a thread "
+        "otherwise", minimum=AUTO_PROCESSES, why=" (-1: auto)")
     max_branches: int = option(0, "conversations an agent program's episode may start besides its first (a "
                                   "sub-agent, a retry, another sample of the same messages), each trained as one more "
                                   "sample of the episode's group with the episode's advantage; 0: such a call gets "
