@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -647,10 +648,13 @@ def planned_lengths(new_tokens: int, sigma: float = 1.0):
 
     postprocess = Scheduler.postprocess
 
+    @functools.cache  # one draw a sample, not one a token: seeding a Random costs the decode loop's host time
+    def length(key: tuple[int, int]) -> int:
+        return min(new_tokens, max(1, round(random.Random(hash(key)).lognormvariate(math.log(new_tokens / 8), sigma))))
+
     def planned(self, seqs, tokens, logprobs):
         for i, seq in enumerate(seqs):
-            draw = random.Random(hash(seq.draw_key(0)[:2])).lognormvariate(math.log(new_tokens / 8), sigma)
-            if seq.num_completion_tokens + 1 >= min(new_tokens, max(1, round(draw))):
+            if seq.num_completion_tokens + 1 >= length(seq.draw_key(0)[:2]):
                 tokens[i] = 0
         return postprocess(self, seqs, tokens, logprobs)
 

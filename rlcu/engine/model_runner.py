@@ -3,8 +3,6 @@ model's own modules and parameters, with attention over the paged KV cache. Deco
 GPU replay a CUDA graph (`cuda_graphs.py`)."""
 from __future__ import annotations
 
-from itertools import zip_longest
-
 import numpy as np
 import torch
 
@@ -178,8 +176,12 @@ class ModelRunner:
 
 
 def padded_table(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables as one int32 [n, longest] tensor, padded with block 0 (never read past a context)."""
-    return torch.from_numpy(np.array(list(zip_longest(*tables, fillvalue=0)), dtype=np.int32).T.copy())
+    """Block tables as one int32 [n, longest] tensor, padded with block 0 (never read past a context). Row by row:
+    a decode step of a few hundred long sequences builds it on the host at every step."""
+    out = np.zeros((len(tables), max(map(len, tables), default=0)), dtype=np.int32)
+    for row, table in zip(out, tables):
+        row[:len(table)] = table
+    return torch.from_numpy(out)
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
