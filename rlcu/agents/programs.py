@@ -42,7 +42,7 @@ from collections import abc
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlcu import plugins
 from rlcu.agents.endpoint import Endpoint, HTTPError, new_event_loop
@@ -98,6 +98,14 @@ class AgentEndpoint:
         if self.shared is not None:
             return self.shared.client(self.base_url)
         return _openai().AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0)
+
+
+class AgentProgram(NamedTuple):
+    """A run's agent program as the module keeps it: the callable, the chat format its endpoint serves (None: text
+    episodes only) and the worker processes it runs in (0: a thread of the trainer's process)."""
+    program: Callable
+    format: ToolFormat | None
+    processes: int
 
 
 def load_program(spec: str | dict | Callable) -> Callable:

@@ -31,7 +31,7 @@ from transformers import get_scheduler
 from rlcu import quiet, strategies  # noqa: F401  (strategies: registers --trainer.strategy=fsdp2 and tp)
 from rlcu.agents import AgentOptions, EpisodeRunner
 from rlcu.agents.formats import tool_format
-from rlcu.agents.programs import ProgramRunner, agent_reward, load_program
+from rlcu.agents.programs import AgentProgram, ProgramRunner, agent_reward, load_program
 from rlcu.agents.workers import ProgramWorkers, resolve_processes
 from rlcu.calls import CallInterrupted
 from rlcu.contracts import (
@@ -212,7 +212,8 @@ class GRPOModule(L.LightningModule):
             fmt = (tool_format(limits.tool_format, self.tokenizer, self.options.sampling.chat_template_kwargs)
                    if getattr(self.tokenizer, "chat_template", None) else None)  # None: text episodes only
             program = load_program(agent)
-            self.agent, self.program = None, (program, fmt, resolve_processes(limits.agent_processes, program))
+            self.agent, self.program = None, AgentProgram(program, fmt, resolve_processes(limits.agent_processes,
+                                                                                          program))
             if isinstance(rewards, tuple) and rewards == ("math_answer",):
                 rewards = []  # left at the default: the program's returns are the reward
             return resolve_rewards(rewards, reward_weights, [BoundReward(agent_reward, "agent", 1.0)],
@@ -604,12 +605,11 @@ class GRPOModule(L.LightningModule):
 
     def _sample_programs(self, rows: list[dict], g: int, sampling: SamplingParams) -> Sampled:
         """`g` episodes per row of the agent program, each through the endpoint, which stops with the rollout."""
-        program, fmt, _ = self.program
-        limits = self.options.agents
-        s = self.options.sampling
-        runner = ProgramRunner([r for r in rows for _ in range(g)], program, fmt, self.policy.config.model_type,
-                               s.max_completion_length, limits.agent_timeout, self.tokenizer, limits.agent_history,
-                               limits.max_branches, s.max_prompt_length, self._program_workers())
+        limits, s, agent = self.options.agents, self.options.sampling, self.program
+        runner = ProgramRunner([r for r in rows for _ in range(g)], agent.program, agent.format,
+                               self.policy.config.model_type, s.max_completion_length, limits.agent_timeout,
+                               self.tokenizer, limits.agent_history, limits.max_branches, s.max_prompt_length,
+                               self._program_workers())
         try:
             for i, ids in enumerate(runner.prompt_ids[::g]):
                 self.check_prompt_length(len(ids), i)
@@ -622,9 +622,8 @@ class GRPOModule(L.LightningModule):
 
     def _program_workers(self) -> ProgramWorkers | None:
         """The worker processes of `agent_processes`, started at the first rollout and kept until teardown."""
-        processes = self.program[2]
-        if processes and self.program_workers is None:
-            self.program_workers = ProgramWorkers(processes)
+        if self.program.processes and self.program_workers is None:
+            self.program_workers = ProgramWorkers(self.program.processes)
         return self.program_workers
 
     def teardown(self, stage: str) -> None:
