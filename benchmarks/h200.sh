@@ -223,26 +223,29 @@ case $part in
   stream-curves)
     # issue #44: each recipe (RECIPES, default "arithmetic reasoning-gym") for STEPS optimizer steps (default 50),
     # held-out greedy accuracy every EVERY steps (default 10), synchronous then streaming, with each seed of SEEDS
-    # (default "0 1 2") as both the run's and the sampler's seed; then recipes/seed_curves.py on the CSVs. The runs
+    # (default "0 1 2") as both the run's and the sampler's seed; STALENESS streams at each max_staleness it lists
+    # (modes streaming-kK; default the recipe's own, mode streaming); then recipes/seed_curves.py on the CSVs. The runs
     # share the GPU, all at once (their curves are per sample trained, not per minute); MAX_TIME bounds each run
     # (Lightning's trainer.max_time, default null), so that a slow run still ends with its metrics written; a recipe
     # whose runs wrote none (reasoning-gym without its packages: benchmarks/offline_setup.sh) is named and skipped
-    root=$PWD; out=$(cd "$out" && pwd)
+    root=$PWD; out=$(cd "$out" && pwd); modes=synchronous
+    for k in ${STALENESS:-default}; do [ "$k" = default ] && modes+=" streaming" || modes+=" streaming-k$k"; done
     for recipe in ${RECIPES:-arithmetic reasoning-gym}; do
-      for mode in synchronous streaming; do
+      for mode in $modes; do
+        extra=(--model.streaming="$([ $mode = synchronous ] && echo false || echo true)")
+        case $mode in streaming-k*) extra+=(--model.max_staleness="${mode#streaming-k}") ;; esac
         for seed in ${SEEDS:-0 1 2}; do
           dir="$out/$recipe-$mode-s$seed"; mkdir -p "$dir"
           (cd "$dir" && log "$recipe-$mode-s$seed" python3 -m rlcu.cli run "$recipe" --seed_everything="$seed" \
             --model.seed="$seed" --trainer.max_steps="${STEPS:-50}" --trainer.max_time="${MAX_TIME:-null}" \
-            --trainer.val_check_interval="${EVERY:-10}" --model.eval_num_samples=0 \
-            --model.streaming="$([ $mode = streaming ] && echo true || echo false)") > "$dir.summary" 2>&1 &
+            --trainer.val_check_interval="${EVERY:-10}" --model.eval_num_samples=0 "${extra[@]}") > "$dir.summary" 2>&1 &
         done
       done
     done
     wait
     for recipe in ${RECIPES:-arithmetic reasoning-gym}; do
       csvs=()
-      for mode in synchronous streaming; do
+      for mode in $modes; do
         run=("--run" "$mode")
         for seed in ${SEEDS:-0 1 2}; do
           dir="$out/$recipe-$mode-s$seed"; cat "$dir.summary"
@@ -250,7 +253,7 @@ case $part in
         done
         csvs+=("${run[@]}")
       done
-      if ! ls "$out/$recipe"-synchronous-s*.csv "$out/$recipe"-streaming-s*.csv > /dev/null 2>&1; then
+      if ! ls "$out/$recipe"-synchronous-s*.csv "$out/$recipe"-streaming*-s*.csv > /dev/null 2>&1; then
         echo "stream-curves: $recipe has no metrics for one of its modes; see $out/$recipe-*.log"; continue
       fi
       per_step=$(python3 -c "import yaml; c = yaml.safe_load(open('$root/recipes/$recipe/config.yaml')); \
