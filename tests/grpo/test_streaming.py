@@ -1,4 +1,4 @@
-"""Streaming GRPO against the synchronous run: with max_staleness=0 it is the synchronous run, step for step;
+"""Streaming GRPO against the synchronous run: with max_staleness=0 (or 1) it is the synchronous run, step for step;
 ahead of it, each token's policy version is the weights that drew it, stale groups are dropped and counted,
 and a resumed run submits the pending prompts again."""
 import sys
@@ -32,16 +32,18 @@ def weights(module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])  # a hybrid: its recurrent states' slots recycled
-def test_max_staleness_0_is_the_synchronous_run_step_for_step(tmp_path, family):
+def test_max_staleness_0_and_1_are_the_synchronous_run_step_for_step(tmp_path, family):
+    # at 1 the stream holds one step's samples (max_inflight_tasks -1: max(max_staleness, 1) steps' worth)
     runs = []
-    for streaming in (False, True):
-        module = make(toy_model(tmp_path / "m", family), streaming=streaming, max_staleness=0,
+    for streaming, staleness in ((False, 0), (True, 0), (True, 1)):
+        module = make(toy_model(tmp_path / "m", family), streaming=streaming, max_staleness=staleness,
                       max_completion_length=6)
-        metrics = fit(module, toy_rows(12, seed=2), steps=3, log_dir=tmp_path / str(streaming))
+        metrics = fit(module, toy_rows(12, seed=2), steps=3, log_dir=tmp_path / f"{streaming}{staleness}")
         runs.append((weights(module), [m["reward"] for m in metrics if "reward" in m]))
-    (sync, sync_rewards), (stream, stream_rewards) = runs
-    assert len(stream_rewards) == 3 and stream_rewards == sync_rewards
-    assert all(torch.equal(sync[k], stream[k]) for k in sync)
+    (sync, sync_rewards), *streams = runs
+    for stream, stream_rewards in streams:
+        assert len(stream_rewards) == 3 and stream_rewards == sync_rewards
+        assert all(torch.equal(sync[k], stream[k]) for k in sync)
 
 
 def checksum(module) -> float:
