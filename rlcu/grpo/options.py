@@ -124,8 +124,10 @@ class LossOptions(OptionGroup):
     use_bias_correction_kl: bool = option(True, "the KL term times the importance weight")
     num_iterations: int = option(1, "optimizer steps per rollout, with the sampling-time logprobs as the old "
                                     "policy", minimum=1)
-    old_logprobs: str = option("trainer", "with num_iterations > 1, the old policy's logprobs: recomputed "
-                                          "(trainer) or the sampler's (engine)", choices=("trainer", "engine"))
+    old_logprobs: str = option("trainer", "the old policy's logprobs in the clipped ratio: the trainer's (recomputed "
+                                          "with num_iterations > 1, else its own detached) or the sampler's as it "
+                                          "drew them (engine: TRL's AsyncGRPOTrainer's ratio; the sampling correction "
+                                          "then weighs 1)", choices=("trainer", "engine"))
     mask_truncated_completions: bool = option(False, "completions that hit the length limit get no loss")
     filter_zero_std_groups: bool = option(False, "drop groups whose rewards are all equal (no signal)")
     sapo_temperature_pos: float = option(1.0, "SAPO's gate temperature for positive advantages", minimum=1e-6)

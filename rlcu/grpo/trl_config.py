@@ -509,9 +509,10 @@ def translate(config: Any, world_size: int = 1) -> Translation:
                          "known); remove it or check its spelling")
     values.update({name: _typed(name, values[name], RULES[name].default) for name in given})
     t, v = Translation(), dict(values, world_size=world_size)
-    if asynchronous:
-        t.model["streaming"] = True
-        t.lines.append("TRL's asynchronous trainer (AsyncGRPOConfig) -> model.streaming=True")
+    if asynchronous:  # its loss clips the ratio to the logprobs the sampler drew, not the trainer's own
+        t.model.update(streaming=True, old_logprobs="engine")
+        t.lines.append("TRL's asynchronous trainer (AsyncGRPOConfig) -> model.streaming=True, "
+                       "model.old_logprobs=engine (its ratio is to the sampler's logprobs)")
     for name, value in values.items():
         rule = RULES[name]
         set_here = name in given and value != rule.default and not _default_object(value)

@@ -116,13 +116,14 @@ class Update:
         return staged.split(parts, torch.Generator().manual_seed(seed))
 
     def _old_logprobs(self, staged: StagedBatch, slices: int = 1) -> torch.Tensor | None:
-        """The sampling-time logprobs when the policy moves before a row trains (num_iterations > 1, or more than
-        one slice)."""
+        """The old policy's logprobs of the clipped ratio: the sampler's with old_logprobs='engine'; recomputed when
+        the policy moves before a row trains (num_iterations > 1, or more than one slice); else None (the
+        trainer's own, detached)."""
         loss_opts = self.options.loss
-        if loss_opts.num_iterations == 1 and slices == 1:
-            return None
         if loss_opts.old_logprobs == "engine":
             return staged.rows.sampler_logps
+        if loss_opts.num_iterations == 1 and slices == 1:
+            return None
         return self._logprobs_without_grad(self.policy, staged)
 
     def _reference_logprobs(self, staged: StagedBatch) -> torch.Tensor | None:
@@ -166,7 +167,8 @@ class Update:
         with self.routers.recording():
             logps, entropy = self._logps(self.policy, staged, rows, grad=True)
         mask, adv, sampler = b.loss_mask[rows].float(), b.advantages[rows], b.sampler_logps[rows]
-        old_lp = old[rows] if old is not None else logps.detach()
+        # a sampler logprob of NaN (not known) counts as the trainer's own
+        old_lp = logps.detach() if old is None else torch.where(old[rows].isnan(), logps.detach(), old[rows])
         top = ratio = keep = None
         if en.top_entropy_quantile < 1.0:
             top = grpo_loss.high_entropy_mask(entropy.detach(), mask, en.top_entropy_quantile).to(mask.dtype)

@@ -148,11 +148,13 @@ def test_trls_async_config_streams_with_its_own_defaults(tmp_path):
     assert [f.name for f in fields if f.name not in RULES] == []
     t = translate(AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_staleness=2))
     assert t.model["streaming"] and t.model["max_staleness"] == 2 and t.model["max_completion_length"] == 2048
+    assert t.model["old_logprobs"] == "engine"  # its loss's ratio is to the sampler's logprobs
     yaml_like = translate({"max_inflight_tasks": 64, "weight_sync_steps": 4})
     assert yaml_like.model["streaming"] and yaml_like.model["max_inflight_tasks"] == 64
     assert (yaml_like.model["max_completion_length"], yaml_like.model["lr_scheduler"]) == (2048, "constant")
     assert any("weight_sync_steps=4: no effect here" in line for line in yaml_like.lines)
-    assert "streaming" not in translate({"max_completion_length": 64}).model
+    assert yaml_like.model["old_logprobs"] == "engine"
+    assert {"streaming", "old_logprobs"}.isdisjoint(translate({"max_completion_length": 64}).model)
 
 
 def test_steps_per_generation_feeds_several_optimizer_steps_from_one_rollout():

@@ -197,3 +197,47 @@ def test_vespo_folds_a_sequence_ratio_into_its_weight_as_the_product_of_token_ra
     a = L.gamma_weights(adv.unsqueeze(1), log_ratio, mask, L.LossOptions(), per_token * mask + (1 - mask))
     b = L.gamma_weights(adv.unsqueeze(1), log_ratio, mask, L.LossOptions(), per_sequence)
     assert (a - b).abs().max() < 1e-9
+
+
+def trl_async_loss(logps, sampler, adv, mask, epsilon=0.2, epsilon_high=0.28):
+    """TRL 1.16's AsyncGRPOTrainer.compute_loss on the same tokens: its packed row holds every completion token
+    (token_index into the model's flat logprobs), the ratio to the logprobs the sampler drew (`old_log_probs`)."""
+    trainer_module = pytest.importorskip("trl.experimental.async_grpo.async_grpo_trainer")
+    selected = mask.reshape(-1).nonzero().squeeze(1)
+    rows = torch.arange(B).unsqueeze(1).expand(B, T).reshape(-1)[selected]
+    n = torch.tensor([float(selected.numel())])
+    zeros = torch.zeros(1, B * T, dtype=torch.long)
+    inputs = dict(attention_mask=torch.ones(1, B * T, dtype=torch.long), token_index=selected, input_ids=zeros,
+                  position_ids=zeros, shift_labels=zeros, old_log_probs=sampler.reshape(-1)[selected],
+                  advantages=adv[rows], segment_id=rows, tree_kv_index=torch.tensor([-1]),
+                  tree_cu_seqlens_q=torch.tensor([-1]), tree_cu_seqlens_k=torch.tensor([-1]),
+                  tree_max_seqlens=torch.tensor([[0, 0]]), global_n_tokens=n, global_n_forward_tokens=n,
+                  mean_seq_len=torch.tensor([float(T)]))
+    model = lambda **kw: SimpleNamespace(log_probs=logps.reshape(1, -1), entropy=torch.zeros(1, B * T))  # noqa: E731
+    trainer = SimpleNamespace(epsilon_low=epsilon, epsilon_high=epsilon_high, accelerator=OneProcess(),
+                              current_gradient_accumulation_steps=1, aux_loss_enabled=False,
+                              _metrics={"train": defaultdict(list)}, _step_forward_tokens=0.0,
+                              _step_trained_tokens=0.0, _step_seq_len_weighted=0.0, _step_samples=0.0,
+                              _step_forward_s=0.0)
+    return trainer_module.AsyncGRPOTrainer.compute_loss(trainer, model, inputs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_old_logprobs_engine_with_the_default_correction_is_trls_async_loss(seed):
+    # a stale sample: the sampler's logprobs up to 0.6 nats from the trainer's, so some ratios leave the clip range
+    logps, old, _, adv, mask, _ = random_tensors(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    sampler = logps.detach() + 0.6 * (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
+    theirs = trl_async_loss(logps, sampler, adv, mask)
+    (want,) = torch.autograd.grad(theirs, logps)
+    # rlcu with old_logprobs='engine': the ratio's old logprobs are the sampler's, and TRL's sampling correction (on
+    # by default) divides them by themselves
+    ratio = L.sampling_ratio(sampler, sampler, mask, "sequence_mask", None, 3.0)
+    ptl, coef, _ = L.per_token_loss(logps, sampler, adv, mask, 0.2, 0.28, "token", None, 0.0, "dapo", L.LossOptions(),
+                                    None, ratio, None)
+    clipped = ((coef > 1.28) & (adv.unsqueeze(1) > 0) | (coef < 0.8) & (adv.unsqueeze(1) < 0)) & mask.bool()
+    assert clipped.any()
+    got_loss = L.aggregate_loss(ptl, mask, "dapo", T + 3, 1, mask.sum())
+    (got,) = torch.autograd.grad(got_loss, logps)
+    assert abs(got_loss.item() - theirs.item()) < 1e-9, (got_loss.item(), theirs.item())
+    assert (got - want).abs().max() < 1e-9
