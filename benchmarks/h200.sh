@@ -224,7 +224,8 @@ case $part in
     # issue #44: each recipe (RECIPES, default "arithmetic reasoning-gym") for STEPS optimizer steps (default 50),
     # held-out greedy accuracy every EVERY steps (default 10), synchronous then streaming, with each seed of SEEDS
     # (default "0 1 2") as both the run's and the sampler's seed; STALENESS streams at each max_staleness it lists
-    # (modes streaming-kK; default the recipe's own, mode streaming); then recipes/seed_curves.py on the CSVs. The runs
+    # (modes streaming-kK; default the recipe's own, mode streaming), each with STREAM_ARGS (say
+    # "--model.old_logprobs=engine"); then recipes/seed_curves.py on the CSVs. The runs
     # share the GPU, all at once (their curves are per sample trained, not per minute); MAX_TIME bounds each run
     # (Lightning's trainer.max_time, default null), so that a slow run still ends with its metrics written; a recipe
     # whose runs wrote none (reasoning-gym without its packages: benchmarks/offline_setup.sh) is named and skipped
@@ -234,6 +235,7 @@ case $part in
       for mode in $modes; do
         extra=(--model.streaming="$([ $mode = synchronous ] && echo false || echo true)")
         case $mode in streaming-k*) extra+=(--model.max_staleness="${mode#streaming-k}") ;; esac
+        [ $mode = synchronous ] || extra+=(${STREAM_ARGS:-})
         for seed in ${SEEDS:-0 1 2}; do
           dir="$out/$recipe-$mode-s$seed"; mkdir -p "$dir"
           (cd "$dir" && log "$recipe-$mode-s$seed" python3 -m rlcu.cli run "$recipe" --seed_everything="$seed" \
