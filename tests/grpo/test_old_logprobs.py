@@ -9,11 +9,15 @@ from rlcu.models import load_model
 from tests.helpers import fit, match_target, tiny_hf_folder, toy_rows
 
 
-def run(tmp_path, mode):
+def tiny_module(tmp_path, **options):
     model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
                                            head_dim=8))
-    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
-                        learning_rate=1e-2, num_iterations=2, old_logprobs=mode, rollout="native", micro_batch_size=8)
+    return GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
+                      learning_rate=1e-2, rollout="native", micro_batch_size=8, **options)
+
+
+def run(tmp_path, mode):
+    module = tiny_module(tmp_path, num_iterations=2, old_logprobs=mode)
     passes = []
     real = module.update_phase._logps
     module.update_phase._logps = lambda m, b, rows, grad: passes.append(grad) or real(m, b, rows, grad)
@@ -33,10 +37,7 @@ def test_engine_logprobs_replace_the_extra_forward(tmp_path):
 def test_with_one_iteration_engine_puts_the_samplers_logprobs_in_the_ratio(tmp_path, monkeypatch):
     from rlcu.grpo import update
 
-    model, tok = load_model(tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8))
-    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
-                        learning_rate=1e-2, old_logprobs="engine", rollout="native", micro_batch_size=8)
+    module = tiny_module(tmp_path, old_logprobs="engine")
     seen, staged, real_loss, real_batch = [], [], update.grpo_loss.per_token_loss, update.StagedBatch.of
 
     def staged_with_one_unknown(*a, **k):  # a sampler logprob not known (NaN) counts as the trainer's own
