@@ -11,15 +11,22 @@ eight such steps, of a 64-wide one four), so each output element is the same seq
 tile below gave the same bits as every other on the H200 (`benchmarks/exact_gemm.py`, docs/benchmarks.md),
 and tests/kernels/test_matmul.py checks rows alone against rows in batches of other tile choices.
 
+A LoRA adapter's update rides in the same launch (`low_rank`): after K, the program walks the adapter's rank
+from 0 in steps of 16 into a second accumulator and adds it scaled, so an adapted projection is one launch
+and its rows stay batch-invariant by the same argument.
+
 The backward is cuBLAS: gradients need not be bitwise anything. Autocast is followed by hand (inputs cast to
 the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 
 BLOCK_M, BLOCK_K = 64, 64  # the tile of the shipped configuration before tiles followed M
+BLOCK_R = 16  # a LoRA update's rank per step: tl.dot's smallest K, whatever the tile
 GROUP_M = 8  # row tiles whose programs run together, sharing their rows of x in L2 (the kernel's comment)
 
 
@@ -60,9 +67,9 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 if HAS_TRITON:
     @triton.jit
-    def _linear_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+    def _linear_kernel(X, W, B, Y, H, L, M, N, K, R, stride_xm, stride_wn, stride_ym, stride_hm, stride_ln, scale,
+                       HAS_BIAS: tl.constexpr, LOW_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
         # programs in groups of GROUP_M row tiles, each group walking every column tile: the rows of x a group
         # reads stay in L2 across the columns (x at training sizes is larger than L2). Only which program computes
         # a tile depends on it, never a tile's sums.
@@ -75,6 +82,19 @@ if HAS_TRITON:
         pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _dot_rows(X, W, rows, cols, M, N, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if LOW_RANK:  # + scale * h @ l.T, its own sums in rank order, added once
+            acc += scale * _dot_rows(H, L, rows, cols, M, N, R, stride_hm, stride_ln, BLOCK_M, BLOCK_N, BLOCK_R,
+                                     PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit
+    def _dot_rows(X, W, rows, cols, M, N, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """x[rows] @ w[cols].T in fp32, K walked from 0 in BLOCK_K steps."""
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -84,55 +104,71 @@ if HAS_TRITON:
             w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
                         mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        return acc
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (last dim contiguous), weight [N, K] contiguous, all one dtype -> [M, N] in that dtype."""
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  low_rank: LowRank | None = None) -> torch.Tensor:
+    """x [M, K] (last dim contiguous), weight [N, K] contiguous, all one dtype -> [M, N] in that dtype; with
+    `low_rank` (h [M, R], l [N, R], scale): + scale * h @ l.T, in the same launch."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
+    if low_rank is not None:
+        low_rank = LowRank(low_rank.h.contiguous(), low_rank.l.contiguous(), low_rank.scale)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        launch(x, weight, bias, y, *tiles(m, n, k, x.element_size()))
+        launch(x, weight, bias, y, *tiles(m, n, k, x.element_size()), low_rank=low_rank)
     return y
 
 
-def launch(x, weight, bias, y, bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = GROUP_M) -> None:
+class LowRank(NamedTuple):
+    """A low-rank update added to a product's output: scale * h @ l.T (a LoRA adapter's A x, its B)."""
+    h: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+    scale: float
+
+
+def launch(x, weight, bias, y, bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = GROUP_M,
+           low_rank: LowRank | None = None) -> None:
     """One launch of the kernel with the given tile (benchmarks/exact_gemm.py times others)."""
     m, k = x.shape
     n = weight.shape[0]
+    h, l_, scale = low_rank if low_rank is not None else (x, weight, 1.0)
     _linear_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP_M=group_m, num_warps=warps,
-        num_stages=stages)
+        x, weight, bias if bias is not None else weight, y, h, l_, m, n, k, h.shape[1] if low_rank is not None else 0,
+        x.stride(0), weight.stride(0), y.stride(0), h.stride(0), l_.stride(0), scale,
+        HAS_BIAS=bias is not None, LOW_RANK=low_rank is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_R=BLOCK_R, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP_M=group_m,
+        num_warps=warps, num_stages=stages)
 
 
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias):
-        ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
-        return linear_triton(x2d, weight, bias)
+    def forward(ctx, x2d, weight, bias, h2d, l_, scale):
+        ctx.save_for_backward(x2d, weight, h2d, l_)
+        ctx.has_bias, ctx.scale = bias is not None, scale
+        return linear_triton(x2d, weight, bias, None if h2d is None else LowRank(h2d, l_, scale))
 
     @staticmethod
     def backward(ctx, grad):
-        x2d, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad.t() @ x2d if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        x2d, weight, h2d, l_ = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x = grad @ weight if need[0] else None
+        grad_w = grad.t() @ x2d if need[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and need[2] else None
+        grad_h = (grad @ l_) * ctx.scale if need[3] else None
+        grad_l = (grad.t() @ h2d) * ctx.scale if need[4] else None
+        return grad_x, grad_w, grad_b, grad_h, grad_l, None
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` whose rows are batch-invariant (module docstring); x [..., K]. Needs the Triton kernel (a
-    CUDA device, or RLCU_TRITON=1 with the interpreter)."""
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     low_rank: LowRank | None = None) -> torch.Tensor:
+    """`F.linear` whose rows are batch-invariant (module docstring); x [..., K]; `low_rank` (h [..., R], l [N, R],
+    scale) adds scale * h @ l.T in the same launch. Needs the Triton kernel (a CUDA device, or RLCU_TRITON=1 with
+    the interpreter)."""
     if not use_triton(x):
         raise RuntimeError("batch-invariant linear layers (exact_logprobs) need the Triton kernels: run on a CUDA "
                            "device, or set RLCU_TRITON=1 to use Triton's CPU interpreter")
@@ -140,6 +176,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     x, weight = x.to(dtype), weight.to(dtype)  # what autocast does to F.linear's inputs (differentiable casts)
     bias = bias.to(dtype) if bias is not None else None
+    h, l_, scale = low_rank if low_rank is not None else (None, None, 1.0)
+    if h is not None:
+        h, l_ = h.to(dtype).reshape(-1, h.shape[-1]), l_.to(dtype)
     with torch.autocast(kind, enabled=False):
-        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, h, l_, scale)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -74,9 +74,12 @@ class FusedLinear(Linear):
         tp, row = self.tensor_parallel, self.parallel_style == "row"
         if tp is not None and not row:
             x = copy_in(x, tp)
-        y = self._linear(x, batch_invariant, with_bias=tp is None or not row)
-        if self.lora is not None and self.lora.enabled:
-            y = self.lora.add_to(y, x, batch_invariant)
+        lora, with_bias = self.lora if self.lora is not None and self.lora.enabled else None, tp is None or not row
+        if lora is not None and batch_invariant:
+            y = lora.invariant_linear(x, self.weight, self.bias if with_bias else None)
+        else:
+            y = self._linear(x, batch_invariant, with_bias=with_bias)
+            y = y if lora is None else lora.add_to(y, x)
         if tp is not None and row:  # the partial sums of the rank's input columns; the bias once, after
             y = reduce_out(y, tp)
             y = y if self.bias is None else y + self.bias.to(y.dtype)

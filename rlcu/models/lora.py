@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlcu.kernels.matmul import invariant_linear
+from rlcu.kernels.matmul import LowRank, invariant_linear
 from rlcu.models.fused_linear import FusedLinear
 from rlcu.models.moe import Experts, grouped, grouped_linear
 
@@ -128,15 +128,12 @@ class LoraAdapter(Switch, nn.Module):
             nn.init.kaiming_uniform_(self.lora_A[i * spec.r:(i + 1) * spec.r], a=math.sqrt(5))
         self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then the update of each
         part. A projection of one part adds B's GEMM into y directly. For several parts, with gradients
         recorded: one GEMM with a block-diagonal B (untargeted parts' rows of it are zero), assembled
         at each call; without (the engine's forward, at every decode step): one in-place GEMM per part into
-        its columns of y, which this call owns, so nothing is assembled or copied. `batch_invariant`
-        (exact_logprobs): `_add_invariant`, the same computation with and without gradients."""
-        if batch_invariant:
-            return self._add_invariant(y, x)
+        its columns of y, which this call owns, so nothing is assembled or copied."""
         h = F.linear(self.dropout(x), self.lora_A).reshape(-1, self.lora_A.shape[0])
         y2 = y.reshape(-1, y.shape[-1])
         if len(self.part_sizes) == 1:
@@ -149,16 +146,12 @@ class LoraAdapter(Switch, nn.Module):
                                              alpha=self.scaling)
         return y
 
-    def _add_invariant(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """A's GEMM and each part's B GEMM batch-invariant, each update scaled and added out of place: one
-        computation, whether the engine decodes or training records gradients, so a row rounds alike in both."""
+    def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) + (B A x) * scaling with batch-invariant rows (exact_logprobs): A's GEMM, then the base
+        GEMM with B's update in the same launch (`LowRank`), B block-diagonal over the parts; one computation
+        whether the engine decodes or training records gradients, so a row rounds alike in both."""
         h = invariant_linear(x, self.lora_A)
-        pieces, done = [], 0
-        for start, size, slot, row in self._targeted_parts():
-            update = invariant_linear(h[..., slot * self.r:(slot + 1) * self.r], self.lora_B[row:row + size])
-            pieces += [y[..., done:start], y[..., start:start + size] + update * self.scaling]
-            done = start + size
-        return torch.cat(pieces + [y[..., done:]], dim=-1)
+        return invariant_linear(x, weight, bias, LowRank(h, self.block_diagonal_b(), self.scaling))
 
     def _targeted_parts(self) -> list[tuple[int, int, int, int]]:
         """(first column in the fused output, size, slot in A, first row in B) of each targeted part."""
@@ -171,7 +164,9 @@ class LoraAdapter(Switch, nn.Module):
         return parts
 
     def block_diagonal_b(self) -> torch.Tensor:
-        """[fused output, parts * r]: part i's rows of B in its own column block."""
+        """[fused output, parts * r]: part i's rows of B in its own column block (B itself for one part)."""
+        if len(self.part_sizes) == len(self.targets) == 1:
+            return self.lora_B
         b = self.lora_B.new_zeros(sum(self.part_sizes.values()), self.lora_A.shape[0])
         for start, size, slot, row in self._targeted_parts():
             b[start:start + size, slot * self.r:(slot + 1) * self.r] = self.lora_B[row:row + size]

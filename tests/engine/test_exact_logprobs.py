@@ -50,12 +50,12 @@ def trainer_logprobs(model, ids, mask, c_len, micro_batch: int, temperature=SAMP
                                           temperature, numerics=numerics)[0] for i in range(0, len(ids), micro_batch)])
 
 
-def split_k(x, weight, bias=None, real=matmul.linear_triton):
+def split_k(x, weight, bias=None, low_rank=None, real=matmul.linear_triton):
     """The batch-invariant GEMM with K summed in two halves, each half's sum rounded and then added: the same
     function in another order."""
     h = x.shape[1] // 2
     low = real(x[:, :h].contiguous(), weight[:, :h].contiguous()).float()
-    return (low + real(x[:, h:].contiguous(), weight[:, h:].contiguous(), bias).float()).to(x.dtype)
+    return (low + real(x[:, h:].contiguous(), weight[:, h:].contiguous(), bias, low_rank).float()).to(x.dtype)
 
 
 def exact_model(tmp_path, monkeypatch, family: str = "qwen3"):
@@ -147,9 +147,10 @@ def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("config", ["chunks-of-7-decode-by-3", "whole-prompts"])
 def test_lora_adapters_keep_the_logprobs_bit_for_bit(tmp_path, monkeypatch, config):
-    """LoRA in exact mode: A's and each part's B GEMM batch-invariant and the update added out of place, the same
-    computation in the engine's decode and prefill and in training (with gradients recorded); micro-batches of all
-    rows and of 3. The adapters are trained-looking (B not zero), so they change the logprobs."""
+    """LoRA in exact mode: A's GEMM, then the base GEMM with B's update (block-diagonal over q/k/v, gate/up) in the
+    same batch-invariant launch, the same computation in the engine's decode and prefill and in training (with
+    gradients recorded); micro-batches of all rows and of 3. The adapters are trained-looking (B not zero), so they
+    change the logprobs."""
     from rlcu.models import add_lora
     from rlcu.models.lora import adapters
 

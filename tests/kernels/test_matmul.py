@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels import _triton
-from rlcu.kernels.matmul import invariant_linear, launch, linear_reference, linear_triton, tiles
+from rlcu.kernels.matmul import LowRank, invariant_linear, launch, linear_reference, linear_triton, tiles
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 
@@ -85,6 +85,65 @@ def test_rows_keep_their_bits_where_k_and_n_are_not_whole_tiles(monkeypatch, k, 
     for i in (0, 77, 199):
         assert torch.equal(linear_triton(x[i:i + 1], w), full[i:i + 1])
     assert torch.equal(linear_triton(x[60:67], w), full[60:67])
+
+def low_rank(m, n, r, dtype, seed=8, scale=1.75):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(m, r, generator=g).to(dtype).to(DEVICE)
+    l_ = (torch.randn(n, r, generator=g) / r ** 0.5).to(dtype).to(DEVICE)
+    return LowRank(h, l_, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("r", [12, 48])  # a rank short of one 16-wide step, and three parts of rank 16
+def test_low_rank_update_in_the_same_launch_against_float64(dtype, m, k, n, r):
+    x, w, b = inputs(m, k, n, dtype)
+    lr = low_rank(m, n, r, dtype)
+    exact = x.double() @ w.double().t() + b.double() + lr.scale * lr.h.double() @ lr.l.double().t()
+    got = linear_triton(x, w, b, lr)
+    atol, rtol = TOLERANCE[dtype]
+    assert got.dtype == dtype
+    assert torch.allclose(got.double(), exact, atol=atol, rtol=rtol), (got.double() - exact).abs().max()
+    assert not torch.allclose(linear_triton(x, w, b).double(), exact, atol=atol, rtol=rtol)  # the update counts
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("r", [12, 48])
+def test_rows_with_a_low_rank_update_are_batch_invariant(monkeypatch, r):
+    """With the update, a row alone, among 7, among 200 and in a training forward's tiles is the same bits (the
+    rank walked in 16-wide steps from 0 whatever the tile)."""
+    from rlcu.kernels import matmul
+
+    dtype, n, k = DTYPES[-1], 2500, 576
+    x, w, b = inputs(200, k, n, dtype, seed=9)
+    lr = low_rank(200, n, r, dtype)
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 150)
+    full = linear_triton(x, w, b, lr)
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 1 << 30)
+    assert torch.equal(linear_triton(x, w, b, lr), full) and tiles(200, n, k) != tiles(1, n, k)
+    for i in (0, 77, 199):
+        assert torch.equal(linear_triton(x[i:i + 1], w, b, LowRank(lr.h[i:i + 1], lr.l, lr.scale)), full[i:i + 1])
+    assert torch.equal(linear_triton(x[60:67], w, b, LowRank(lr.h[60:67], lr.l, lr.scale)), full[60:67])
+
+
+def test_low_rank_gradients_match_the_composed_linears(monkeypatch):
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    x, w, b = inputs(6, 40, 24, torch.float32, seed=3)
+    lr = low_rank(6, 24, 20, torch.float32)
+    x3, h3 = x.view(2, 3, 40), lr.h.view(2, 3, 20)
+    got_leaves = [t.clone().requires_grad_() for t in (x3, w, b, h3, lr.l)]
+    want_leaves = [t.clone().requires_grad_() for t in (x3, w, b, h3, lr.l)]
+    got = invariant_linear(*got_leaves[:3], LowRank(*got_leaves[3:], lr.scale))
+    xw, ww, bw, hw, lw = want_leaves
+    want = F.linear(xw, ww, bw) + lr.scale * F.linear(hw, lw)
+    assert got.shape == want.shape == (2, 3, 24)
+    assert torch.allclose(got, want, atol=1e-5)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    for a, e in zip(got_leaves, want_leaves):
+        assert torch.allclose(a.grad, e.grad, atol=1e-5)
+
 
 @pytest.mark.parametrize("group_m", [1, 3, 8])
 def test_row_tiles_in_groups_cover_every_tile_with_the_same_bits(group_m):
