@@ -11,9 +11,15 @@ eight such steps, of a 64-wide one four), so each output element is the same seq
 tile below gave the same bits as every other on the H200 (`benchmarks/exact_gemm.py`, docs/benchmarks.md),
 and tests/kernels/test_matmul.py checks rows alone against rows in batches of other tile choices.
 
-A LoRA adapter's update rides in the same launch (`low_rank`): after K, the program walks the adapter's rank
-from 0 in steps of 16 into a second accumulator and adds it scaled, so an adapted projection is one launch
-and its rows stay batch-invariant by the same argument.
+A LoRA adapter's update rides in the same launch (`LowRank`): the product rounded to the output's dtype, then
+scale * h B^T added, B's rows gathered per output column (a fused q/k/v projection's parts each meet their own
+slice of h, as a block-diagonal B would) and the rank walked from 0 in steps of 16; the rows stay
+batch-invariant by the same argument. Rounding the product first lets training add the update in a kernel of
+its own (`add_low_rank`) after the vendor's GEMM, to the same bits.
+
+At training sizes cuBLAS is faster, and at the shapes measured it gave the kernel's bits (docs/benchmarks.md);
+it picks its kernel (and whether to split K) by shape, so each shape is checked before it is trusted
+(`VendorCheck`): its output at one row in every 64 against the kernel's, once a shape.
 
 The backward is cuBLAS: gradients need not be bitwise anything. Autocast is followed by hand (inputs cast to
 the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
@@ -67,9 +73,10 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 if HAS_TRITON:
     @triton.jit
-    def _linear_kernel(X, W, B, Y, H, L, M, N, K, R, stride_xm, stride_wn, stride_ym, stride_hm, stride_ln, scale,
-                       HAS_BIAS: tl.constexpr, LOW_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+    def _linear_kernel(X, W, B, Y, H, L, LROW, LCOL, M, N, K, R, RANK, stride_xm, stride_wn, stride_ym, stride_hm,
+                       stride_ln, scale, HAS_BIAS: tl.constexpr, LOW_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                       GROUP_M: tl.constexpr):
         # programs in groups of GROUP_M row tiles, each group walking every column tile: the rows of x a group
         # reads stay in L2 across the columns (x at training sizes is larger than L2). Only which program computes
         # a tile depends on it, never a tile's sums.
@@ -82,19 +89,6 @@ if HAS_TRITON:
         pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _dot_rows(X, W, rows, cols, M, N, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        if LOW_RANK:  # + scale * h @ l.T, its own sums in rank order, added once
-            acc += scale * _dot_rows(H, L, rows, cols, M, N, R, stride_hm, stride_ln, BLOCK_M, BLOCK_N, BLOCK_R,
-                                     PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-    @triton.jit
-    def _dot_rows(X, W, rows, cols, M, N, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """x[rows] @ w[cols].T in fp32, K walked from 0 in BLOCK_K steps."""
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -104,31 +98,90 @@ if HAS_TRITON:
             w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
                         mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        return acc
+        if HAS_BIAS:
+            acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if LOW_RANK:
+            acc = _plus_low_rank(acc.to(Y.dtype.element_ty), H, L, LROW, LCOL, rows, cols, M, N, R, RANK, stride_hm,
+                                 stride_ln, scale, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit
+    def _plus_low_rank(base, H, L, LROW, LCOL, rows, cols, M, N, R, RANK, stride_hm, stride_ln, scale,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+        """base (rounded to the output's dtype) + scale * h[rows] @ Bbd[cols].T in fp32, where column n's row of the
+        block-diagonal Bbd is l[LROW[n]] at h's columns LCOL[n]..LCOL[n] + RANK and zero elsewhere (LROW -1: all
+        zero), gathered here, never built; h's columns walked from 0 in BLOCK_R steps."""
+        lrow = tl.load(LROW + cols, mask=cols < N, other=-1)
+        lcol = tl.load(LCOL + cols, mask=cols < N, other=0)
+        js = tl.arange(0, BLOCK_R)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for j0 in range(0, R, BLOCK_R):
+            jj = j0 + js
+            h = tl.load(H + rows[:, None].to(tl.int64) * stride_hm + jj[None, :],
+                        mask=(rows[:, None] < M) & (jj[None, :] < R), other=0.0)
+            j = jj[None, :] - lcol[:, None]
+            w = tl.load(L + lrow[:, None].to(tl.int64) * stride_ln + j,
+                        mask=(lrow[:, None] >= 0) & (j >= 0) & (j < RANK), other=0.0)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+        return base.to(tl.float32) + scale * acc
+
+    @triton.jit
+    def _add_low_rank_kernel(C, H, L, LROW, LCOL, Y, M, N, R, RANK, stride_cm, stride_hm, stride_ln, stride_ym,
+                             scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        base = tl.load(C + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], mask=inside, other=0.0)
+        acc = _plus_low_rank(base, H, L, LROW, LCOL, rows, cols, M, N, R, RANK, stride_hm, stride_ln, scale,
+                             BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+        tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=inside)
+
+
+class LowRank(NamedTuple):
+    """A low-rank update added to a product's rounded output: scale * h @ Bbd.T, h [M, R] (a LoRA adapter's A x),
+    Bbd [N, R] block-diagonal, given as B's rows `l` [rows, rank] and two int32 maps over the N output columns:
+    `rows` (the row of l that column n takes, -1 for none) and `firsts` (the column of h where it starts)."""
+    h: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+    scale: float
+    rows: torch.Tensor
+    firsts: torch.Tensor
+
+    @staticmethod
+    def dense(h: torch.Tensor, l: torch.Tensor, scale: float) -> "LowRank":  # noqa: E741
+        """Bbd = l itself ([N, R]): every column takes its own row of l over all of h."""
+        n = l.shape[0]
+        return LowRank(h, l, scale, torch.arange(n, dtype=torch.int32, device=l.device),
+                       torch.zeros(n, dtype=torch.int32, device=l.device))
+
+    def block_diagonal(self) -> torch.Tensor:
+        """Bbd [N, R], differentiable in l (the backward's GEMMs take it whole)."""
+        n, rank = self.rows.shape[0], self.l.shape[1]
+        cols = torch.nonzero(self.rows >= 0).squeeze(1)
+        where = self.firsts[cols].long()[:, None] + torch.arange(rank, device=cols.device)
+        out = self.l.new_zeros(n, self.h.shape[-1])
+        return out.index_put((cols[:, None].expand_as(where), where), self.l[self.rows[cols].long()])
+
+    def contiguous(self) -> "LowRank":
+        return self._replace(h=self.h.contiguous(), l=self.l.contiguous())
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   low_rank: LowRank | None = None) -> torch.Tensor:
     """x [M, K] (last dim contiguous), weight [N, K] contiguous, all one dtype -> [M, N] in that dtype; with
-    `low_rank` (h [M, R], l [N, R], scale): + scale * h @ l.T, in the same launch."""
+    `low_rank`: its update added to the rounded product, in the same launch."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    if low_rank is not None:
-        low_rank = LowRank(low_rank.h.contiguous(), low_rank.l.contiguous(), low_rank.scale)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        launch(x, weight, bias, y, *tiles(m, n, k, x.element_size()), low_rank=low_rank)
+        launch(x, weight, bias, y, *tiles(m, n, k, x.element_size()),
+               low_rank=None if low_rank is None else low_rank.contiguous())
     return y
-
-
-class LowRank(NamedTuple):
-    """A low-rank update added to a product's output: scale * h @ l.T (a LoRA adapter's A x, its B)."""
-    h: torch.Tensor
-    l: torch.Tensor  # noqa: E741
-    scale: float
 
 
 def launch(x, weight, bias, y, bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = GROUP_M,
@@ -136,39 +189,110 @@ def launch(x, weight, bias, y, bm: int, bn: int, bk: int, warps: int, stages: in
     """One launch of the kernel with the given tile (benchmarks/exact_gemm.py times others)."""
     m, k = x.shape
     n = weight.shape[0]
-    h, l_, scale = low_rank if low_rank is not None else (x, weight, 1.0)
+    lr = low_rank if low_rank is not None else LowRank(x, weight, 1.0, y, y)
     _linear_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, h, l_, m, n, k, h.shape[1] if low_rank is not None else 0,
-        x.stride(0), weight.stride(0), y.stride(0), h.stride(0), l_.stride(0), scale,
-        HAS_BIAS=bias is not None, LOW_RANK=low_rank is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_R=BLOCK_R, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP_M=group_m,
+        x, weight, bias if bias is not None else weight, y, lr.h, lr.l, lr.rows, lr.firsts, m, n, k,
+        lr.h.shape[1] if low_rank is not None else 0, lr.l.shape[1], x.stride(0), weight.stride(0), y.stride(0),
+        lr.h.stride(0), lr.l.stride(0), lr.scale, HAS_BIAS=bias is not None, LOW_RANK=low_rank is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=BLOCK_R, PRECISION=_precision(x), GROUP_M=group_m,
         num_warps=warps, num_stages=stages)
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def add_low_rank(base: torch.Tensor, low_rank: LowRank) -> torch.Tensor:
+    """base [M, N] + the update, as the fused launch adds it to its rounded product: the same bits."""
+    lr = low_rank.contiguous()
+    base = base.contiguous()
+    (m, n), bm, bn = base.shape, 64, 64
+    y = torch.empty_like(base)
+    if m:
+        _add_low_rank_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            base, lr.h, lr.l, lr.rows, lr.firsts, y, m, n, lr.h.shape[1], lr.l.shape[1], base.stride(0),
+            lr.h.stride(0), lr.l.stride(0), y.stride(0), lr.scale, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=BLOCK_R,
+            PRECISION=_precision(base), num_warps=4)
+    return y
+
+
+class VendorCheck:
+    """Which training-size shapes the vendor's GEMM (`F.linear`: cuBLAS) computes to the kernel's bits. A shape's
+    first product runs the vendor's GEMM and the kernel on one row in every 64 (a row in each of the vendor's
+    row tiles, which are 64 rows or more, each compared over every column tile); equal there, the shape keeps
+    the vendor's GEMM, else the kernel. A split K (whole or on some tiles) changes nearly every element it
+    touches, so it cannot pass. Shapes: rows, columns, K, dtype, bias, and the inputs' 16-byte alignment."""
+
+    STRIDE = 64
+
+    def __init__(self):
+        self.verdicts: dict[tuple, bool] = {}
+
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        key = (x.shape, weight.shape, x.dtype, x.device, bias is not None, x.data_ptr() % 16, weight.data_ptr() % 16)
+        verdict = self.verdicts.get(key)
+        if verdict is False:
+            return linear_triton(x, weight, bias)
+        y = vendor_linear(x, weight, bias)
+        if verdict is None:
+            rows = slice(self.STRIDE // 2, None, self.STRIDE)
+            verdict = self.verdicts[key] = bool(torch.equal(y[rows], linear_triton(x[rows], weight, bias)))
+            if not verdict:
+                return linear_triton(x, weight, bias)
+        return y
+
+
+def vendor_linear(x, weight, bias=None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+VENDOR = VendorCheck()
+
+
+def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   low_rank: LowRank | None = None) -> torch.Tensor:
+    """The batch-invariant product of 2-D x: the kernel, or from TRAINING_ROWS rows the vendor's GEMM where its
+    shape gave the kernel's bits (the update then added by its own kernel)."""
+    if x.shape[0] < TRAINING_ROWS or not x.is_cuda and not VENDOR_ON_CPU:
+        return linear_triton(x, weight, bias, low_rank)
+    y = VENDOR.linear(x, weight, bias)
+    return y if low_rank is None else add_low_rank(y, low_rank)
+
+
+VENDOR_ON_CPU = False  # the tests turn it on: the interpreter's kernel against torch's CPU GEMM
 
 
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, h2d, l_, scale):
-        ctx.save_for_backward(x2d, weight, h2d, l_)
+    def forward(ctx, x2d, weight, bias, h2d, l_, rows, firsts, scale):
+        low_rank = None if h2d is None else LowRank(h2d, l_, scale, rows, firsts)
+        ctx.save_for_backward(x2d, weight, h2d, l_, rows, firsts)
         ctx.has_bias, ctx.scale = bias is not None, scale
-        return linear_triton(x2d, weight, bias, None if h2d is None else LowRank(h2d, l_, scale))
+        return invariant_gemm(x2d, weight, bias, low_rank)
 
     @staticmethod
     def backward(ctx, grad):
-        x2d, weight, h2d, l_ = ctx.saved_tensors
+        x2d, weight, h2d, l_, rows, firsts = ctx.saved_tensors
         need = ctx.needs_input_grad
         grad_x = grad @ weight if need[0] else None
         grad_w = grad.t() @ x2d if need[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and need[2] else None
-        grad_h = (grad @ l_) * ctx.scale if need[3] else None
-        grad_l = (grad.t() @ h2d) * ctx.scale if need[4] else None
-        return grad_x, grad_w, grad_b, grad_h, grad_l, None
+        grad_h = grad_l = None
+        if h2d is not None and (need[3] or need[4]):
+            with torch.enable_grad():
+                l_leaf = l_.detach().requires_grad_()
+                bd = LowRank(h2d, l_leaf, ctx.scale, rows, firsts).block_diagonal()
+            grad_h = (grad @ bd.detach()) * ctx.scale if need[3] else None
+            if need[4]:
+                grad_l, = torch.autograd.grad(bd, l_leaf, (grad.t() @ h2d) * ctx.scale)
+        return grad_x, grad_w, grad_b, grad_h, grad_l, None, None, None
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      low_rank: LowRank | None = None) -> torch.Tensor:
-    """`F.linear` whose rows are batch-invariant (module docstring); x [..., K]; `low_rank` (h [..., R], l [N, R],
-    scale) adds scale * h @ l.T in the same launch. Needs the Triton kernel (a CUDA device, or RLCU_TRITON=1 with
-    the interpreter)."""
+    """`F.linear` whose rows are batch-invariant (module docstring); x [..., K]; `low_rank` (h [..., R]) adds its
+    update to the rounded product. Needs the Triton kernel (a CUDA device, or RLCU_TRITON=1 with the
+    interpreter)."""
     if not use_triton(x):
         raise RuntimeError("batch-invariant linear layers (exact_logprobs) need the Triton kernels: run on a CUDA "
                            "device, or set RLCU_TRITON=1 to use Triton's CPU interpreter")
@@ -176,9 +300,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     x, weight = x.to(dtype), weight.to(dtype)  # what autocast does to F.linear's inputs (differentiable casts)
     bias = bias.to(dtype) if bias is not None else None
-    h, l_, scale = low_rank if low_rank is not None else (None, None, 1.0)
-    if h is not None:
-        h, l_ = h.to(dtype).reshape(-1, h.shape[-1]), l_.to(dtype)
+    lr = (None,) * 4 + (1.0,)
+    if low_rank is not None:
+        lr = (low_rank.h.to(dtype).reshape(-1, low_rank.h.shape[-1]), low_rank.l.to(dtype), low_rank.rows,
+              low_rank.firsts, low_rank.scale)
     with torch.autocast(kind, enabled=False):
-        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, h, l_, scale)
+        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, lr[0], lr[1], lr[2], lr[3], lr[4])
     return y.view(*x.shape[:-1], weight.shape[0])

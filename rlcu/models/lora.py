@@ -127,6 +127,13 @@ class LoraAdapter(Switch, nn.Module):
         for i in range(len(targets)):  # as PEFT initialises each part's A
             nn.init.kaiming_uniform_(self.lora_A[i * spec.r:(i + 1) * spec.r], a=math.sqrt(5))
         self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
+        rows, firsts = torch.full((base.out_features,), -1, dtype=torch.int32), torch.zeros(base.out_features,
+                                                                                           dtype=torch.int32)
+        for start, size, slot, row in self._targeted_parts():  # exact mode's maps of the block-diagonal B
+            rows[start:start + size] = torch.arange(row, row + size, dtype=torch.int32)
+            firsts[start:start + size] = slot * spec.r
+        self.register_buffer("col_rows", rows.to(base.weight.device), persistent=False)
+        self.register_buffer("col_firsts", firsts.to(base.weight.device), persistent=False)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then the update of each
@@ -148,10 +155,12 @@ class LoraAdapter(Switch, nn.Module):
 
     def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) + (B A x) * scaling with batch-invariant rows (exact_logprobs): A's GEMM, then the base
-        GEMM with B's update in the same launch (`LowRank`), B block-diagonal over the parts; one computation
-        whether the engine decodes or training records gradients, so a row rounds alike in both."""
+        GEMM with B's update in the same launch (`LowRank`: B block-diagonal over the parts, read through the
+        column maps, never assembled); one computation whether the engine decodes or training records
+        gradients, so a row rounds alike in both."""
         h = invariant_linear(x, self.lora_A)
-        return invariant_linear(x, weight, bias, LowRank(h, self.block_diagonal_b(), self.scaling))
+        return invariant_linear(x, weight, bias, LowRank(h, self.lora_B, self.scaling, self.col_rows,
+                                                         self.col_firsts))
 
     def _targeted_parts(self) -> list[tuple[int, int, int, int]]:
         """(first column in the fused output, size, slot in A, first row in B) of each targeted part."""
@@ -164,9 +173,7 @@ class LoraAdapter(Switch, nn.Module):
         return parts
 
     def block_diagonal_b(self) -> torch.Tensor:
-        """[fused output, parts * r]: part i's rows of B in its own column block (B itself for one part)."""
-        if len(self.part_sizes) == len(self.targets) == 1:
-            return self.lora_B
+        """[fused output, parts * r]: part i's rows of B in its own column block."""
         b = self.lora_B.new_zeros(sum(self.part_sizes.values()), self.lora_A.shape[0])
         for start, size, slot, row in self._targeted_parts():
             b[start:start + size, slot * self.r:(slot + 1) * self.r] = self.lora_B[row:row + size]

@@ -97,6 +97,40 @@ def test_lora_adapters_keep_engine_and_trainer_bitwise_equal_on_cuda(tmp_path, f
     assert gap == 0.0
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_training_takes_cublas_where_it_gives_the_kernels_bits(tmp_path, monkeypatch, lora):
+    """From TRAINING_ROWS rows (lowered here so that the tiny model's training forward reaches it) the trainer's
+    GEMMs take cuBLAS at the shapes where it gave the kernel's bits (LoRA's update then added by its own
+    kernel): the logprobs still equal the sampler's to the bit, and cuBLAS was taken."""
+    from rlcu.kernels import matmul
+    from rlcu.models import add_lora
+    from rlcu.models.lora import adapters
+
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 2048)
+    monkeypatch.setattr(matmul, "VENDOR", matmul.VendorCheck())
+    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2,
+                                         head_dim=64))
+    if lora:
+        add_lora(model, {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
+    model.cuda()
+    with torch.no_grad():
+        for _, m in adapters(model):
+            m.lora.lora_B.normal_(std=0.05)
+    rows = [p for p in prompts(16, 512) for _ in range(4)]
+    sp = SamplingParams(max_tokens=64, temperature=1.0, stop_token_ids=list(range(10)), seed=1)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = LLMEngine(model, EngineConfig(max_num_batched_tokens=300, max_num_seqs=64,
+                                            numerics=Numerics.EXACT)).generate(rows, sp)
+        ids, mask, sampler, real = padded_batch(out)
+        with torch.enable_grad():
+            trainer = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], len(ids), 1.0)
+    verdicts = matmul.VENDOR.verdicts
+    gap = (trainer.detach().float().cpu() - sampler)[real].abs().max().item()
+    print(f"cuBLAS at training rows, lora={lora}: {sum(verdicts.values())} of {len(verdicts)} shapes taken, "
+          f"max |trainer - sampler| = {gap}")
+    assert gap == 0.0 and any(verdicts.values())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_exact_with_the_lm_head_cast_to_fp32(tmp_path, dtype):
     """TRL's cast_lm_head_to_fp32 in exact mode: the head's float32 GEMM through the batch-invariant kernel on both

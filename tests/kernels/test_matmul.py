@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels import _triton
-from rlcu.kernels.matmul import LowRank, invariant_linear, launch, linear_reference, linear_triton, tiles
+from rlcu.kernels.matmul import LowRank, add_low_rank, invariant_linear, launch, linear_reference, linear_triton, tiles
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 
@@ -90,7 +90,28 @@ def low_rank(m, n, r, dtype, seed=8, scale=1.75):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(m, r, generator=g).to(dtype).to(DEVICE)
     l_ = (torch.randn(n, r, generator=g) / r ** 0.5).to(dtype).to(DEVICE)
-    return LowRank(h, l_, scale)
+    return LowRank.dense(h, l_, scale)
+
+
+def parts_low_rank(m, sizes, targeted, rank, dtype, seed=10, scale=0.5):
+    """A fused projection's update: parts of `sizes` columns, those in `targeted` adapted (rank each), as the
+    LoRA adapter's maps give it, beside the block-diagonal B it stands for."""
+    g = torch.Generator().manual_seed(seed)
+    n, slots = sum(sizes), len(targeted)
+    h = torch.randn(m, slots * rank, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(sum(sizes[i] for i in targeted), rank, generator=g).to(dtype).to(DEVICE)
+    rows, firsts = torch.full((n,), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    block = torch.zeros(n, slots * rank, dtype=dtype)
+    start, row = 0, 0
+    for i, size in enumerate(sizes):
+        if i in targeted:
+            slot = targeted.index(i)
+            rows[start:start + size] = torch.arange(row, row + size)
+            firsts[start:start + size] = slot * rank
+            block[start:start + size, slot * rank:(slot + 1) * rank] = b[row:row + size].cpu()
+            row += size
+        start += size
+    return LowRank(h, b, scale, rows.to(DEVICE), firsts.to(DEVICE)), block.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,6 +129,34 @@ def test_low_rank_update_in_the_same_launch_against_float64(dtype, m, k, n, r):
 
 
 @pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("sizes,targeted,rank", [((96, 40, 40), (0, 1, 2), 16), ((96, 40, 40), (0, 2), 6),
+                                                 ((70, 70), (1,), 8)])
+def test_the_gathered_block_diagonal_is_the_block_diagonal_bit_for_bit(sizes, targeted, rank):
+    """q/k/v-like parts (one untargeted, parts not whole tiles, a rank below one step): the kernel reading B's
+    rows through the maps gives the bits of the same launch over the assembled block-diagonal B, which is
+    near float64; `block_diagonal` assembles it."""
+    dtype = DTYPES[-1]
+    x, w, b = inputs(70, 64, sum(sizes), dtype, seed=11)
+    lr, block = parts_low_rank(70, list(sizes), list(targeted), rank, dtype)
+    assert torch.equal(lr.block_diagonal(), block)
+    got = linear_triton(x, w, b, lr)
+    assert torch.equal(got, linear_triton(x, w, b, LowRank.dense(lr.h, block, lr.scale)))
+    exact = x.double() @ w.double().t() + b.double() + lr.scale * lr.h.double() @ block.double().t()
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+def test_the_update_added_after_the_product_gives_the_fused_launchs_bits():
+    """Training may take the product from the vendor's GEMM and add the update in its own kernel: the same bits
+    as the fused launch, because the fused launch rounds its product first."""
+    dtype = DTYPES[-1]
+    x, w, b = inputs(150, 80, 176, dtype, seed=12)
+    lr, _ = parts_low_rank(150, [96, 40, 40], [0, 2], 16, dtype)
+    assert torch.equal(add_low_rank(linear_triton(x, w, b), lr), linear_triton(x, w, b, lr))
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.parametrize("r", [12, 48])
 def test_rows_with_a_low_rank_update_are_batch_invariant(monkeypatch, r):
     """With the update, a row alone, among 7, among 200 and in a training forward's tiles is the same bits (the
@@ -122,19 +171,28 @@ def test_rows_with_a_low_rank_update_are_batch_invariant(monkeypatch, r):
     monkeypatch.setattr(matmul, "TRAINING_ROWS", 1 << 30)
     assert torch.equal(linear_triton(x, w, b, lr), full) and tiles(200, n, k) != tiles(1, n, k)
     for i in (0, 77, 199):
-        assert torch.equal(linear_triton(x[i:i + 1], w, b, LowRank(lr.h[i:i + 1], lr.l, lr.scale)), full[i:i + 1])
-    assert torch.equal(linear_triton(x[60:67], w, b, LowRank(lr.h[60:67], lr.l, lr.scale)), full[60:67])
+        assert torch.equal(linear_triton(x[i:i + 1], w, b, lr._replace(h=lr.h[i:i + 1])), full[i:i + 1])
+    assert torch.equal(linear_triton(x[60:67], w, b, lr._replace(h=lr.h[60:67])), full[60:67])
 
 
-def test_low_rank_gradients_match_the_composed_linears(monkeypatch):
+@pytest.mark.parametrize("parts", [False, True])
+def test_low_rank_gradients_match_the_composed_linears(monkeypatch, parts):
     monkeypatch.setenv("RLCU_TRITON", "1")
     x, w, b = inputs(6, 40, 24, torch.float32, seed=3)
-    lr = low_rank(6, 24, 20, torch.float32)
-    x3, h3 = x.view(2, 3, 40), lr.h.view(2, 3, 20)
+    lr, block = parts_low_rank(6, [10, 6, 8], [0, 2], 5, torch.float32) if parts else (low_rank(6, 24, 20,
+                                                                                              torch.float32), None)
+    r = lr.h.shape[1]
+    x3, h3 = x.view(2, 3, 40), lr.h.view(2, 3, r)
     got_leaves = [t.clone().requires_grad_() for t in (x3, w, b, h3, lr.l)]
     want_leaves = [t.clone().requires_grad_() for t in (x3, w, b, h3, lr.l)]
-    got = invariant_linear(*got_leaves[:3], LowRank(*got_leaves[3:], lr.scale))
+    got = invariant_linear(*got_leaves[:3], lr._replace(h=got_leaves[3], l=got_leaves[4]))
     xw, ww, bw, hw, lw = want_leaves
+    if parts:  # the block-diagonal B built from the leaf, as the adapter's default path builds it
+        at = dict(device=DEVICE)
+        lw_block = torch.zeros(24, r, **at).index_put((torch.arange(10, **at)[:, None], torch.arange(5, **at)),
+                                                      lw[:10])
+        lw = lw_block.index_put((torch.arange(16, 24, **at)[:, None], torch.arange(5, 10, **at)), lw[10:])
+        assert torch.equal(lw.detach(), block)
     want = F.linear(xw, ww, bw) + lr.scale * F.linear(hw, lw)
     assert got.shape == want.shape == (2, 3, 24)
     assert torch.allclose(got, want, atol=1e-5)
@@ -143,6 +201,39 @@ def test_low_rank_gradients_match_the_composed_linears(monkeypatch):
     want.backward(g)
     for a, e in zip(got_leaves, want_leaves):
         assert torch.allclose(a.grad, e.grad, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("vendor", ["same bits", "one row tile split", "a shape of its own"])
+def test_the_vendors_gemm_is_taken_only_where_it_gave_the_kernels_bits(monkeypatch, vendor):
+    """From TRAINING_ROWS rows a shape's first product checks the vendor's GEMM at one row in every 64 against
+    the kernel: one that gives the kernel's bits is kept for the shape (and run alone afterwards); one that sums
+    a row tile in another order (as a split K would) is caught and the kernel's output returned, for good."""
+    from rlcu.kernels import matmul
+
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 100)
+    monkeypatch.setattr(matmul, "VENDOR_ON_CPU", True)
+    monkeypatch.setattr(matmul, "VENDOR", matmul.VendorCheck())
+    calls = []
+
+    def fake_vendor(x, weight, bias=None):
+        calls.append(x.shape[0])
+        y = linear_triton(x, weight, bias)
+        if vendor == "one row tile split" or vendor == "a shape of its own" and x.shape[0] == 300:
+            y[128:192] = (y[128:192].double() * (1 + 2 ** -9)).to(y.dtype)  # a 64-row tile, every element
+        return y
+
+    monkeypatch.setattr(matmul, "vendor_linear", fake_vendor)
+    x, w, b = inputs(300, 48, 40, torch.float32, seed=13)
+    want = linear_triton(x, w, b)
+    for _ in range(2):
+        assert torch.equal(matmul.invariant_gemm(x, w, b), want)
+    caught = vendor != "same bits"
+    assert calls == ([300] if caught else [300, 300]) and list(matmul.VENDOR.verdicts.values()) == [not caught]
+    assert torch.equal(matmul.invariant_gemm(x[:64], w, b), want[:64]) and calls[-1] == 300  # the kernel's rows
+    if vendor == "a shape of its own":  # verdicts are per shape: another count of rows is checked afresh
+        assert torch.equal(matmul.invariant_gemm(x[:200], w, b), want[:200]) and calls[-1] == 200
+        assert list(matmul.VENDOR.verdicts.values()) == [False, True]
 
 
 @pytest.mark.parametrize("group_m", [1, 3, 8])
