@@ -221,16 +221,21 @@ class VendorCheck:
     first product runs the vendor's GEMM and the kernel on one row in every 64 (a row in each of the vendor's
     row tiles, which are 64 rows or more, each compared over every column tile); equal there, the shape keeps
     the vendor's GEMM, else the kernel. A split K (whole or on some tiles) changes nearly every element it
-    touches, so it cannot pass. Shapes: rows, columns, K, dtype, bias, and the inputs' 16-byte alignment."""
+    touches, so it cannot pass. Shapes: the inputs' sizes, strides, dtype and 16-byte alignment, and the bias.
+    NaN inputs fail the check (NaN is unequal to itself), which keeps the kernel: the safe side."""
 
     STRIDE = 64
+    KEEP = 4096  # verdicts kept (a run of many lengths makes many shapes); past it they are checked afresh
 
     def __init__(self):
         self.verdicts: dict[tuple, bool] = {}
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
-        key = (x.shape, weight.shape, x.dtype, x.device, bias is not None, x.data_ptr() % 16, weight.data_ptr() % 16)
+        key = (x.shape, x.stride(), weight.shape, weight.stride(), x.dtype, x.device, bias is not None,
+               x.data_ptr() % 16, weight.data_ptr() % 16)
         verdict = self.verdicts.get(key)
+        if verdict is None and len(self.verdicts) >= self.KEEP:
+            self.verdicts.clear()
         if verdict is False:
             return linear_triton(x, weight, bias)
         y = vendor_linear(x, weight, bias)
