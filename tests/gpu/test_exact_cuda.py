@@ -68,47 +68,14 @@ def test_an_fp8_cache_keeps_engine_and_trainer_bitwise_equal_on_cuda(tmp_path, f
     assert gap == 0.0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
-def test_lora_adapters_keep_engine_and_trainer_bitwise_equal_on_cuda(tmp_path, family):
-    """LoRA on every linear layer in exact mode (B's update in the base GEMM's launch, block-diagonal over the fused
-    parts; Phi-3's checkpoint keeps qkv fused), under bf16 autocast over fp32 weights: the trainer records
-    gradients, the engine replays CUDA graphs, and the logprobs agree to the bit."""
+def adapted_exact_gap(tmp_path, family: str, lora: bool, micro_batch: int | None) -> float:
+    """max |trainer - sampler| of a tiny model's exact rollout under bf16 autocast, with LoRA r=16 on every linear
+    layer (B trained-looking) if `lora`; the trainer records gradients, in micro-batches of `micro_batch` rows
+    (None: all)."""
     from rlcu.models import add_lora
     from rlcu.models.lora import adapters
 
     model, _ = load_model(tiny_hf_folder(tmp_path, family, vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2,
-                                         head_dim=64))
-    add_lora(model, {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
-    model.cuda()
-    with torch.no_grad():
-        for _, m in adapters(model):
-            m.lora.lora_B.normal_(std=0.05)
-    rows = [p for p in prompts(16, 512) for _ in range(4)]
-    sp = SamplingParams(max_tokens=64, temperature=1.0, stop_token_ids=list(range(10)), seed=1)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = LLMEngine(model, EngineConfig(max_num_batched_tokens=300, max_num_seqs=64,
-                                            numerics=Numerics.EXACT)).generate(rows, sp)
-        ids, mask, sampler, real = padded_batch(out)
-        with torch.enable_grad():
-            trainer = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], 7, 1.0)
-        assert trainer.requires_grad
-    gap = (trainer.detach().float().cpu() - sampler)[real].abs().max().item()
-    print(f"{family} LoRA r=16: max |trainer - sampler| = {gap}")
-    assert gap == 0.0
-
-
-@pytest.mark.parametrize("lora", [False, True])
-def test_training_takes_cublas_where_it_gives_the_kernels_bits(tmp_path, monkeypatch, lora):
-    """From TRAINING_ROWS rows (lowered here so that the tiny model's training forward reaches it) the trainer's
-    GEMMs take cuBLAS at the shapes where it gave the kernel's bits (LoRA's update then added by its own
-    kernel): the logprobs still equal the sampler's to the bit, and cuBLAS was taken."""
-    from rlcu.kernels import matmul
-    from rlcu.models import add_lora
-    from rlcu.models.lora import adapters
-
-    monkeypatch.setattr(matmul, "TRAINING_ROWS", 2048)
-    monkeypatch.setattr(matmul, "VENDOR", matmul.VendorCheck())
-    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3", vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2,
                                          head_dim=64))
     if lora:
         add_lora(model, {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
@@ -123,9 +90,32 @@ def test_training_takes_cublas_where_it_gives_the_kernels_bits(tmp_path, monkeyp
                                             numerics=Numerics.EXACT)).generate(rows, sp)
         ids, mask, sampler, real = padded_batch(out)
         with torch.enable_grad():
-            trainer = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], len(ids), 1.0)
+            trainer = trainer_logprobs(model, ids.cuda(), mask.cuda(), real.shape[1], micro_batch or len(ids), 1.0)
+        assert trainer.requires_grad
+    return (trainer.detach().float().cpu() - sampler)[real].abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
+def test_lora_adapters_keep_engine_and_trainer_bitwise_equal_on_cuda(tmp_path, family):
+    """LoRA on every linear layer in exact mode (B's update in the base GEMM's launch, block-diagonal over the fused
+    parts; Phi-3's checkpoint keeps qkv fused), under bf16 autocast over fp32 weights: the trainer records
+    gradients, the engine replays CUDA graphs, and the logprobs agree to the bit."""
+    gap = adapted_exact_gap(tmp_path, family, lora=True, micro_batch=7)
+    print(f"{family} LoRA r=16: max |trainer - sampler| = {gap}")
+    assert gap == 0.0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_training_takes_cublas_where_it_gives_the_kernels_bits(tmp_path, monkeypatch, lora):
+    """From TRAINING_ROWS rows (lowered here so that the tiny model's training forward reaches it) the trainer's
+    GEMMs take cuBLAS at the shapes where it gave the kernel's bits (LoRA's update then added by its own
+    kernel): the logprobs still equal the sampler's to the bit, and cuBLAS was taken."""
+    from rlcu.kernels import matmul
+
+    monkeypatch.setattr(matmul, "TRAINING_ROWS", 2048)
+    monkeypatch.setattr(matmul, "VENDOR", matmul.VendorCheck())
+    gap = adapted_exact_gap(tmp_path, "qwen3", lora, micro_batch=None)
     verdicts = matmul.VENDOR.verdicts
-    gap = (trainer.detach().float().cpu() - sampler)[real].abs().max().item()
     print(f"cuBLAS at training rows, lora={lora}: {sum(verdicts.values())} of {len(verdicts)} shapes taken, "
           f"max |trainer - sampler| = {gap}")
     assert gap == 0.0 and any(verdicts.values())

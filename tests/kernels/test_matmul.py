@@ -86,6 +86,16 @@ def test_rows_keep_their_bits_where_k_and_n_are_not_whole_tiles(monkeypatch, k, 
         assert torch.equal(linear_triton(x[i:i + 1], w), full[i:i + 1])
     assert torch.equal(linear_triton(x[60:67], w), full[60:67])
 
+def assert_same_values_and_gradients(got, want, got_leaves, want_leaves):
+    assert got.shape == want.shape == (2, 3, 24)
+    assert torch.allclose(got, want, atol=1e-5)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    for a, e in zip(got_leaves, want_leaves):
+        assert torch.allclose(a.grad, e.grad, atol=1e-5)
+
+
 def low_rank(m, n, r, dtype, seed=8, scale=1.75):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(m, r, generator=g).to(dtype).to(DEVICE)
@@ -194,13 +204,7 @@ def test_low_rank_gradients_match_the_composed_linears(monkeypatch, parts):
         lw = lw_block.index_put((torch.arange(16, 24, **at)[:, None], torch.arange(5, 10, **at)), lw[10:])
         assert torch.equal(lw.detach(), block)
     want = F.linear(xw, ww, bw) + lr.scale * F.linear(hw, lw)
-    assert got.shape == want.shape == (2, 3, 24)
-    assert torch.allclose(got, want, atol=1e-5)
-    g = torch.randn_like(want)
-    got.backward(g)
-    want.backward(g)
-    for a, e in zip(got_leaves, want_leaves):
-        assert torch.allclose(a.grad, e.grad, atol=1e-5)
+    assert_same_values_and_gradients(got, want, got_leaves, want_leaves)
 
 
 @pytest.mark.usefixtures("fixed_order_dot")
@@ -257,13 +261,7 @@ def test_gradients_and_leading_dimensions_match_f_linear(monkeypatch):
     want_leaves = [t.clone().requires_grad_() for t in (x3, w, b)]
     got = invariant_linear(*got_leaves)
     want = F.linear(*want_leaves)
-    assert got.shape == want.shape == (2, 3, 24)
-    assert torch.allclose(got, want, atol=1e-5)
-    g = torch.randn_like(want)
-    got.backward(g)
-    want.backward(g)
-    for a, e in zip(got_leaves, want_leaves):
-        assert torch.allclose(a.grad, e.grad, atol=1e-5)
+    assert_same_values_and_gradients(got, want, got_leaves, want_leaves)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 autocast: the interpreter's bf16 arithmetic is wrong")
