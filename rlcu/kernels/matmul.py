@@ -17,9 +17,10 @@ slice of h, as a block-diagonal B would) and the rank walked from 0 in steps of 
 batch-invariant by the same argument. Rounding the product first lets training add the update in a kernel of
 its own (`add_low_rank`) after the vendor's GEMM, to the same bits.
 
-At training sizes cuBLAS is faster, and at the shapes measured it gave the kernel's bits (docs/benchmarks.md);
-it picks its kernel (and whether to split K) by shape, so each shape is checked before it is trusted
-(`VendorCheck`): its output at one row in every 64 against the kernel's, once a shape.
+From a thousand rows (training's forwards and LM-head chunks, long prefills) cuBLAS is faster, and at the shapes
+measured it gave the kernel's bits (docs/benchmarks.md); it picks its kernel (and whether to split K) by shape,
+so each shape is checked before it is trusted (`VendorCheck`): its output at one row in every 16 and the last
+against the kernel's, once a shape.
 
 The backward is cuBLAS: gradients need not be bitwise anything. Autocast is followed by hand (inputs cast to
 the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
@@ -217,14 +218,14 @@ def add_low_rank(base: torch.Tensor, low_rank: LowRank) -> torch.Tensor:
 
 
 class VendorCheck:
-    """Which training-size shapes the vendor's GEMM (`F.linear`: cuBLAS) computes to the kernel's bits. A shape's
-    first product runs the vendor's GEMM and the kernel on one row in every 64 (a row in each of the vendor's
-    row tiles, which are 64 rows or more, each compared over every column tile); equal there, the shape keeps
-    the vendor's GEMM, else the kernel. A split K (whole or on some tiles) changes nearly every element it
-    touches, so it cannot pass. Shapes: the inputs' sizes, strides, dtype and 16-byte alignment, and the bias.
+    """Which shapes the vendor's GEMM (`F.linear`: cuBLAS) computes to the kernel's bits. A shape's first product
+    runs the vendor's GEMM, and the kernel on one row in every 16 and the last (a row in each of the vendor's row
+    tiles, which are 16 rows or more, each compared over every column tile); equal there, the shape keeps the
+    vendor's GEMM, else the kernel. A split K (whole or on some tiles) changes nearly every element it touches,
+    so it cannot pass. Shapes: the inputs' sizes, strides, dtype and 16-byte alignment, and the bias.
     NaN inputs fail the check (NaN is unequal to itself), which keeps the kernel: the safe side."""
 
-    STRIDE = 64
+    STRIDE = 16
     KEEP = 4096  # verdicts kept (a run of many lengths makes many shapes); past it they are checked afresh
 
     def __init__(self):
@@ -240,7 +241,8 @@ class VendorCheck:
             return linear_triton(x, weight, bias)
         y = vendor_linear(x, weight, bias)
         if verdict is None:
-            rows = slice(self.STRIDE // 2, None, self.STRIDE)
+            m = x.shape[0]
+            rows = torch.cat([torch.arange(self.STRIDE // 2, m, self.STRIDE), torch.tensor([m - 1])]).to(x.device)
             verdict = self.verdicts[key] = bool(torch.equal(y[rows], linear_triton(x[rows], weight, bias)))
             if not verdict:
                 return linear_triton(x, weight, bias)
@@ -254,11 +256,16 @@ def vendor_linear(x, weight, bias=None) -> torch.Tensor:
 VENDOR = VendorCheck()
 
 
+VENDOR_ROWS = 1024  # from here on the vendor's GEMM is worth a check (a decode step's rows stay on the kernel)
+
+
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    low_rank: LowRank | None = None) -> torch.Tensor:
-    """The batch-invariant product of 2-D x: the kernel, or from TRAINING_ROWS rows the vendor's GEMM where its
-    shape gave the kernel's bits (the update then added by its own kernel)."""
-    if x.shape[0] < TRAINING_ROWS or not x.is_cuda and not VENDOR_ON_CPU:
+    """The batch-invariant product of 2-D x: the kernel, or from VENDOR_ROWS rows the vendor's GEMM where its
+    shape gave the kernel's bits (the update then added by its own kernel). Never while a CUDA graph is being
+    captured: the check reads its verdict on the host."""
+    vendor = not torch.cuda.is_current_stream_capturing() if x.is_cuda else VENDOR_ON_CPU
+    if x.shape[0] < VENDOR_ROWS or not vendor:
         return linear_triton(x, weight, bias, low_rank)
     y = VENDOR.linear(x, weight, bias)
     return y if low_rank is None else add_low_rank(y, low_rank)

@@ -107,12 +107,12 @@ def test_lora_adapters_keep_engine_and_trainer_bitwise_equal_on_cuda(tmp_path, f
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_training_takes_cublas_where_it_gives_the_kernels_bits(tmp_path, monkeypatch, lora):
-    """From TRAINING_ROWS rows (lowered here so that the tiny model's training forward reaches it) the trainer's
-    GEMMs take cuBLAS at the shapes where it gave the kernel's bits (LoRA's update then added by its own
-    kernel): the logprobs still equal the sampler's to the bit, and cuBLAS was taken."""
+    """From VENDOR_ROWS rows (the tiny model's training forward of all rows reaches it; the engine's prefill chunks
+    of 300 tokens do not) the trainer's GEMMs take cuBLAS at the shapes where it gave the kernel's bits (LoRA's
+    update then added by its own kernel): the logprobs still equal the sampler's to the bit, and cuBLAS was
+    taken."""
     from rlcu.kernels import matmul
 
-    monkeypatch.setattr(matmul, "TRAINING_ROWS", 2048)
     monkeypatch.setattr(matmul, "VENDOR", matmul.VendorCheck())
     gap = adapted_exact_gap(tmp_path, "qwen3", lora, micro_batch=None)
     verdicts = matmul.VENDOR.verdicts

@@ -210,12 +210,13 @@ def test_low_rank_gradients_match_the_composed_linears(monkeypatch, parts):
 @pytest.mark.usefixtures("fixed_order_dot")
 @pytest.mark.parametrize("vendor", ["same bits", "one row tile split", "a shape of its own"])
 def test_the_vendors_gemm_is_taken_only_where_it_gave_the_kernels_bits(monkeypatch, vendor):
-    """From TRAINING_ROWS rows a shape's first product checks the vendor's GEMM at one row in every 64 against
-    the kernel: one that gives the kernel's bits is kept for the shape (and run alone afterwards); one that sums
-    a row tile in another order (as a split K would) is caught and the kernel's output returned, for good."""
+    """From VENDOR_ROWS rows a shape's first product checks the vendor's GEMM at one row in every 16 and the last
+    against the kernel: one that gives the kernel's bits is kept for the shape (and run alone afterwards); one
+    that sums a row tile in another order (as a split K would) is caught and the kernel's output returned, for
+    good."""
     from rlcu.kernels import matmul
 
-    monkeypatch.setattr(matmul, "TRAINING_ROWS", 100)
+    monkeypatch.setattr(matmul, "VENDOR_ROWS", 100)
     monkeypatch.setattr(matmul, "VENDOR_ON_CPU", True)
     monkeypatch.setattr(matmul, "VENDOR", matmul.VendorCheck())
     calls = []
@@ -224,7 +225,7 @@ def test_the_vendors_gemm_is_taken_only_where_it_gave_the_kernels_bits(monkeypat
         calls.append(x.shape[0])
         y = linear_triton(x, weight, bias)
         if vendor == "one row tile split" or vendor == "a shape of its own" and x.shape[0] == 300:
-            y[128:192] = (y[128:192].double() * (1 + 2 ** -9)).to(y.dtype)  # a 64-row tile, every element
+            y[128:144] = (y[128:144].double() * (1 + 2 ** -9)).to(y.dtype)  # a 16-row tile, every element
         return y
 
     monkeypatch.setattr(matmul, "vendor_linear", fake_vendor)
