@@ -62,11 +62,16 @@ async def exits(endpoint, row):
 
 def one_at_a_time(model, runner):
     """The runner's episodes one sequence a step, so that their tokens and logprobs do not depend on which calls
-    share a step (the calls come at other times from other processes); then their record, the runner closed."""
+    share a step (the calls come at other times from other processes), in a pool roomy enough that no parked
+    episode gives its blocks back (one that did would prefill its whole history again on its next turn: other
+    shapes, other last bits, at a time set by when the replies came); then their record and the tokens prefilled,
+    the runner closed."""
     try:
-        engine = LLMEngine(model, EngineConfig(max_num_seqs=1))
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=1, num_blocks=64))
         sp = SamplingParams(max_tokens=40, max_turn_tokens=5, temperature=1.0, seed=0)
-        return engine.generate(runner.prompt_ids, sp, continuation=runner), runner.record()
+        out = engine.generate(runner.prompt_ids, sp, continuation=runner)
+        assert engine.stats["preemptions"] == 0
+        return out, runner.record(), engine.stats["prefill_tokens"]
     finally:
         runner.close()
 
@@ -74,10 +79,11 @@ def one_at_a_time(model, runner):
 def test_episodes_in_worker_processes_equal_those_on_the_trainers_thread(tiny, workers):
     model, tok = tiny
     rows = ROWS * 3  # six episodes over two workers
-    out, episodes = one_at_a_time(model, runner(rows, three_calls, tok))
+    out, episodes, prefilled = one_at_a_time(model, runner(rows, three_calls, tok))
     for _ in range(2):  # the same workers serve a second rollout
         there = runner(rows, three_calls, tok, workers)
-        out_w, episodes_w = one_at_a_time(model, there)
+        out_w, episodes_w, prefilled_w = one_at_a_time(model, there)
+        assert prefilled_w == prefilled  # each turn prefilled once: no history computed again
         assert episodes_w.columns["agent_returns"] == episodes.columns["agent_returns"] == [1.0, 2.0] * 3
         assert out_w.completion_ids == out.completion_ids and out_w.tool_mask == out.tool_mask
         assert list(episodes_w.completions) == list(episodes.completions)
