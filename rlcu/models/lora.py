@@ -127,13 +127,7 @@ class LoraAdapter(Switch, nn.Module):
         for i in range(len(targets)):  # as PEFT initialises each part's A
             nn.init.kaiming_uniform_(self.lora_A[i * spec.r:(i + 1) * spec.r], a=math.sqrt(5))
         self.dropout = nn.Dropout(spec.lora_dropout) if spec.lora_dropout > 0 else nn.Identity()
-        rows, firsts = torch.full((base.out_features,), -1, dtype=torch.int32), torch.zeros(base.out_features,
-                                                                                           dtype=torch.int32)
-        for start, size, slot, row in self._targeted_parts():  # exact mode's maps of the block-diagonal B
-            rows[start:start + size] = torch.arange(row, row + size, dtype=torch.int32)
-            firsts[start:start + size] = slot * spec.r
-        self.register_buffer("col_rows", rows.to(base.weight.device), persistent=False)
-        self.register_buffer("col_firsts", firsts.to(base.weight.device), persistent=False)
+        self._maps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y + (B A x) * scaling for the whole fused output y: one GEMM into A x, then the update of each
@@ -159,8 +153,22 @@ class LoraAdapter(Switch, nn.Module):
         column maps, never assembled); one computation whether the engine decodes or training records
         gradients, so a row rounds alike in both."""
         h = invariant_linear(x, self.lora_A)
-        return invariant_linear(x, weight, bias, LowRank(h, self.lora_B, self.scaling, self.col_rows,
-                                                         self.col_firsts))
+        return invariant_linear(x, weight, bias, LowRank(h, self.lora_B, self.scaling, *self.column_maps(x.device)))
+
+    def column_maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LowRank`'s maps of the block-diagonal B over the fused output's columns (int32: B's row, or -1 where the
+        part is not adapted; the column of A x where that row's part starts), made once a device from the part
+        sizes alone (a model built on the meta device and given memory later has them right). The first exact
+        forward on a device is eager (a prefill, a training forward), never inside a CUDA graph's capture."""
+        maps = self._maps.get(device)
+        if maps is None:
+            out = sum(self.part_sizes.values())
+            rows, firsts = torch.full((out,), -1, dtype=torch.int32), torch.zeros(out, dtype=torch.int32)
+            for start, size, slot, row in self._targeted_parts():
+                rows[start:start + size] = torch.arange(row, row + size, dtype=torch.int32)
+                firsts[start:start + size] = slot * self.r
+            maps = self._maps[device] = (rows.to(device), firsts.to(device))
+        return maps
 
     def _targeted_parts(self) -> list[tuple[int, int, int, int]]:
         """(first column in the fused output, size, slot in A, first row in B) of each targeted part."""

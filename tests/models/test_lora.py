@@ -245,3 +245,26 @@ def test_expert_adapters_of_any_rank_take_torchs_grouped_gemm(monkeypatch):
     monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype: dtype == torch.bfloat16)
     assert moe.grouped(rows)
     assert torch.allclose(adapter.add_to(y, rows, counts).float(), loop.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj"], ["q_proj", "v_proj"], ["k_proj"]])
+def test_exact_modes_column_maps_give_the_block_diagonal_b_also_for_an_adapter_made_on_the_meta_device(targets):
+    """Exact mode reads B through per-column maps (`LoraAdapter.column_maps`); the block-diagonal B they describe is
+    the one the default path assembles (`block_diagonal_b`), untargeted parts zero. They come from the part sizes
+    alone, so an adapter made on the meta device (a tensor-parallel model is built there) has them right."""
+    from rlcu.kernels.matmul import LowRank
+    from rlcu.models.fused_linear import FusedLinear
+    from rlcu.models.lora import LoraAdapter
+
+    spec = LoraSpec.of({"r": 3, "lora_alpha": 6, "target_modules": targets})
+    parts = {"q_proj": 8, "k_proj": 4, "v_proj": 4}
+    adapter = LoraAdapter(FusedLinear(6, parts, bias=False), spec, [p for p in parts if p in targets])
+    with torch.no_grad():
+        adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape))
+    h = torch.randn(5, adapter.lora_A.shape[0])
+    block = LowRank(h, adapter.lora_B, 1.0, *adapter.column_maps(torch.device("cpu"))).block_diagonal()
+    assert torch.equal(block, adapter.block_diagonal_b())
+    with torch.device("meta"):
+        on_meta = LoraAdapter(FusedLinear(6, parts, bias=False), spec, [p for p in parts if p in targets])
+    assert all(torch.equal(a, b) for a, b in zip(on_meta.column_maps(torch.device("cpu")),
+                                                  adapter.column_maps(torch.device("cpu"))))
