@@ -260,11 +260,11 @@ VENDOR_ROWS = 1024  # from here on the vendor's GEMM is worth a check (a decode 
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   low_rank: LowRank | None = None) -> torch.Tensor:
+                   low_rank: LowRank | None = None, vendor: bool = True) -> torch.Tensor:
     """The batch-invariant product of 2-D x: the kernel, or from VENDOR_ROWS rows the vendor's GEMM where its
     shape gave the kernel's bits (the update then added by its own kernel). Never while a CUDA graph is being
-    captured: the check reads its verdict on the host."""
-    vendor = not torch.cuda.is_current_stream_capturing() if x.is_cuda else VENDOR_ON_CPU
+    captured (the check reads its verdict on the host), nor where the caller says `vendor=False`."""
+    vendor = vendor and (not torch.cuda.is_current_stream_capturing() if x.is_cuda else VENDOR_ON_CPU)
     if x.shape[0] < VENDOR_ROWS or not vendor:
         return linear_triton(x, weight, bias, low_rank)
     y = VENDOR.linear(x, weight, bias)
@@ -276,11 +276,11 @@ VENDOR_ON_CPU = False  # the tests turn it on: the interpreter's kernel against 
 
 class _InvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, h2d, l_, rows, firsts, scale):
+    def forward(ctx, x2d, weight, bias, h2d, l_, rows, firsts, scale, vendor):
         low_rank = None if h2d is None else LowRank(h2d, l_, scale, rows, firsts)
         ctx.save_for_backward(x2d, weight, h2d, l_, rows, firsts)
         ctx.has_bias, ctx.scale = bias is not None, scale
-        return invariant_gemm(x2d, weight, bias, low_rank)
+        return invariant_gemm(x2d, weight, bias, low_rank, vendor)
 
     @staticmethod
     def backward(ctx, grad):
@@ -297,14 +297,15 @@ class _InvariantLinear(torch.autograd.Function):
             grad_h = (grad @ bd.detach()) * ctx.scale if need[3] else None
             if need[4]:
                 grad_l, = torch.autograd.grad(bd, l_leaf, (grad.t() @ h2d) * ctx.scale)
-        return grad_x, grad_w, grad_b, grad_h, grad_l, None, None, None
+        return grad_x, grad_w, grad_b, grad_h, grad_l, None, None, None, None
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     low_rank: LowRank | None = None) -> torch.Tensor:
+                     low_rank: LowRank | None = None, vendor: bool = True) -> torch.Tensor:
     """`F.linear` whose rows are batch-invariant (module docstring); x [..., K]; `low_rank` (h [..., R]) adds its
-    update to the rounded product. Needs the Triton kernel (a CUDA device, or RLCU_TRITON=1 with the
-    interpreter)."""
+    update to the rounded product. `vendor=False`: always the kernel, for a caller whose row counts change at
+    every call (an expert's rows), where a check a call would cost more than it saves. Needs the Triton kernel (a
+    CUDA device, or RLCU_TRITON=1 with the interpreter)."""
     if not use_triton(x):
         raise RuntimeError("batch-invariant linear layers (exact_logprobs) need the Triton kernels: run on a CUDA "
                            "device, or set RLCU_TRITON=1 to use Triton's CPU interpreter")
@@ -317,5 +318,5 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         lr = (low_rank.h.to(dtype).reshape(-1, low_rank.h.shape[-1]), low_rank.l.to(dtype), low_rank.rows,
               low_rank.firsts, low_rank.scale)
     with torch.autocast(kind, enabled=False):
-        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, lr[0], lr[1], lr[2], lr[3], lr[4])
+        y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, *lr, vendor)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -52,7 +52,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor |
     for g, n in enumerate(counts if isinstance(counts, list) else counts.tolist()):
         if n:
             rows = x[start:start + n]
-            out.append(invariant_linear(rows, weight[g]) if batch_invariant else F.linear(rows, weight[g]))
+            # an expert's rows change in number at every call: the kernel, never a vendor check a call
+            out.append(invariant_linear(rows, weight[g], vendor=False) if batch_invariant
+                       else F.linear(rows, weight[g]))
         start += n
     return torch.cat(out) if out else x.new_zeros(0, weight.shape[1])
 

@@ -239,6 +239,8 @@ def test_the_vendors_gemm_is_taken_only_where_it_gave_the_kernels_bits(monkeypat
     if vendor == "a shape of its own":  # verdicts are per shape: another count of rows is checked afresh
         assert torch.equal(matmul.invariant_gemm(x[:200], w, b), want[:200]) and calls[-1] == 200
         assert list(matmul.VENDOR.verdicts.values()) == [False, True]
+    before = len(calls)  # a caller that says vendor=False (an expert's rows) gets the kernel, unchecked
+    assert torch.equal(matmul.invariant_gemm(x[:150], w, b, vendor=False), want[:150]) and len(calls) == before
 
 
 @pytest.mark.parametrize("group_m", [1, 3, 8])
