@@ -22,7 +22,8 @@ measured it gave the kernel's bits (docs/benchmarks.md); it picks its kernel (an
 so each shape is checked before it is trusted (`VendorCheck`): its output at one row in every 16 and the last
 against the kernel's, once a shape.
 
-The backward is cuBLAS: gradients need not be bitwise anything. Autocast is followed by hand (inputs cast to
+The backward is cuBLAS: gradients need not be bitwise anything; so is a checkpointed layer's recompute, unchecked
+(`rlcu.kernels.recompute`: its values only feed the backward). Autocast is followed by hand (inputs cast to
 the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
+from rlcu.kernels.recompute import recomputing
 
 BLOCK_M, BLOCK_K = 64, 64  # the tile of the shipped configuration before tiles followed M
 BLOCK_R = 16  # a LoRA update's rank per step: tl.dot's smallest K, whatever the tile
@@ -280,6 +282,9 @@ class _InvariantLinear(torch.autograd.Function):
         low_rank = None if h2d is None else LowRank(h2d, l_, scale, rows, firsts)
         ctx.save_for_backward(x2d, weight, h2d, l_, rows, firsts)
         ctx.has_bias, ctx.scale = bias is not None, scale
+        if recomputing():  # values only the backward reads (rlcu.kernels.recompute): the vendor's GEMM, unchecked
+            y = vendor_linear(x2d, weight, bias)
+            return y if low_rank is None else add_low_rank(y, low_rank)
         return invariant_gemm(x2d, weight, bias, low_rank, vendor)
 
     @staticmethod

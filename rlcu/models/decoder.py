@@ -16,6 +16,7 @@ from torch import nn
 from rlcu.contracts import Numerics
 from rlcu.kernels._triton import next_pow2
 from rlcu.kernels.kv_cache import FP8
+from rlcu.kernels.recompute import recompute_contexts
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope import rope as apply_rope
 from rlcu.kernels.silu_mul import gated_mul
@@ -330,8 +331,9 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             cos, sin = tables[layer.rope_kind]
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x, residual = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention, residual,
-                                                                use_reentrant=False)
+                x, residual = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, attention, residual, use_reentrant=False,
+                    context_fn=torch.utils.checkpoint.noop_context_fn if layer.moe else recompute_contexts)
             else:
                 x, residual = layer(x, cos, sin, attention, residual)
         out = self.model.norm(x, residual)[0]

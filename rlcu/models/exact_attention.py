@@ -10,12 +10,15 @@ Per-head q/k norms (Qwen3, Gemma 3) go into the KV-write kernel with RoPE where 
 decode step than running them as modules.
 
 The backward recomputes the attention with PyTorch (the norms, then `PackedAttention`: RoPE, then
-variable-length flash attention or SDPA) and differentiates that: gradients need the math, not the bits."""
+variable-length flash attention or SDPA) and differentiates that: gradients need the math, not the bits. For the
+same reason a checkpointed layer's recompute (`rlcu.kernels.recompute`) computes its output that way too, without
+the paged buffer: only the backward reads it."""
 from __future__ import annotations
 
 import torch
 
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
+from rlcu.kernels.recompute import recomputing
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope_store_kv import rope_store_kv
 from rlcu.models.attention import PackedAttention, Stateless, qk_norm_operands
@@ -65,15 +68,16 @@ class _ExactAttention(torch.autograd.Function):
         """q: [1, T, Hq, D], k/v: [1, T, Hkv, D] before RoPE (and before the per-head norms of `q_weight`,
         `k_weight` [D], when given); cos/sin: [1, T, 1, D]; sinks [Hq] or None -> [1, T, Hq, D]."""
         _, _, hkv, d = k.shape
+        ctx.save_for_backward(q, k, v, cos, sin, sinks, q_weight, k_weight)
+        ctx.plan, ctx.layer_idx, ctx.window, ctx.softcap = plan, layer_idx, window, softcap
+        ctx.eps, ctx.offset, ctx.scale = eps, offset, d ** -0.5 if scale is None else scale
+        if recomputing():  # only the backward reads these values
+            return _reference(ctx, q, k, v, cos, sin, sinks, q_weight, k_weight)
         cache = torch.zeros(2, plan.num_blocks, BLOCK, hkv, d, dtype=plan.cache_dtype, device=q.device)
         norm = () if q_weight is None else (q_weight, k_weight, eps, offset)
         roped = rope_store_kv(q[0], k[0], v[0], cos[0, :, 0], sin[0, :, 0], cache[0], cache[1], plan.slots, *norm)
-        scale = d ** -0.5 if scale is None else scale
-        out = paged_attention(roped, cache[0], cache[1], plan.cu, plan.context_lens, plan.tables, scale,
+        out = paged_attention(roped, cache[0], cache[1], plan.cu, plan.context_lens, plan.tables, ctx.scale,
                               plan.tiles, window=window, sinks=sinks, softcap=softcap)
-        ctx.save_for_backward(q, k, v, cos, sin, sinks, q_weight, k_weight)
-        ctx.plan, ctx.layer_idx, ctx.scale, ctx.window, ctx.softcap = plan, layer_idx, scale, window, softcap
-        ctx.eps, ctx.offset = eps, offset
         return out[None]
 
     @staticmethod
@@ -84,11 +88,16 @@ class _ExactAttention(torch.autograd.Function):
                   for i, t in zip((0, 1, 2, 5, 6, 7), (q, k, v, sinks, q_weight, k_weight))]
         with torch.enable_grad():
             q, k, v, sinks, q_weight, k_weight = inputs
-            if q_weight is not None:
-                q, k = (rms_norm(x, w, ctx.eps, offset=ctx.offset) for x, w in ((q, q_weight), (k, k_weight)))
-            out = ctx.plan.reference(ctx.layer_idx, q, k, v, cos, sin, ctx.scale, ctx.window, sinks=sinks,
-                                     softcap=ctx.softcap)
+            out = _reference(ctx, q, k, v, cos, sin, sinks, q_weight, k_weight)
             wanted = [t for t in inputs if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
         dq, dk, dv, dsinks, dqw, dkw = (next(grads) if t is not None and t.requires_grad else None for t in inputs)
         return dq, dk, dv, None, None, dsinks, dqw, dkw, None, None, None, None, None, None, None
+
+
+def _reference(ctx, q, k, v, cos, sin, sinks, q_weight, k_weight) -> torch.Tensor:
+    """The attention in PyTorch: the norms, then `PackedAttention` (the math of the paged kernel, not its bits)."""
+    if q_weight is not None:
+        q, k = (rms_norm(x, w, ctx.eps, offset=ctx.offset) for x, w in ((q, q_weight), (k, k_weight)))
+    return ctx.plan.reference(ctx.layer_idx, q, k, v, cos, sin, ctx.scale, ctx.window, sinks=sinks,
+                              softcap=ctx.softcap)

@@ -145,6 +145,49 @@ def test_exact_attention_gradients_match_packed_attention(tmp_path, monkeypatch,
         assert torch.allclose(exact, plain, atol=1e-5, rtol=1e-4)
 
 
+def counted(calls: dict, name: str, real):
+    def count(*args, **kwargs):
+        calls[name] += 1
+        return real(*args, **kwargs)
+    return count
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_checkpointed_layers_recompute_with_the_fast_kernels(tmp_path, monkeypatch, family):
+    """Under gradient checkpointing the first forward is exact (the logprobs bit for bit those without it), and
+    the recompute, whose values only the backward reads, runs PyTorch's attention and the vendor's GEMM
+    (rlcu.kernels.recompute): no paged attention and no batch-invariant GEMM past the LM head's in the backward,
+    and the gradients those without checkpointing. An MoE layer recomputes exactly as it ran, since its routing
+    (the shapes of its saved tensors) could otherwise differ from the first forward's."""
+    import rlcu.models.exact_attention as exact_attention
+
+    model = exact_model(tmp_path, monkeypatch, family)
+    ids = torch.tensor([[3, 9, 4, 17, 5, 22, 8, 1, 2, 30], [0, 0, 0, 7, 12, 6, 19, 3, 8, 2]])
+    mask = (ids > 0).long()
+    calls = {"attention": 0, "gemm": 0}
+    paged = exact_attention.paged_attention
+    monkeypatch.setattr(exact_attention, "paged_attention", counted(calls, "attention", paged))
+    monkeypatch.setattr(matmul, "linear_triton", counted(calls, "gemm", matmul.linear_triton))
+    runs = []
+    for checkpointing in (False, True):
+        model.gradient_checkpointing = checkpointing
+        model.zero_grad()
+        logps, _ = completion_logprobs(model, ids, mask, 5, packed=True, numerics=EXACT)
+        forward = dict(calls)
+        logps.sum().backward()
+        backward = {k: calls[k] - forward[k] for k in calls}
+        calls.update(attention=0, gemm=0)
+        runs.append((logps.detach(), [p.grad.clone() for p in model.parameters()], forward, backward))
+    (plain, plain_grads, forward, backward), (checkpointed, grads, ck_forward, ck_backward) = runs
+    assert torch.equal(checkpointed, plain)
+    for got, want in zip(grads, plain_grads):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    layers, moe = model.config.num_hidden_layers, sum(layer.moe for layer in model.model.layers)
+    assert ck_forward == forward and forward["attention"] == layers and backward["attention"] == 0
+    assert ck_backward["attention"] == moe and (moe > 0) == (family == "qwen3_moe")  # its tiny model: 1 of 2
+    assert (ck_backward["gemm"] > backward["gemm"]) if moe else (ck_backward["gemm"] == backward["gemm"] > 0)
+
+
 @pytest.mark.parametrize("config", ["chunks-of-7-decode-by-3", "whole-prompts"])
 def test_lora_adapters_keep_the_logprobs_bit_for_bit(tmp_path, monkeypatch, config):
     """LoRA in exact mode: A's GEMM, then the base GEMM with B's update (block-diagonal over q/k/v, gate/up) in the
