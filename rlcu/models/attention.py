@@ -148,7 +148,7 @@ class PackedAttention(Stateless):
     attending causally within itself. `cu_seqlens` [n + 1] (int32) marks where each starts. On CUDA in
     bf16/fp16 this is variable-length flash attention (`torch.nn.attention.varlen`, forward and
     backward), or with soft-capping or sinks `varlen_attention`; elsewhere SDPA with a block-diagonal causal mask
-    (the CPU and fp32 path)."""
+    (the CPU and fp32 path). Sequences all of one length (and no window) are a batch: causal SDPA."""
 
     batch_invariant = False
 
@@ -164,6 +164,11 @@ class PackedAttention(Stateless):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if window is not None and window >= self.max_len:
             window = None
+        n, t = self.cu.numel() - 1, q.shape[1]
+        if t == n * self.max_len and window is None and sinks is None and softcap is None:
+            # every sequence max_len long: the row is a batch, and SDPA's causal kernels (cuDNN's on Hopper, as
+            # the padded batch takes them) beat the variable-length ones
+            return sdpa(*(x.view(n, self.max_len, *x.shape[2:]) for x in (q, k, v)), None, scale).view(q.shape)
         varlen = _varlen()
         if (sinks is None and softcap is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
                 and varlen is not None and (window is None or varlen.windows)):

@@ -43,3 +43,28 @@ def test_capped_and_sink_layers_through_the_kernel_equal_sdpa(monkeypatch, layou
     torch.testing.assert_close(got * weight_rows, want * weight_rows, atol=2e-5, rtol=2e-5)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+
+
+def test_packed_sequences_of_one_length_attend_as_a_batch():
+    """A packed row whose sequences are all max_len long runs as an [n, max_len] batch through causal SDPA (no
+    [T, T] block-diagonal mask built): outputs and gradients equal each sequence's causal attention in float64."""
+    g = torch.Generator().manual_seed(1)
+    n, length, hq, hkv, d = 3, 7, 4, 2, 16
+    cu = torch.arange(0, n * length + 1, length, dtype=torch.int32)
+    q, k, v = (torch.randn(1, n * length, h, d, generator=g) for h in (hq, hkv, hkv))
+    weight = torch.randn(1, n * length, hq, d, generator=g)
+    module = attention.PackedAttention(cu, length)
+    got, got_grads = run(module, q, k, v, None, 0.3, None, None, weight)
+    assert not module.masks
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    outs = []
+    for i in range(n):
+        qi, ki, vi = (x[0, i * length:(i + 1) * length].transpose(0, 1) for x in leaves)
+        ki, vi = ki.repeat_interleave(hq // hkv, 0), vi.repeat_interleave(hq // hkv, 0)
+        scores = (qi @ ki.transpose(-1, -2) * 0.3).masked_fill(~torch.ones(length, length).tril().bool(), -torch.inf)
+        outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+    want = torch.cat(outs)[None]
+    want_grads = torch.autograd.grad((want * weight.double()).sum(), leaves)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
