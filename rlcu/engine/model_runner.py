@@ -61,8 +61,9 @@ class ModelRunner:
                               and not self.exact and not cfg.windowed)
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
         self.fuse_qk_norm = fuses_qk_norm(cfg, self.k_cache)  # exact mode's training attention fuses them alike
-        # experts outside torch's grouped GEMM read their token counts on the host, which a graph cannot replay
-        graph_safe = not cfg.is_moe or (not self.exact and grouped_mm_supported(self.device, model.compute_dtype()))
+        # experts outside a grouped launch (torch's grouped GEMM; exact mode's batch-invariant grouped kernel) read
+        # their token counts on the host, which a graph cannot replay
+        graph_safe = not cfg.is_moe or self.exact or grouped_mm_supported(self.device, model.compute_dtype())
         if (cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size)
                 and graph_safe):
             max_blocks = min(num_blocks, blocks_for(cfg.max_position_embeddings, block_size))

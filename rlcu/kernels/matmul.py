@@ -142,6 +142,36 @@ if HAS_TRITON:
         tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
 
+    @triton.jit
+    def _grouped_linear_kernel(X, W, ENDS, TILE_ENDS, Y, N, K, G, stride_xm, stride_wg, stride_wn, stride_ym,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
+        # row tile t belongs to the group whose range of tiles holds it (TILE_ENDS: each group's last tile + 1,
+        # cumulative); past the last group's tiles a program has nothing to do. A tile's rows are its group's only,
+        # and each row's sums walk K from 0 as the single kernel's do: where a row sits changes nothing.
+        t = tl.program_id(0)
+        gs = tl.arange(0, BLOCK_G)
+        g = tl.sum((tl.load(TILE_ENDS + gs, mask=gs < G, other=2147483647) <= t).to(tl.int32), 0)
+        if g < G:
+            first_tile = tl.load(TILE_ENDS + g - 1, mask=g > 0, other=0)
+            start = tl.load(ENDS + g - 1, mask=g > 0, other=0)
+            end = tl.load(ENDS + g)
+            rows = start + (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, BLOCK_K)
+            w_g = W + g.to(tl.int64) * stride_wg
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                            mask=(rows[:, None] < end) & (kk[None, :] < K), other=0.0)
+                w = tl.load(w_g + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                            mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
+                     mask=(rows[:, None] < end) & (cols[None, :] < N))
+
+
 class LowRank(NamedTuple):
     """A low-rank update added to a product's rounded output: scale * h @ Bbd.T, h [M, R] (a LoRA adapter's A x),
     Bbd [N, R] block-diagonal, given as B's rows `l` [rows, rank] and two int32 maps over the N output columns:
@@ -325,3 +355,67 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     with torch.autocast(kind, enabled=False):
         y = _InvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, *lr, vendor)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_tile(m: int, groups: int, element_size: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a grouped launch of m rows: 128 x 128 tiles where the groups
+    average 128 rows or more in 16 bits (a training forward), else 64 x 64 (a decode step's few rows an expert).
+    Like `tiles`, it follows the rows without touching a row's sums."""
+    return (128, 128, 64, 8, 3) if m >= 128 * groups and element_size <= 2 else (64, 64, 64, 4, 3)
+
+
+def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [M, K] sorted by group, weight [G, N, K], counts [G] (on x's device) -> [M, N], x_g @ weight_g.T for each
+    group in one launch: the counts are read on the device (CUDA-graph safe), and each row's sums are those of
+    `linear_triton` on that row alone (module docstring)."""
+    m, k = x.shape
+    g, n, _ = weight.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps, stages = grouped_tile(m, g, x.element_size())
+    if m and g:
+        counts = counts.to(torch.int32)
+        ends = counts.cumsum(0, dtype=torch.int32)
+        tile_ends = ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32)
+        _grouped_linear_kernel[(triton.cdiv(m, bm) + g, triton.cdiv(n, bn))](
+            x, weight, ends, tile_ends, y, n, k, g, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_G=triton.next_power_of_2(g), PRECISION=_precision(x),
+            num_warps=warps, num_stages=stages)
+    return y
+
+
+def invariant_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear_triton` with autocast followed by hand, differentiable (the backward group by group: gradients
+    need not be bitwise anything). Needs the Triton kernel, as `invariant_linear` does."""
+    if not use_triton(x):
+        raise RuntimeError("batch-invariant linear layers (exact_logprobs) need the Triton kernels: run on a CUDA "
+                           "device, or set RLCU_TRITON=1 to use Triton's CPU interpreter")
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    with torch.autocast(kind, enabled=False):
+        return _InvariantGroupedLinear.apply(x.to(dtype), weight.to(dtype), counts)
+
+
+class _InvariantGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        ctx.save_for_backward(x, weight, counts)
+        return grouped_linear_triton(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, counts = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x = torch.zeros_like(x) if need[0] else None
+        grad_w = torch.zeros_like(weight) if need[1] else None
+        start = 0
+        for g, n in enumerate(counts.tolist()):
+            if n:
+                rows = slice(start, start + n)
+                if need[0]:
+                    grad_x[rows] = grad[rows] @ weight[g]
+                if need[1]:
+                    grad_w[g] = grad[rows].t() @ x[rows]
+            start += n
+        return grad_x, grad_w, None

@@ -211,7 +211,7 @@ class ExpertAdapter(Switch, nn.Module):
     def add_to(self, y: torch.Tensor, rows: torch.Tensor, counts, batch_invariant: bool = False) -> torch.Tensor:
         """y [M, out] + the update of `rows` [M, in], sorted by expert (`counts` rows each), as `grouped_linear`."""
         a, b = self.lora_A, self.lora_B
-        if grouped(rows, batch_invariant) and self.r % 8:
+        if not batch_invariant and grouped(rows) and self.r % 8:
             # torch's grouped GEMM takes rows of whole 16-byte units: zero rank rows and columns change nothing
             pad = 8 - self.r % 8
             a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))

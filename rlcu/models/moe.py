@@ -9,7 +9,8 @@ Experts are stored stacked, as transformers 5 holds them in memory (`experts.gat
 Dispatch sorts the tokens' (token, slot) pairs by expert, so that each expert's rows are contiguous, and runs
 both projections as one grouped GEMM (`grouped_linear`). The weighted sum over a token's k experts is taken in
 a fixed order (slot 0 first), so a token's output does not depend on the other tokens of its batch once each
-expert's GEMM does not either (`Numerics.EXACT`: the batch-invariant GEMM per expert). The sampler and the
+expert's GEMM does not either (`Numerics.EXACT`: the batch-invariant grouped kernel, one launch for every expert
+with the counts read on the device, so exact decode steps are CUDA graphs too). The sampler and the
 trainer run this same module, so their routing is the same computation: there is nothing to replay."""
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlcu.kernels.matmul import invariant_linear
+from rlcu.kernels._triton import use_triton
+from rlcu.kernels.matmul import invariant_grouped_linear, invariant_linear
 from rlcu.kernels.silu_mul import clamped_swiglu, gated_mul
 
 
@@ -31,7 +33,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def grouped(x: torch.Tensor, batch_invariant: bool = False) -> bool:
-    """Whether `grouped_linear` takes torch's grouped GEMM for x (in the dtype autocast gives it)."""
+    """Whether `grouped_linear` runs every group in one launch that reads the counts on the device: the
+    batch-invariant grouped kernel in exact mode (wherever it runs), else torch's grouped GEMM for x (in the dtype
+    autocast gives it)."""
+    if batch_invariant:
+        return use_triton(x)
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     return not batch_invariant and grouped_mm_supported(x.device, dtype)
@@ -43,6 +49,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor |
     The grouped form reads the counts on the device; the loop form needs them on the host (a list: read once by
     the caller for both of a layer's projections, or a tensor, read here)."""
     if isinstance(counts, torch.Tensor) and grouped(x, batch_invariant):
+        if batch_invariant:
+            return invariant_grouped_linear(x, weight, counts)
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         ends = counts.cumsum(0).to(torch.int32)
@@ -52,7 +60,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor |
     for g, n in enumerate(counts if isinstance(counts, list) else counts.tolist()):
         if n:
             rows = x[start:start + n]
-            # an expert's rows change in number at every call: the kernel, never a vendor check a call
+            # a caller that read the counts on the host; an expert's rows change in number at every call: the
+            # kernel, never a vendor check a call
             out.append(invariant_linear(rows, weight[g], vendor=False) if batch_invariant
                        else F.linear(rows, weight[g]))
         start += n

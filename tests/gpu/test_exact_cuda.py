@@ -39,6 +39,8 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(tmp_path, family,
         ids, mask = ids.cuda(), mask.cuda()
         lengths = real.sum(1)
         assert lengths.min() < lengths.max() and engine.stats["lookahead_steps"] > 0
+        # every family decodes in CUDA graphs, the experts too (one grouped launch reading counts on the device)
+        assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "no graph was captured"
         for micro_batch in (len(ids), 7):
             trainer = trainer_logprobs(model, ids, mask, real.shape[1], micro_batch, 1.0).float().cpu()
             gap = (trainer - sampler)[real].abs().max().item()

@@ -5,7 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels import _triton
-from rlcu.kernels.matmul import LowRank, add_low_rank, invariant_linear, launch, linear_reference, linear_triton, tiles
+from rlcu.kernels.matmul import (
+    LowRank,
+    add_low_rank,
+    grouped_linear_triton,
+    grouped_tile,
+    invariant_grouped_linear,
+    invariant_linear,
+    launch,
+    linear_reference,
+    linear_triton,
+    tiles,
+)
 from tests.helpers import KERNEL_DEVICE as DEVICE
 from tests.helpers import KERNEL_DTYPES as DTYPES
 
@@ -283,3 +294,70 @@ def test_without_triton_it_says_how_to_get_it(monkeypatch):
     x, w, b = inputs(2, 8, 4, torch.float32)
     with pytest.raises(RuntimeError, match="RLCU_TRITON=1"):
         invariant_linear(x, w, b)
+
+
+# an empty group, every row on one, whole tiles, none; the last, in 16 bits, takes the training forward's tiles
+GROUPS = [[5, 0, 70, 1], [0, 0, 133, 0], [64, 64, 1], [0, 0, 0], [300, 0, 260]]
+
+
+def grouped_inputs(counts, k, n, dtype, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(len(counts), n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    return x, w, torch.tensor(counts, device=DEVICE)
+
+
+def group_loop(x, w, counts, linear):
+    out, start = [], 0
+    for g, c in enumerate(counts):
+        out.append(linear(x[start:start + c], w[g]))
+        start += c
+    return torch.cat(out)
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts", GROUPS)
+@pytest.mark.parametrize("k,n", [(100, 67), (48, 130)])
+def test_grouped_kernel_against_a_loop_and_float64(dtype, counts, k, n):
+    """One launch for every group, counts read on the device: each group's rows equal `linear_triton` on those rows
+    bit for bit (so the engine and the trainer may take either), and float64 within the dtype's rounding."""
+    x, w, c = grouped_inputs(counts, k, n, dtype)
+    got = grouped_linear_triton(x, w, c)
+    assert got.shape == (sum(counts), n) and got.dtype == dtype
+    assert torch.equal(got, group_loop(x, w, counts, linear_triton))
+    exact = group_loop(x.double(), w.double(), counts, lambda a, b: a @ b.t())
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double(), exact, atol=atol, rtol=rtol), (got.double() - exact).abs().max()
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+def test_grouped_rows_are_batch_invariant():
+    """A row alone in its group, or in another position among other groups' rows, is the same bits, although the
+    full launch (an average of 188 rows a group, 16 bits) takes 128-row tiles and the others 64-row ones."""
+    counts = [300, 3, 260]
+    x, w, c = grouped_inputs(counts, 96, 80, DTYPES[-1], seed=12)
+    assert grouped_tile(563, 3, x.element_size())[0] == 128 and grouped_tile(12, 3)[0] == 64
+    full = grouped_linear_triton(x, w, c)
+    for i, g in ((0, 0), (299, 0), (301, 1), (562, 2)):
+        alone = [0, 0, 0]
+        alone[g] = 1
+        assert torch.equal(grouped_linear_triton(x[i:i + 1], w, torch.tensor(alone, device=DEVICE)), full[i:i + 1])
+    fewer = torch.tensor([5, 0, 7], device=DEVICE)
+    rows = torch.cat([x[10:15], x[400:407]])
+    assert torch.equal(grouped_linear_triton(rows, w, fewer), torch.cat([full[10:15], full[400:407]]))
+
+
+def test_grouped_gradients_against_float64(monkeypatch):
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    counts = [9, 0, 30]
+    x, w, c = grouped_inputs(counts, 40, 24, torch.float32, seed=13)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    got = invariant_grouped_linear(*leaves, c)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    got_grads = torch.autograd.grad(got, leaves, grad)
+    leaves64 = [t.double().requires_grad_() for t in (x, w)]
+    want = group_loop(*leaves64, counts, lambda a, b: a @ b.t())
+    want_grads = torch.autograd.grad(want, leaves64, grad.double())
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a.double(), b, atol=1e-5, rtol=1e-5), (a.double() - b).abs().max()
