@@ -76,6 +76,22 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 if HAS_TRITON:
     @triton.jit
+    def _row_sums(X, W, rows, cols, row_end, N, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """x[rows] @ w[cols].T in fp32 (rows from `row_end` on and cols from N on read as zero): K walked from 0 in
+        BLOCK_K steps, the sums every kernel here gives a row, wherever it sits."""
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=(rows[:, None] < row_end) & (kk[None, :] < K), other=0.0)
+            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                        mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
     def _linear_kernel(X, W, B, Y, H, L, LROW, LCOL, M, N, K, R, RANK, stride_xm, stride_wn, stride_ym, stride_hm,
                        stride_ln, scale, HAS_BIAS: tl.constexpr, LOW_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
@@ -92,15 +108,7 @@ if HAS_TRITON:
         pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                        mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _row_sums(X, W, rows, cols, M, N, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if LOW_RANK:
@@ -158,16 +166,8 @@ if HAS_TRITON:
             end = tl.load(ENDS + g)
             rows = start + (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            ks = tl.arange(0, BLOCK_K)
-            w_g = W + g.to(tl.int64) * stride_wg
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + ks
-                x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                            mask=(rows[:, None] < end) & (kk[None, :] < K), other=0.0)
-                w = tl.load(w_g + cols[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                            mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = _row_sums(X, W + g.to(tl.int64) * stride_wg, rows, cols, end, N, K, stride_xm, stride_wn, BLOCK_M,
+                            BLOCK_N, BLOCK_K, PRECISION)
             tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty),
                      mask=(rows[:, None] < end) & (cols[None, :] < N))
 
