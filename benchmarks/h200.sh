@@ -78,7 +78,10 @@ case $part in
     # 512-sequence rollout and the 8x8 step over an FP8 KV cache; "rows" exact decode attention at 16 and 32 rows a
     # program, its bits against the training forward's; "hybrid" the 64-sequence rollout and the 8x8 step at the
     # Qwen3.5-2B shape, whose Gated DeltaNet layers run token by token in exact mode; "layers" the hybrids' exact
-    # gap bisected by layer kind and by engine feature, benchmarks/exact_hybrid_layers.py)
+    # gap bisected by layer kind and by engine feature, benchmarks/exact_hybrid_layers.py). A 2-step run first, not
+    # reported: on a fresh machine the first step run's last step took 0.24 s more (docs/benchmarks.md "48ce5f9"),
+    # which would flatter exact mode, whose runs come second.
+    log exact-warmup rlcu bench step --prompts 8 --generations 8 --new_tokens 512 --steps 2
     for w in ${EXACT:-rollout step}; do
       for mode in default exact; do
         e=; [ $mode = exact ] && e=--exact_logprobs
