@@ -23,7 +23,7 @@ so each shape is checked before it is trusted (`VendorCheck`): its output at one
 against the kernel's, once a shape.
 
 The backward is cuBLAS: gradients need not be bitwise anything; so is a checkpointed layer's recompute, unchecked
-(`rlcu.kernels.recompute`: its values only feed the backward). Autocast is followed by hand (inputs cast to
+(`rlcu.kernels._recompute`: its values only feed the backward). Autocast is followed by hand (inputs cast to
 the autocast dtype as `F.linear` under autocast would), since a Triton launch is invisible to it."""
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from rlcu.kernels._recompute import recomputing
 from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
-from rlcu.kernels.recompute import recomputing
 
 BLOCK_M, BLOCK_K = 64, 64  # the tile of the shipped configuration before tiles followed M
 BLOCK_R = 16  # a LoRA update's rank per step: tl.dot's smallest K, whatever the tile
@@ -312,7 +312,7 @@ class _InvariantLinear(torch.autograd.Function):
         low_rank = None if h2d is None else LowRank(h2d, l_, scale, rows, firsts)
         ctx.save_for_backward(x2d, weight, h2d, l_, rows, firsts)
         ctx.has_bias, ctx.scale = bias is not None, scale
-        if recomputing():  # values only the backward reads (rlcu.kernels.recompute): the vendor's GEMM, unchecked
+        if recomputing():  # values only the backward reads (rlcu.kernels._recompute): the vendor's GEMM, unchecked
             y = vendor_linear(x2d, weight, bias)
             return y if low_rank is None else add_low_rank(y, low_rank)
         return invariant_gemm(x2d, weight, bias, low_rank, vendor)

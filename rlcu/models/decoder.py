@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from rlcu.contracts import Numerics
+from rlcu.kernels._recompute import recompute_contexts
 from rlcu.kernels._triton import next_pow2
 from rlcu.kernels.kv_cache import FP8
-from rlcu.kernels.recompute import recompute_contexts
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope import rope as apply_rope
 from rlcu.kernels.silu_mul import gated_mul

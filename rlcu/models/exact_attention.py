@@ -11,14 +11,14 @@ decode step than running them as modules.
 
 The backward recomputes the attention with PyTorch (the norms, then `PackedAttention`: RoPE, then
 variable-length flash attention or SDPA) and differentiates that: gradients need the math, not the bits. For the
-same reason a checkpointed layer's recompute (`rlcu.kernels.recompute`) computes its output that way too, without
+same reason a checkpointed layer's recompute (`rlcu.kernels._recompute`) computes its output that way too, without
 the paged buffer: only the backward reads it."""
 from __future__ import annotations
 
 import torch
 
+from rlcu.kernels._recompute import recomputing
 from rlcu.kernels.prefill_attention import BLOCK_M, paged_attention, query_tiles
-from rlcu.kernels.recompute import recomputing
 from rlcu.kernels.rmsnorm import rms_norm
 from rlcu.kernels.rope_store_kv import rope_store_kv
 from rlcu.models.attention import PackedAttention, Stateless, qk_norm_operands

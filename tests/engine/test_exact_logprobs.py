@@ -156,7 +156,7 @@ def counted(calls: dict, name: str, real):
 def test_checkpointed_layers_recompute_with_the_fast_kernels(tmp_path, monkeypatch, family):
     """Under gradient checkpointing the first forward is exact (the logprobs bit for bit those without it), and
     the recompute, whose values only the backward reads, runs PyTorch's attention and the vendor's GEMM
-    (rlcu.kernels.recompute): no paged attention and no batch-invariant GEMM past the LM head's in the backward,
+    (rlcu.kernels._recompute): no paged attention and no batch-invariant GEMM past the LM head's in the backward,
     and the gradients those without checkpointing. An MoE layer recomputes exactly as it ran, since its routing
     (the shapes of its saved tensors) could otherwise differ from the first forward's."""
     import rlcu.models.exact_attention as exact_attention
