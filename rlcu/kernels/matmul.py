@@ -149,7 +149,6 @@ if HAS_TRITON:
                              BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
         tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
-
     @triton.jit
     def _grouped_linear_kernel(X, W, ENDS, TILE_ENDS, Y, N, K, G, stride_xm, stride_wg, stride_wn, stride_ym,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

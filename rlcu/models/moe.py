@@ -40,7 +40,7 @@ def grouped(x: torch.Tensor, batch_invariant: bool = False) -> bool:
         return use_triton(x)
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    return not batch_invariant and grouped_mm_supported(x.device, dtype)
+    return grouped_mm_supported(x.device, dtype)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int],
