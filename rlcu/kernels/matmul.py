@@ -363,16 +363,18 @@ def grouped_tile(m: int, groups: int, element_size: int = 2) -> tuple[int, int, 
     return (128, 128, 64, 8, 3) if m >= 128 * groups and element_size <= 2 else (64, 64, 64, 4, 3)
 
 
-def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                          tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] sorted by group, weight [G, N, K], counts [G] (on x's device) -> [M, N], x_g @ weight_g.T for each
     group in one launch: the counts are read on the device (CUDA-graph safe), and each row's sums are those of
-    `linear_triton` on that row alone (module docstring)."""
+    `linear_triton` on that row alone (module docstring). `tile`: `grouped_tile`'s choice by default
+    (benchmarks/grouped_gemm.py times others)."""
     m, k = x.shape
     g, n, _ = weight.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = grouped_tile(m, g, x.element_size())
+    bm, bn, bk, warps, stages = tile or grouped_tile(m, g, x.element_size())
     if m and g:
         counts = counts.to(torch.int32)
         ends = counts.cumsum(0, dtype=torch.int32)
