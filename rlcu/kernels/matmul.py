@@ -363,7 +363,28 @@ def grouped_tile(m: int, groups: int, element_size: int = 2) -> tuple[int, int, 
     return (128, 128, 64, 8, 3) if m >= 128 * groups and element_size <= 2 else (64, 64, 64, 4, 3)
 
 
-def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+class GroupRows:
+    """Rows sorted by group: `counts` [G] on the device, and what a grouped launch derives from them (the cumulative
+    ends, each tile height's cumulative row tiles), made once for every launch over the same rows: an MoE layer's
+    two projections and their adapters' four."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.counts = counts
+        self._ends: torch.Tensor | None = None
+        self._tile_ends: dict[int, torch.Tensor] = {}
+
+    def ends(self) -> torch.Tensor:
+        if self._ends is None:
+            self._ends = self.counts.cumsum(0, dtype=torch.int32)
+        return self._ends
+
+    def tile_ends(self, block_m: int) -> torch.Tensor:
+        if block_m not in self._tile_ends:
+            self._tile_ends[block_m] = ((self.counts + block_m - 1) // block_m).cumsum(0, dtype=torch.int32)
+        return self._tile_ends[block_m]
+
+
+def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | GroupRows,
                           tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] sorted by group, weight [G, N, K], counts [G] (on x's device) -> [M, N], x_g @ weight_g.T for each
     group in one launch: the counts are read on the device (CUDA-graph safe), and each row's sums are those of
@@ -376,17 +397,16 @@ def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.T
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps, stages = tile or grouped_tile(m, g, x.element_size())
     if m and g:
-        counts = counts.to(torch.int32)
-        ends = counts.cumsum(0, dtype=torch.int32)
-        tile_ends = ((counts + bm - 1) // bm).cumsum(0, dtype=torch.int32)
+        groups = counts if isinstance(counts, GroupRows) else GroupRows(counts)
         _grouped_linear_kernel[(triton.cdiv(m, bm) + g, triton.cdiv(n, bn))](
-            x, weight, ends, tile_ends, y, n, k, g, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
+            x, weight, groups.ends(), groups.tile_ends(bm), y, n, k, g, x.stride(0), weight.stride(0),
+            weight.stride(1), y.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_G=triton.next_power_of_2(g), PRECISION=_precision(x),
             num_warps=warps, num_stages=stages)
     return y
 
 
-def invariant_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def invariant_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | GroupRows) -> torch.Tensor:
     """`grouped_linear_triton` with autocast followed by hand, differentiable (the backward group by group: gradients
     need not be bitwise anything). Needs the Triton kernel, as `invariant_linear` does."""
     if not use_triton(x):
@@ -395,14 +415,15 @@ def invariant_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torc
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
     with torch.autocast(kind, enabled=False):
-        return _InvariantGroupedLinear.apply(x.to(dtype), weight.to(dtype), counts)
+        groups = counts if isinstance(counts, GroupRows) else GroupRows(counts)
+        return _InvariantGroupedLinear.apply(x.to(dtype), weight.to(dtype), groups.counts, groups)
 
 
 class _InvariantGroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts):
+    def forward(ctx, x, weight, counts, groups):
         ctx.save_for_backward(x, weight, counts)
-        return grouped_linear_triton(x, weight, counts)
+        return grouped_linear_triton(x, weight, groups)
 
     @staticmethod
     def backward(ctx, grad):
@@ -419,4 +440,4 @@ class _InvariantGroupedLinear(torch.autograd.Function):
                 if need[1]:
                     grad_w[g] = grad[rows].t() @ x[rows]
             start += n
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlcu.kernels._triton import use_triton
-from rlcu.kernels.matmul import invariant_grouped_linear, invariant_linear
+from rlcu.kernels.matmul import GroupRows, invariant_grouped_linear, invariant_linear
 from rlcu.kernels.silu_mul import clamped_swiglu, gated_mul
 
 
@@ -43,19 +43,22 @@ def grouped(x: torch.Tensor, batch_invariant: bool = False) -> bool:
     return grouped_mm_supported(x.device, dtype)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | list[int],
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: GroupRows | torch.Tensor | list[int],
                    batch_invariant: bool = False) -> torch.Tensor:
     """x [M, K] sorted by group, weight [G, N, K], counts [G] rows of each group -> [M, N] (x_g @ weight_g.T).
-    The grouped form reads the counts on the device; the loop form needs them on the host (a list: read once by
-    the caller for both of a layer's projections, or a tensor, read here)."""
-    if isinstance(counts, torch.Tensor) and grouped(x, batch_invariant):
+    The grouped form reads the counts on the device (`GroupRows`: what it derives from them made once for a
+    layer's launches); the loop form needs them on the host (a list: read once by the caller for both of a
+    layer's projections, or a tensor, read here)."""
+    if isinstance(counts, torch.Tensor | GroupRows) and grouped(x, batch_invariant):
+        groups = counts if isinstance(counts, GroupRows) else GroupRows(counts)
         if batch_invariant:
-            return invariant_grouped_linear(x, weight, counts)
+            return invariant_grouped_linear(x, weight, groups)
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        ends = counts.cumsum(0).to(torch.int32)
         with torch.autocast(kind, enabled=False):  # cast by hand, as autocast would F.linear's inputs
-            return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=ends)
+            return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=groups.ends())
+    if isinstance(counts, GroupRows):
+        counts = counts.counts
     out, start = [], 0
     for g, n in enumerate(counts if isinstance(counts, list) else counts.tolist()):
         if n:
@@ -108,8 +111,8 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs by expert, tokens ascending within one
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(
             0, flat, torch.ones_like(flat))
-        if not grouped(x, batch_invariant):
-            counts = counts.tolist()  # one host read for both projections
+        # one host read for both projections, or the grouped launches' offsets made once for them
+        counts = GroupRows(counts) if grouped(x, batch_invariant) else counts.tolist()
         rows = x[order // k]
         gate_up = self._project("gate_up_proj", rows, counts, batch_invariant)
         if self.bias:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from rlcu.kernels import _triton
 from rlcu.kernels.matmul import (
+    GroupRows,
     LowRank,
     add_low_rank,
     grouped_linear_triton,
@@ -361,3 +362,15 @@ def test_grouped_gradients_against_float64(monkeypatch):
     want_grads = torch.autograd.grad(want, leaves64, grad.double())
     for a, b in zip(got_grads, want_grads):
         assert torch.allclose(a.double(), b, atol=1e-5, rtol=1e-5), (a.double() - b).abs().max()
+
+
+@pytest.mark.usefixtures("fixed_order_dot")
+def test_group_rows_make_the_offsets_once_for_every_launch_over_the_same_rows():
+    """An MoE layer's launches share one `GroupRows`: the same output as from the counts, its offsets made once."""
+    counts = [7, 0, 12]
+    x, w, c = grouped_inputs(counts, 40, 24, DTYPES[0], seed=15)
+    groups = GroupRows(c)
+    assert torch.equal(grouped_linear_triton(x, w, groups), grouped_linear_triton(x, w, c))
+    ends, tiles = groups.ends(), groups.tile_ends(64)
+    grouped_linear_triton(x, w[:, :8].contiguous(), groups)
+    assert groups.ends() is ends and groups.tile_ends(64) is tiles and ends.tolist() == [7, 7, 19]
