@@ -368,9 +368,9 @@ class GroupRows:
     ends, each tile height's cumulative row tiles), made once for every launch over the same rows: an MoE layer's
     two projections and their adapters' four."""
 
-    def __init__(self, counts: torch.Tensor):
+    def __init__(self, counts: torch.Tensor, ends: torch.Tensor | None = None):
         self.counts = counts
-        self._ends: torch.Tensor | None = None
+        self._ends = ends  # int32, where the caller has them already (the MoE dispatch kernel writes them)
         self._tile_ends: dict[int, torch.Tensor] = {}
 
     def ends(self) -> torch.Tensor:

@@ -7,8 +7,9 @@ Experts are stored stacked, as transformers 5 holds them in memory (`experts.gat
 `join_expert_parts` and `split_expert_parts` convert at the folder's boundary, as `fused_linear.py` does for q/k/v.
 
 Dispatch sorts the tokens' (token, slot) pairs by expert, so that each expert's rows are contiguous, and runs
-both projections as one grouped GEMM (`grouped_linear`). The weighted sum over a token's k experts is taken in
-a fixed order (slot 0 first), so a token's output does not depend on the other tokens of its batch once each
+both projections as one grouped GEMM (`grouped_linear`); `rlcu/kernels/moe_dispatch.py` sorts a decode step's
+pairs and combines its rows in one launch each. The weighted sum over a token's k experts is taken in a fixed order
+(slot 0 first), so a token's output does not depend on the other tokens of its batch once each
 expert's GEMM does not either (`Numerics.EXACT`: the batch-invariant grouped kernel, one launch for every expert
 with the counts read on the device, so exact decode steps are CUDA graphs too). The sampler and the
 trainer run this same module, so their routing is the same computation: there is nothing to replay."""
@@ -22,6 +23,7 @@ from torch import nn
 
 from rlcu.kernels._triton import use_triton
 from rlcu.kernels.matmul import GroupRows, invariant_grouped_linear, invariant_linear
+from rlcu.kernels.moe_dispatch import combine, dispatch, route, route_reference
 from rlcu.kernels.silu_mul import clamped_swiglu, gated_mul
 
 
@@ -71,16 +73,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: GroupRows | to
     return torch.cat(out) if out else x.new_zeros(0, weight.shape[1])
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, experts [T, k]): softmax in fp32, the k
-    largest, renormalised to sum to 1 when `normalize` (Qwen3-MoE's norm_topk_prob)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), experts
-
-
 class Experts(nn.Module):
     """`bias`: each projection adds its expert's bias (gpt-oss: `gate_up_proj_bias` [E, 2I], `down_proj_bias`
     [E, H]). `activation`: "silu" or "gelu_tanh" (the fused kernel), or "clamped_swiglu" with `swiglu` =
@@ -106,26 +98,18 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 batch_invariant: bool = False) -> torch.Tensor:
         """x [T, H], experts and weights [T, k] -> [T, H]."""
-        t, k = experts.shape
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs by expert, tokens ascending within one
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(
-            0, flat, torch.ones_like(flat))
+        d = dispatch(experts, self.num_experts)
         # one host read for both projections, or the grouped launches' offsets made once for them
-        counts = GroupRows(counts) if grouped(x, batch_invariant) else counts.tolist()
-        rows = x[order // k]
+        counts = GroupRows(d.counts, d.ends) if grouped(x, batch_invariant) else d.counts.tolist()
+        rows = x[d.tokens]
         gate_up = self._project("gate_up_proj", rows, counts, batch_invariant)
         if self.bias:
-            by_row = flat[order]  # each sorted row's expert
+            by_row = experts.reshape(-1)[d.order]  # each sorted row's expert
             gate_up = gate_up + self.gate_up_proj_bias[by_row].to(gate_up.dtype)
         y = self._project("down_proj", self.act(gate_up), counts, batch_invariant)
         if self.bias:
             y = y + self.down_proj_bias[by_row].to(y.dtype)
-        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)
-        out = per_slot[:, 0] * weights[:, :1]
-        for j in range(1, k):  # a fixed order of the k terms (a batch-invariant sum)
-            out = out + per_slot[:, j] * weights[:, j:j + 1]
-        return out
+        return combine(y, d.positions, weights)
 
     def _project(self, name: str, rows: torch.Tensor, counts, batch_invariant: bool) -> torch.Tensor:
         y = grouped_linear(rows, getattr(self, name), counts, batch_invariant)
@@ -163,7 +147,8 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = invariant_linear(flat, self.gate.weight, self.gate.bias) if batch_invariant else self.gate(flat)
-        weights, experts = route(logits, self.top_k, self.normalize)
+        # exact mode routes as the trainer does on both sides; the default's sampler takes the one-launch kernel
+        weights, experts = (route_reference if batch_invariant else route)(logits, self.top_k, self.normalize)
         if self.keep_router_logits and torch.is_grad_enabled():
             self.router_logits, self.router_experts = logits, experts
         if record is not None:

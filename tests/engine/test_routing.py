@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlcu.engine.llm_engine import EngineConfig, LLMEngine
+from rlcu.kernels.moe_dispatch import route_reference as route
 from rlcu.models import load_model
-from rlcu.models.moe import SparseMoE, route
+from rlcu.models.moe import SparseMoE
 from rlcu.rollout import SamplingParams
 from tests.helpers import EOS, PROMPTS, tiny_hf_folder
 

@@ -5,8 +5,9 @@ import torch
 import transformers
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
+from rlcu.kernels.moe_dispatch import route_reference as route
 from rlcu.models import load_model
-from rlcu.models.moe import Experts, grouped_linear, load_balancing_loss, route
+from rlcu.models.moe import Experts, grouped_linear, load_balancing_loss
 from tests.helpers import tiny_hf_folder
 
 
@@ -27,7 +28,12 @@ def test_grouped_linear_equals_a_loop_over_experts_and_float64(counts):
     assert torch.allclose(got.double(), per_expert(x, w, groups), atol=1e-5)
 
 
-def test_experts_equal_transformers_experts_and_float64():
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "sampler-kernels"])
+def test_experts_equal_transformers_experts_and_float64(monkeypatch, kernels):
+    """`kernels`: a forward that records no gradient with Triton (the sampler's): the dispatch and combine kernels
+    and the grouped kernel, where the trainer's takes torch's ops."""
+    if kernels:
+        monkeypatch.setenv("RLCU_TRITON", "1")
     cfg = transformers.Qwen3MoeConfig(hidden_size=40, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2)
     torch.manual_seed(0)
     theirs = hf_moe.Qwen3MoeExperts(cfg)
@@ -39,7 +45,8 @@ def test_experts_equal_transformers_experts_and_float64():
     experts = torch.tensor([[e % 6, (e + 2) % 6] for e in range(11)])
     experts[:4] = torch.tensor([5, 0])  # expert 5 crowded, 0 too; none is empty by chance
     weights = torch.rand(11, 2)
-    got = ours(x, experts, weights)
+    with torch.set_grad_enabled(not kernels):
+        got = ours(x, experts, weights)
     assert (got - theirs(x, experts, weights)).abs().max() < 1e-5
     x64 = x.double()
     want = torch.zeros(11, 40, dtype=torch.float64)
@@ -98,9 +105,12 @@ def test_moe_config_is_read_and_checked(tmp_path):
         ModelConfig.from_hf(bad)
 
 
-def test_gpt_oss_experts_equal_transformers_and_float64():
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "sampler-kernels"])
+def test_gpt_oss_experts_equal_transformers_and_float64(monkeypatch, kernels):
     """Biases, the clamped SwiGLU (a limit that clamps here) and the checkpoint's interleaved, transposed layout
-    (converted by the family's weight map) against transformers' GptOssExperts."""
+    (converted by the family's weight map) against transformers' GptOssExperts; `kernels` as for Qwen3-MoE."""
+    if kernels:
+        monkeypatch.setenv("RLCU_TRITON", "1")
     from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss
 
     from rlcu.models.families.gpt_oss import _load
@@ -118,7 +128,8 @@ def test_gpt_oss_experts_equal_transformers_and_float64():
     experts = torch.tensor([[e % 6, (e + 2) % 6] for e in range(11)])
     experts[:4] = torch.tensor([5, 0])
     weights = torch.rand(11, 2)
-    got = ours(x, experts, weights)
+    with torch.set_grad_enabled(not kernels):
+        got = ours(x, experts, weights)
     assert (got - theirs(x, experts, weights)).abs().max() < 1e-5
     x64, want, clamped = x.double(), torch.zeros(11, 40, dtype=torch.float64), 0
     for t in range(11):
