@@ -13,6 +13,7 @@ from rlcu.kernels.moe_dispatch import (
     route,
     route_reference,
 )
+from tests.helpers import KERNEL_DEVICE as DEVICE
 
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="triton is not installed")
 
@@ -22,7 +23,7 @@ def picks(tokens: int, experts: int, k: int, seed: int, skew: bool = False) -> t
     logits = torch.rand(tokens, experts, generator=g)
     if skew:  # most tokens pick the same few experts: long runs of one expert, and experts with no rows
         logits[:, :3] += 2
-    return logits.topk(k, dim=-1).indices
+    return logits.topk(k, dim=-1).indices.to(DEVICE)
 
 
 @pytest.mark.parametrize("tokens,experts,k", [(1, 4, 2), (7, 5, 3), (64, 128, 8), (33, 32, 4), (300, 60, 8),
@@ -52,22 +53,22 @@ def test_combine_gives_the_unfused_ops_bits(monkeypatch, dtype, weight_dtype, to
     g = torch.Generator().manual_seed(tokens * k)
     e = picks(tokens, 2 * k + 1, k, 7)
     d = dispatch_reference(e, 2 * k + 1)
-    y = (4 * torch.randn(tokens * k, hidden, generator=g)).to(dtype)
-    w = torch.rand(tokens, k, generator=g).softmax(-1).to(weight_dtype)
+    y = (4 * torch.randn(tokens * k, hidden, generator=g)).to(DEVICE, dtype)
+    w = torch.rand(tokens, k, generator=g).softmax(-1).to(DEVICE, weight_dtype)
     got, ref = combine(y, d.positions, w), combine_reference(y, d.positions, w)
     assert got.dtype == ref.dtype == torch.promote_types(dtype, weight_dtype)
     assert torch.equal(got, ref)
     slots = y.double()[d.positions].view(tokens, k, hidden)
-    exact = (slots * w.double()[..., None]).sum(1)
-    assert torch.allclose(got.double(), exact, rtol=2e-2 if dtype == torch.float16 else 1e-5, atol=1e-2)
+    exact = (slots * w.double()[..., None]).sum(1).cpu()
+    assert torch.allclose(got.double().cpu(), exact, rtol=2e-2 if dtype == torch.float16 else 1e-5, atol=1e-2)
 
 
 def test_combine_with_a_gradient_takes_the_differentiable_path(monkeypatch):
     monkeypatch.setenv("RLCU_TRITON", "1")
     e = picks(6, 5, 2, 1)
     d = dispatch_reference(e, 5)
-    y = torch.randn(12, 16, requires_grad=True)
-    w = torch.rand(6, 2, requires_grad=True)
+    y = torch.randn(12, 16, device=DEVICE, requires_grad=True)
+    w = torch.rand(6, 2, device=DEVICE, requires_grad=True)
     combine(y, d.positions, w).sum().backward()
     assert y.grad is not None and w.grad is not None
 
@@ -78,7 +79,7 @@ def test_combine_with_a_gradient_takes_the_differentiable_path(monkeypatch):
 def test_route_picks_the_references_experts(monkeypatch, dtype, tokens, experts, k, normalize):
     monkeypatch.setenv("RLCU_TRITON", "1")
     g = torch.Generator().manual_seed(tokens + k)
-    logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
+    logits = (3 * torch.randn(tokens, experts, generator=g)).to(DEVICE, dtype)
     (w, e), (rw, re) = route(logits, k, normalize), route_reference(logits, k, normalize)
     assert e.dtype == re.dtype == torch.int64 and w.dtype == rw.dtype == dtype
     # the same logits picked in the same (descending) order; among equal logits (fp16 has ties) any of them
@@ -91,8 +92,8 @@ def test_route_picks_the_references_experts(monkeypatch, dtype, tokens, experts,
 
 def test_route_with_a_gradient_or_many_experts_takes_the_reference(monkeypatch):
     monkeypatch.setenv("RLCU_TRITON", "1")
-    logits = torch.randn(5, 8, requires_grad=True)
+    logits = torch.randn(5, 8, device=DEVICE, requires_grad=True)
     route(logits, 2, True)[0].sum().backward()
     assert logits.grad is not None
-    big = torch.randn(3, 300)
+    big = torch.randn(3, 300, device=DEVICE)
     assert torch.equal(route(big, 4, False)[1], route_reference(big, 4, False)[1])
