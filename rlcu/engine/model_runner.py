@@ -22,7 +22,6 @@ from rlcu.kernels.shared_prefix_decode import prefix_groups, prefix_plan
 from rlcu.kernels.token_logprob import token_logprob
 from rlcu.models.attention import fuses_qk_norm
 from rlcu.models.decoder import CausalLM
-from rlcu.models.moe import grouped_mm_supported
 
 # Below this many sequences a decode step's KV reads are too few for shared-prefix decode to pay for its
 # extra kernel (measured in docs/engine.md)
@@ -61,11 +60,9 @@ class ModelRunner:
                               and not self.exact and not cfg.windowed)
         self.shared_prefix_min_seqs = SHARED_PREFIX_MIN_SEQS if shared_prefix is None else 1
         self.fuse_qk_norm = fuses_qk_norm(cfg, self.k_cache)  # exact mode's training attention fuses them alike
-        # experts outside a grouped launch (torch's grouped GEMM; exact mode's batch-invariant grouped kernel) read
-        # their token counts on the host, which a graph cannot replay
-        graph_safe = not cfg.is_moe or self.exact or grouped_mm_supported(self.device, model.compute_dtype())
-        if (cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size)
-                and graph_safe):
+        # experts decode in one grouped launch that reads their token counts on the device wherever Triton runs
+        # (`rlcu/models/moe.py`, `grouped`), so a graph replays them
+        if cuda_graphs and self.device.type == "cuda" and triton and triton_supports(cfg.head_dim, block_size):
             max_blocks = min(num_blocks, blocks_for(cfg.max_position_embeddings, block_size))
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
 

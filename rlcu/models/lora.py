@@ -29,7 +29,7 @@ from torch import nn
 
 from rlcu.kernels.matmul import LowRank, invariant_linear
 from rlcu.models.fused_linear import FusedLinear
-from rlcu.models.moe import Experts, grouped, grouped_linear
+from rlcu.models.moe import Experts, grouped_linear, vendor_grouped
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # Experts' stacked projections, PEFT's target_parameters
@@ -211,7 +211,7 @@ class ExpertAdapter(Switch, nn.Module):
     def add_to(self, y: torch.Tensor, rows: torch.Tensor, counts, batch_invariant: bool = False) -> torch.Tensor:
         """y [M, out] + the update of `rows` [M, in], sorted by expert (`counts` rows each), as `grouped_linear`."""
         a, b = self.lora_A, self.lora_B
-        if not batch_invariant and grouped(rows) and self.r % 8:
+        if not isinstance(counts, list) and vendor_grouped(rows, a.shape[0], batch_invariant) and self.r % 8:
             # torch's grouped GEMM takes rows of whole 16-byte units: zero rank rows and columns change nothing
             pad = 8 - self.r % 8
             a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))

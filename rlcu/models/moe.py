@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlcu.kernels._triton import use_triton
-from rlcu.kernels.matmul import GroupRows, invariant_grouped_linear, invariant_linear
+from rlcu.kernels.matmul import GroupRows, grouped_linear_triton, invariant_grouped_linear, invariant_linear
 from rlcu.kernels.moe_dispatch import combine, dispatch, route, route_reference
 from rlcu.kernels.silu_mul import clamped_swiglu, gated_mul
+
+TRITON_ROWS = 16  # rows an expert on average below which a no-grad forward takes the Triton grouped kernel
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -36,13 +38,25 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def grouped(x: torch.Tensor, batch_invariant: bool = False) -> bool:
     """Whether `grouped_linear` runs every group in one launch that reads the counts on the device: the
-    batch-invariant grouped kernel in exact mode (wherever it runs), else torch's grouped GEMM for x (in the dtype
-    autocast gives it)."""
-    if batch_invariant:
-        return use_triton(x)
+    batch-invariant grouped kernel in exact mode and in forwards that record no gradient (wherever Triton runs),
+    else torch's grouped GEMM for x (in the dtype autocast gives it)."""
+    if batch_invariant or not torch.is_grad_enabled():
+        return use_triton(x) or grouped_mm_supported(x.device, _compute_dtype(x))
+    return grouped_mm_supported(x.device, _compute_dtype(x))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    return grouped_mm_supported(x.device, dtype)
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def vendor_grouped(x: torch.Tensor, groups: int, batch_invariant: bool = False) -> bool:
+    """Whether a grouped launch of x's rows over `groups` groups takes torch's grouped GEMM (else the Triton
+    kernel): in the default mode, where it runs, unless the forward records no gradient and the groups average
+    fewer than `TRITON_ROWS` rows (a decode step's), where the kernel reads the experts' weights faster."""
+    if batch_invariant or not grouped_mm_supported(x.device, _compute_dtype(x)):
+        return False
+    return torch.is_grad_enabled() or not use_triton(x) or x.shape[0] >= TRITON_ROWS * groups
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: GroupRows | torch.Tensor | list[int],
@@ -55,10 +69,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: GroupRows | to
         groups = counts if isinstance(counts, GroupRows) else GroupRows(counts)
         if batch_invariant:
             return invariant_grouped_linear(x, weight, groups)
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        with torch.autocast(kind, enabled=False):  # cast by hand, as autocast would F.linear's inputs
-            return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=groups.ends())
+        dtype, vendor = _compute_dtype(x), vendor_grouped(x, weight.shape[0])  # both read autocast's state
+        with torch.autocast(x.device.type, enabled=False):  # cast by hand, as autocast would F.linear's inputs
+            if vendor:
+                return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=groups.ends())
+            return grouped_linear_triton(x.to(dtype), weight.to(dtype), groups)  # no gradient: `grouped`'s rule
     if isinstance(counts, GroupRows):
         counts = counts.counts
     out, start = [], 0

@@ -229,3 +229,34 @@ def test_an_mxfp4_gpt_oss_folder_loads_as_transformers_dequantises_it(tmp_path):
     with torch.no_grad():
         again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         assert (ours.logits(ids) - again(input_ids=ids).logits).abs().max() < 1e-5
+
+
+def test_forwards_with_gradients_take_torchs_grouped_gemm_and_the_samplers_the_kernel(monkeypatch):
+    """Under autocast (fp32 parameters, bf16 compute: Lightning's bf16-mixed) a training forward takes torch's
+    grouped GEMM, which is differentiable, for both projections, so both get gradients; a forward that records no
+    gradient with a decode step's few rows an expert takes the Triton kernel, and one of many rows torch's. The CPU
+    runs torch's grouped GEMM here, as a Hopper GPU does."""
+    import rlcu.models.moe as moe
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no grouped GEMM")
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype: dtype == torch.bfloat16)
+    taken = []
+    kernel = moe.grouped_linear_triton
+    monkeypatch.setattr(moe, "grouped_linear_triton", lambda *a, **k: taken.append("kernel") or kernel(*a, **k))
+    torch.manual_seed(0)
+    experts = Experts(4, 32, 16, "silu")
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(experts.down_proj, std=0.2)
+    x, picks, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        experts(x, picks, w).float().sum().backward()
+        assert not taken
+        with torch.no_grad():
+            experts(x, picks, w)
+            assert taken == ["kernel", "kernel"]
+            many = torch.randint(0, 4, (40, 2))
+            experts(torch.randn(40, 32), many, torch.rand(40, 2))  # 20 rows an expert
+            assert taken == ["kernel", "kernel"]
+    assert experts.gate_up_proj.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
