@@ -14,9 +14,8 @@ batches (a training forward) take the reference.
 
 Combine: each token's output, the sum of its k experts' rows weighted by the router, taken in slot order and
 rounded where PyTorch's unfused ops round (each product, then each partial sum, in the promoted dtype): the kernel
-gives the reference's bits, in one launch where the reference takes 2k, so the sampler's no-grad forwards take it
-while the trainer's differentiable forward takes the reference (exact mode needs the two equal: a GPU test checks
-it)."""
+gives the reference's bits, in one launch where the reference takes 2k, so forwards that record no gradient take it
+while differentiable ones take the reference (exact mode needs the two equal: a GPU test checks it)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -159,8 +158,9 @@ def dispatch(experts: torch.Tensor, groups: int) -> Dispatch:
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route_reference`'s picks, in one launch where no gradient is recorded through them and the router has at
-    most 256 experts (the sampler's forwards in the default mode: the caller decides); the reference otherwise."""
+    """`route_reference`'s picks in one launch, rounded as a fused softmax rounds, where no gradient is recorded
+    through them and the router has at most 256 experts; the reference otherwise. Which forwards may take it is the
+    caller's choice (`SparseMoE`: the engine's, in the default mode)."""
     t, e = logits.shape
     if (torch.is_grad_enabled() and logits.requires_grad) or not use_triton(logits) or e > 256 or not t \
             or logits.stride(-1) != 1:

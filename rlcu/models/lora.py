@@ -208,15 +208,16 @@ class ExpertAdapter(Switch, nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(e, out, spec.r, **kw))
         nn.init.kaiming_uniform_(self.lora_A.view(e * spec.r, inp), a=math.sqrt(5))
 
-    def add_to(self, y: torch.Tensor, rows: torch.Tensor, counts, batch_invariant: bool = False) -> torch.Tensor:
+    def add_to(self, y: torch.Tensor, rows: torch.Tensor, counts, batch_invariant: bool = False,
+               sampler: bool = False) -> torch.Tensor:
         """y [M, out] + the update of `rows` [M, in], sorted by expert (`counts` rows each), as `grouped_linear`."""
         a, b = self.lora_A, self.lora_B
-        if not isinstance(counts, list) and vendor_grouped(rows, a.shape[0], batch_invariant) and self.r % 8:
+        if not isinstance(counts, list) and vendor_grouped(rows, a.shape[0], batch_invariant, sampler) and self.r % 8:
             # torch's grouped GEMM takes rows of whole 16-byte units: zero rank rows and columns change nothing
             pad = 8 - self.r % 8
             a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-        h = grouped_linear(rows, a, counts, batch_invariant)
-        return y + grouped_linear(h, b, counts, batch_invariant) * self.scaling
+        h = grouped_linear(rows, a, counts, batch_invariant, sampler)
+        return y + grouped_linear(h, b, counts, batch_invariant, sampler) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         return torch.bmm(self.lora_B, self.lora_A) * self.scaling

@@ -36,11 +36,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def grouped(x: torch.Tensor, batch_invariant: bool = False) -> bool:
+def grouped(x: torch.Tensor, batch_invariant: bool = False, sampler: bool = False) -> bool:
     """Whether `grouped_linear` runs every group in one launch that reads the counts on the device: the
-    batch-invariant grouped kernel in exact mode and in forwards that record no gradient (wherever Triton runs),
-    else torch's grouped GEMM for x (in the dtype autocast gives it)."""
-    if batch_invariant or not torch.is_grad_enabled():
+    batch-invariant grouped kernel in exact mode and in the sampler's forwards (wherever Triton runs), else torch's
+    grouped GEMM for x (in the dtype autocast gives it)."""
+    if batch_invariant or sampler:
         return use_triton(x) or grouped_mm_supported(x.device, _compute_dtype(x))
     return grouped_mm_supported(x.device, _compute_dtype(x))
 
@@ -50,30 +50,30 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
-def vendor_grouped(x: torch.Tensor, groups: int, batch_invariant: bool = False) -> bool:
+def vendor_grouped(x: torch.Tensor, groups: int, batch_invariant: bool = False, sampler: bool = False) -> bool:
     """Whether a grouped launch of x's rows over `groups` groups takes torch's grouped GEMM (else the Triton
-    kernel): in the default mode, where it runs, unless the forward records no gradient and the groups average
-    fewer than `TRITON_ROWS` rows (a decode step's), where the kernel reads the experts' weights faster."""
+    kernel): in the default mode, where it runs, unless the forward is the sampler's and the groups average fewer
+    than `TRITON_ROWS` rows (a decode step's), where the kernel reads the experts' weights faster."""
     if batch_invariant or not grouped_mm_supported(x.device, _compute_dtype(x)):
         return False
-    return torch.is_grad_enabled() or not use_triton(x) or x.shape[0] >= TRITON_ROWS * groups
+    return not sampler or not use_triton(x) or x.shape[0] >= TRITON_ROWS * groups
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: GroupRows | torch.Tensor | list[int],
-                   batch_invariant: bool = False) -> torch.Tensor:
+                   batch_invariant: bool = False, sampler: bool = False) -> torch.Tensor:
     """x [M, K] sorted by group, weight [G, N, K], counts [G] rows of each group -> [M, N] (x_g @ weight_g.T).
     The grouped form reads the counts on the device (`GroupRows`: what it derives from them made once for a
     layer's launches); the loop form needs them on the host (a list: read once by the caller for both of a
     layer's projections, or a tensor, read here)."""
-    if isinstance(counts, torch.Tensor | GroupRows) and grouped(x, batch_invariant):
+    if isinstance(counts, torch.Tensor | GroupRows) and grouped(x, batch_invariant, sampler):
         groups = counts if isinstance(counts, GroupRows) else GroupRows(counts)
         if batch_invariant:
             return invariant_grouped_linear(x, weight, groups)
-        dtype, vendor = _compute_dtype(x), vendor_grouped(x, weight.shape[0])  # both read autocast's state
+        dtype, vendor = _compute_dtype(x), vendor_grouped(x, weight.shape[0], sampler=sampler)  # autocast's state
         with torch.autocast(x.device.type, enabled=False):  # cast by hand, as autocast would F.linear's inputs
             if vendor:
                 return torch._grouped_mm(x.to(dtype), weight.to(dtype).transpose(-2, -1), offs=groups.ends())
-            return grouped_linear_triton(x.to(dtype), weight.to(dtype), groups)  # no gradient: `grouped`'s rule
+            return grouped_linear_triton(x.to(dtype), weight.to(dtype), groups)  # the sampler's: no gradient
     if isinstance(counts, GroupRows):
         counts = counts.counts
     out, start = [], 0
@@ -111,25 +111,26 @@ class Experts(nn.Module):
         return gated_mul(gate_up, self.activation)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                batch_invariant: bool = False) -> torch.Tensor:
-        """x [T, H], experts and weights [T, k] -> [T, H]."""
+                batch_invariant: bool = False, sampler: bool = False) -> torch.Tensor:
+        """x [T, H], experts and weights [T, k] -> [T, H]. `sampler`: the engine's forward (no gradient), which may
+        take kernels that round otherwise than the trainer's forwards (`SparseMoE.forward`)."""
         d = dispatch(experts, self.num_experts)
         # one host read for both projections, or the grouped launches' offsets made once for them
-        counts = GroupRows(d.counts, d.ends) if grouped(x, batch_invariant) else d.counts.tolist()
+        counts = GroupRows(d.counts, d.ends) if grouped(x, batch_invariant, sampler) else d.counts.tolist()
         rows = x[d.tokens]
-        gate_up = self._project("gate_up_proj", rows, counts, batch_invariant)
+        gate_up = self._project("gate_up_proj", rows, counts, batch_invariant, sampler)
         if self.bias:
             by_row = experts.reshape(-1)[d.order]  # each sorted row's expert
             gate_up = gate_up + self.gate_up_proj_bias[by_row].to(gate_up.dtype)
-        y = self._project("down_proj", self.act(gate_up), counts, batch_invariant)
+        y = self._project("down_proj", self.act(gate_up), counts, batch_invariant, sampler)
         if self.bias:
             y = y + self.down_proj_bias[by_row].to(y.dtype)
         return combine(y, d.positions, weights)
 
-    def _project(self, name: str, rows: torch.Tensor, counts, batch_invariant: bool) -> torch.Tensor:
-        y = grouped_linear(rows, getattr(self, name), counts, batch_invariant)
+    def _project(self, name: str, rows: torch.Tensor, counts, batch_invariant: bool, sampler: bool) -> torch.Tensor:
+        y = grouped_linear(rows, getattr(self, name), counts, batch_invariant, sampler)
         lora = self.lora[name] if self.lora is not None and name in self.lora else None
-        return y if lora is None or not lora.enabled else lora.add_to(y, rows, counts, batch_invariant)
+        return y if lora is None or not lora.enabled else lora.add_to(y, rows, counts, batch_invariant, sampler)
 
 
 class SparseMoE(nn.Module):
@@ -162,13 +163,16 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = invariant_linear(flat, self.gate.weight, self.gate.bias) if batch_invariant else self.gate(flat)
-        # exact mode routes as the trainer does on both sides; the default's sampler takes the one-launch kernel
-        weights, experts = (route_reference if batch_invariant else route)(logits, self.top_k, self.normalize)
+        # the engine's forwards alone hand a recorder: in the default mode they take kernels (the router's, the
+        # grouped GEMM's at decode sizes) that round otherwise than the trainer's forwards, which keep one rounding
+        # with or without gradients (recomputed old logprobs meet the first update's); exact mode keeps one for all
+        sampler = record is not None and not batch_invariant and not torch.is_grad_enabled()
+        weights, experts = (route if sampler else route_reference)(logits, self.top_k, self.normalize)
         if self.keep_router_logits and torch.is_grad_enabled():
             self.router_logits, self.router_experts = logits, experts
         if record is not None:
             record(self.moe_index, experts)
-        out = self.experts(flat, experts, weights.to(flat.dtype), batch_invariant)
+        out = self.experts(flat, experts, weights.to(flat.dtype), batch_invariant, sampler)
         if self.has_shared:
             g = self.shared_expert_gate
             gate = invariant_linear(flat, g.weight) if batch_invariant else g(flat)

@@ -30,8 +30,8 @@ def test_grouped_linear_equals_a_loop_over_experts_and_float64(counts):
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "sampler-kernels"])
 def test_experts_equal_transformers_experts_and_float64(monkeypatch, kernels):
-    """`kernels`: a forward that records no gradient with Triton (the sampler's): the dispatch and combine kernels
-    and the grouped kernel, where the trainer's takes torch's ops."""
+    """`kernels`: the sampler's forward with Triton: the dispatch and combine kernels and the grouped kernel, where
+    the trainer's takes torch's ops."""
     if kernels:
         monkeypatch.setenv("RLCU_TRITON", "1")
     cfg = transformers.Qwen3MoeConfig(hidden_size=40, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2)
@@ -46,7 +46,7 @@ def test_experts_equal_transformers_experts_and_float64(monkeypatch, kernels):
     experts[:4] = torch.tensor([5, 0])  # expert 5 crowded, 0 too; none is empty by chance
     weights = torch.rand(11, 2)
     with torch.set_grad_enabled(not kernels):
-        got = ours(x, experts, weights)
+        got = ours(x, experts, weights, sampler=kernels)
     assert (got - theirs(x, experts, weights)).abs().max() < 1e-5
     x64 = x.double()
     want = torch.zeros(11, 40, dtype=torch.float64)
@@ -129,7 +129,7 @@ def test_gpt_oss_experts_equal_transformers_and_float64(monkeypatch, kernels):
     experts[:4] = torch.tensor([5, 0])
     weights = torch.rand(11, 2)
     with torch.set_grad_enabled(not kernels):
-        got = ours(x, experts, weights)
+        got = ours(x, experts, weights, sampler=kernels)
     assert (got - theirs(x, experts, weights)).abs().max() < 1e-5
     x64, want, clamped = x.double(), torch.zeros(11, 40, dtype=torch.float64), 0
     for t in range(11):
@@ -231,11 +231,11 @@ def test_an_mxfp4_gpt_oss_folder_loads_as_transformers_dequantises_it(tmp_path):
         assert (ours.logits(ids) - again(input_ids=ids).logits).abs().max() < 1e-5
 
 
-def test_forwards_with_gradients_take_torchs_grouped_gemm_and_the_samplers_the_kernel(monkeypatch):
-    """Under autocast (fp32 parameters, bf16 compute: Lightning's bf16-mixed) a training forward takes torch's
-    grouped GEMM, which is differentiable, for both projections, so both get gradients; a forward that records no
-    gradient with a decode step's few rows an expert takes the Triton kernel, and one of many rows torch's. The CPU
-    runs torch's grouped GEMM here, as a Hopper GPU does."""
+def test_the_trainers_forwards_take_torchs_grouped_gemm_and_the_samplers_the_kernel(monkeypatch):
+    """Under autocast (fp32 parameters, bf16 compute: Lightning's bf16-mixed) the trainer's forwards, with gradients
+    (differentiable: both projections get them) or without (recomputed old logprobs: the same rounding), take
+    torch's grouped GEMM; the sampler's forward with a decode step's few rows an expert takes the Triton kernel,
+    and one of many rows torch's. The CPU runs torch's grouped GEMM here, as a Hopper GPU does."""
     import rlcu.models.moe as moe
 
     if not hasattr(torch, "_grouped_mm"):
@@ -251,12 +251,36 @@ def test_forwards_with_gradients_take_torchs_grouped_gemm_and_the_samplers_the_k
     torch.nn.init.normal_(experts.down_proj, std=0.2)
     x, picks, w = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        experts(x, picks, w).float().sum().backward()
-        assert not taken
+        trained = experts(x, picks, w)
+        trained.float().sum().backward()
         with torch.no_grad():
-            experts(x, picks, w)
+            assert torch.equal(experts(x, picks, w), trained) and not taken
+            experts(x, picks, w, sampler=True)
             assert taken == ["kernel", "kernel"]
             many = torch.randint(0, 4, (40, 2))
-            experts(torch.randn(40, 32), many, torch.rand(40, 2))  # 20 rows an expert
+            experts(torch.randn(40, 32), many, torch.rand(40, 2), sampler=True)  # 20 rows an expert
             assert taken == ["kernel", "kernel"]
     assert experts.gate_up_proj.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
+
+
+def test_only_the_engines_forwards_route_through_the_router_kernel(monkeypatch, tmp_path):
+    """The engine's forwards hand SparseMoE a recorder; they alone take the router kernel in the default mode. The
+    trainer's forwards, with gradients or without, route with PyTorch's ops, alike."""
+    import rlcu.kernels.moe_dispatch as md
+    import rlcu.models.moe as moe
+
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    calls = []
+    kernel = md.route
+    monkeypatch.setattr(moe, "route", lambda *a: calls.append("kernel") or kernel(*a))
+    model = load_model(tiny_hf_folder(tmp_path, "qwen3_moe", vocab_size=64, hidden=32, layers=2, heads=2,
+                                      kv_heads=1, head_dim=16))[0]
+    layer = next(m for m in model.modules() if isinstance(m, moe.SparseMoE))
+    x = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        plain = layer(x)
+        assert not calls
+        recorded = []
+        sampled = layer(x, record=lambda i, e: recorded.append(e))
+        assert calls == ["kernel"] and len(recorded) == 1
+    assert torch.allclose(sampled, plain, atol=1e-5) and torch.equal(layer(x), plain)
