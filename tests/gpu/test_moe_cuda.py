@@ -82,23 +82,16 @@ def test_route_dispatch_and_combine_kernels_against_their_references(tokens, k, 
     """The sampler's forwards take the kernels, the trainer's the references: exact mode needs the dispatch's and
     the combine's bits the same (on the GPU the compiler could fuse the combine's products into its sums; the
     launch turns that off); the default mode's router kernel picks the same experts."""
-    from rlcu.kernels.moe_dispatch import (
-        combine,
-        combine_reference,
-        dispatch,
-        dispatch_reference,
-        route,
-        route_reference,
-    )
+    import rlcu.kernels.moe_dispatch as md
 
     g = torch.Generator().manual_seed(tokens)
     logits = (3 * torch.randn(tokens, experts, generator=g)).cuda()
-    (w, e), (rw, re) = route(logits, k, True), route_reference(logits, k, True)
+    (w, e), (rw, re) = md.route(logits, k, True), md.route_reference(logits, k, True)
     assert torch.equal(e, re) and (w - rw).abs().max() < 1e-6
-    got, ref = dispatch(e, experts), dispatch_reference(e, experts)
+    got, ref = md.dispatch(e, experts), md.dispatch_reference(e, experts)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     for dtype, wdtype in [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                           (torch.float32, torch.float32)]:
         y = (4 * torch.randn(tokens * k, 2048, generator=g)).to("cuda", dtype)
         w = torch.rand(tokens, k, generator=g).softmax(-1).to("cuda", wdtype)
-        assert torch.equal(combine(y, got.positions, w), combine_reference(y, got.positions, w)), (dtype, wdtype)
+        assert torch.equal(md.combine(y, got.positions, w), md.combine_reference(y, got.positions, w)), (dtype, wdtype)
