@@ -110,7 +110,8 @@ if HAS_TRITON:
         which = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
         for j in tl.static_range(K):  # the largest left, the lowest index among equals, then taken out
             best = tl.max(probs, 1)
-            idx = tl.min(tl.where(probs == best[:, None], es[None, :], BLOCK_E), 1)
+            # a row of NaNs (a diverged model) matches nothing: an expert of the model all the same, never past them
+            idx = tl.minimum(tl.min(tl.where(probs == best[:, None], es[None, :], BLOCK_E), 1), E - 1)
             picked = tl.where(ks[None, :] == j, best[:, None], picked)
             which = tl.where(ks[None, :] == j, idx[:, None], which)
             probs = tl.where(es[None, :] == idx[:, None], -2.0, probs)

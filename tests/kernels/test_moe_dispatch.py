@@ -97,3 +97,13 @@ def test_route_with_a_gradient_or_many_experts_takes_the_reference(monkeypatch):
     assert logits.grad is not None
     big = torch.randn(3, 300, device=DEVICE)
     assert torch.equal(route(big, 4, False)[1], route_reference(big, 4, False)[1])
+
+
+def test_a_row_of_nans_still_routes_to_experts_of_the_model(monkeypatch):
+    """A diverged model's NaN logits: the picks stay valid expert indices (the kernels after index by them)."""
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    logits = torch.randn(4, 12, device=DEVICE)
+    logits[1] = float("nan")
+    experts = route(logits, 3, True)[1]
+    assert int(experts.min()) >= 0 and int(experts.max()) < 12
+    assert torch.equal(experts[[0, 2, 3]], route_reference(logits, 3, True)[1][[0, 2, 3]])
