@@ -26,7 +26,7 @@ from rlcu.kernels.matmul import GroupRows, grouped_linear_triton, invariant_grou
 from rlcu.kernels.moe_dispatch import combine, dispatch, route, route_reference
 from rlcu.kernels.silu_mul import clamped_swiglu, gated_mul
 
-TRITON_ROWS = 16  # rows an expert on average below which a no-grad forward takes the Triton grouped kernel
+TRITON_ROWS = 16  # rows an expert on average below which the sampler's forward takes the Triton grouped kernel
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,9 +40,7 @@ def grouped(x: torch.Tensor, batch_invariant: bool = False, sampler: bool = Fals
     """Whether `grouped_linear` runs every group in one launch that reads the counts on the device: the
     batch-invariant grouped kernel in exact mode and in the sampler's forwards (wherever Triton runs), else torch's
     grouped GEMM for x (in the dtype autocast gives it)."""
-    if batch_invariant or sampler:
-        return use_triton(x) or grouped_mm_supported(x.device, _compute_dtype(x))
-    return grouped_mm_supported(x.device, _compute_dtype(x))
+    return (batch_invariant or sampler) and use_triton(x) or grouped_mm_supported(x.device, _compute_dtype(x))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
