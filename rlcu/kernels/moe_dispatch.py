@@ -58,12 +58,12 @@ def route_reference(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[
     return weights.to(logits.dtype), experts
 
 
-def combine_reference(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [P, H] (the experts' rows in dispatch order), positions [T * k], weights [T, k] -> [T, H]: slot 0's
-    weighted row, then each next slot's added (a fixed order: a token's output does not depend on its batch).
-    Differentiable."""
+def combine_reference(y: torch.Tensor, d: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+    """y [P, H] (the experts' rows in `d`'s order), weights [T, k] -> [T, H]: slot 0's weighted row, then each next
+    slot's added (a fixed order: a token's output does not depend on its batch). Differentiable: the rows go back to
+    their pairs by a copy, whose backward is a gather (an indexed read's would be a sorted scatter-add)."""
     t, k = weights.shape
-    per_slot = y[positions].view(t, k, -1)
+    per_slot = torch.empty_like(y).index_copy_(0, d.order, y).view(t, k, -1)
     out = per_slot[:, 0] * weights[:, :1]
     for j in range(1, k):
         out = out + per_slot[:, j] * weights[:, j:j + 1]
@@ -176,17 +176,17 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights, experts
 
 
-def combine(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`combine_reference`'s bits in one launch where no gradient is recorded through it (the sampler's forwards);
-    the reference otherwise, or without Triton."""
+def combine(y: torch.Tensor, d: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+    """`combine_reference`'s bits in one launch (reading each pair's row at `d.positions`) where no gradient is
+    recorded through it; the reference otherwise, or without Triton."""
     needs_grad = torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad)
     if needs_grad or not use_triton(y) or y.stride(-1) != 1:
-        return combine_reference(y, positions, weights)
+        return combine_reference(y, d, weights)
     t, k = weights.shape
     h = y.shape[-1]
     out = torch.empty(t, h, dtype=torch.promote_types(y.dtype, weights.dtype), device=y.device)
     if t:
         block = min(1024, next_pow2(h))
-        _combine_kernel[(t, triton.cdiv(h, block))](y, positions, weights.contiguous(), out, h, y.stride(0),
+        _combine_kernel[(t, triton.cdiv(h, block))](y, d.positions, weights.contiguous(), out, h, y.stride(0),
                                                      SLOTS=k, BLOCK_H=block, enable_fp_fusion=False)
     return out

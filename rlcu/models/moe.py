@@ -123,7 +123,7 @@ class Experts(nn.Module):
         y = self._project("down_proj", self.act(gate_up), counts, batch_invariant, sampler)
         if self.bias:
             y = y + self.down_proj_bias[by_row].to(y.dtype)
-        return combine(y, d.positions, weights)
+        return combine(y, d, weights)
 
     def _project(self, name: str, rows: torch.Tensor, counts, batch_invariant: bool, sampler: bool) -> torch.Tensor:
         y = grouped_linear(rows, getattr(self, name), counts, batch_invariant, sampler)

@@ -55,7 +55,7 @@ def test_combine_gives_the_unfused_ops_bits(monkeypatch, dtype, weight_dtype, to
     d = dispatch_reference(e, 2 * k + 1)
     y = (4 * torch.randn(tokens * k, hidden, generator=g)).to(DEVICE, dtype)
     w = torch.rand(tokens, k, generator=g).softmax(-1).to(DEVICE, weight_dtype)
-    got, ref = combine(y, d.positions, w), combine_reference(y, d.positions, w)
+    got, ref = combine(y, d, w), combine_reference(y, d, w)
     assert got.dtype == ref.dtype == torch.promote_types(dtype, weight_dtype)
     assert torch.equal(got, ref)
     slots = y.double()[d.positions].view(tokens, k, hidden)
@@ -69,7 +69,7 @@ def test_combine_with_a_gradient_takes_the_differentiable_path(monkeypatch):
     d = dispatch_reference(e, 5)
     y = torch.randn(12, 16, device=DEVICE, requires_grad=True)
     w = torch.rand(6, 2, device=DEVICE, requires_grad=True)
-    combine(y, d.positions, w).sum().backward()
+    combine(y, d, w).sum().backward()
     assert y.grad is not None and w.grad is not None
 
 
