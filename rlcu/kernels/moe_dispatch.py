@@ -8,9 +8,9 @@ keeps the reference on both sides).
 Dispatch: the (token, slot) pairs of a router's picks sorted by expert, stably (tokens ascending within an
 expert), with each expert's count and the counts' cumulative ends. The order is defined by the picks alone, so
 any way of computing it gives the same rows in the same places: the reference is torch's stable argsort (a radix
-sort: several launches) and a bincount; the kernel computes, in one launch of one program, where each pair goes
-(its expert's start plus the pairs of that expert before it), for the few hundred pairs of a decode step. Larger
-batches (a training forward) take the reference.
+sort: several launches) and a bincount; the kernel computes, in one launch of a program per block of experts, where
+each of the block's pairs goes (its expert's start plus the pairs of that expert before it), for the up to a few
+thousand pairs of a decode step. Larger batches (a training forward) take the reference.
 
 Combine: each token's output, the sum of its k experts' rows weighted by the router, taken in slot order and
 rounded where PyTorch's unfused ops round (each product, then each partial sum, in the promoted dtype): the kernel
@@ -24,8 +24,8 @@ import torch
 
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
 
-MAX_PAIRS = 4096  # one program holds every pair; past this the sort's own launches cost less than its loop
-_CELLS = 16384  # pairs x experts compared at once in the kernel's loop over blocks of experts
+MAX_PAIRS = 4096  # each program holds every pair in registers; a training batch's sort takes the reference
+_CELLS = 4096  # pairs x experts a program compares: its block of experts is _CELLS // pairs wide
 
 
 class Dispatch(NamedTuple):
@@ -74,25 +74,23 @@ if HAS_TRITON:
     @triton.jit
     def _dispatch_kernel(E, ORDER, POSITIONS, TOKENS, COUNTS, ENDS, P, G, SLOTS, BLOCK_P: tl.constexpr,
                          BLOCK_G: tl.constexpr):
-        # pair p goes to start[e_p] + (pairs before p with the same expert): the experts are walked in blocks, each
-        # block's one-hot [pairs, experts] summed down the pairs (its counts) and scanned (each pair's rank)
+        # a program per block of experts: pair p of the block goes to start[e_p] + (pairs before p with the same
+        # expert), start the pairs of lower experts (counted over all pairs) plus the block's counts scanned
         ps = tl.arange(0, BLOCK_P)
         e = tl.load(E + ps, mask=ps < P, other=-1)
-        dest = tl.zeros([BLOCK_P], tl.int32)
-        base = tl.zeros([], tl.int32)
-        for g0 in range(0, G, BLOCK_G):
-            gs = g0 + tl.arange(0, BLOCK_G)
-            hot = (e[:, None] == gs[None, :]).to(tl.int32)
-            counts = tl.sum(hot, 0)
-            ends = base + tl.cumsum(counts, 0)
-            rank = tl.cumsum(hot, 0) - 1 + (ends - counts)[None, :]
-            dest += tl.sum(tl.where(hot != 0, rank, 0), 1)
-            tl.store(COUNTS + gs, counts.to(tl.int64), mask=gs < G)
-            tl.store(ENDS + gs, ends, mask=gs < G)
-            base += tl.sum(counts, 0)
-        tl.store(ORDER + dest, ps.to(tl.int64), mask=ps < P)
-        tl.store(POSITIONS + ps, dest.to(tl.int64), mask=ps < P)
-        tl.store(TOKENS + dest, (ps // SLOTS).to(tl.int64), mask=ps < P)
+        g0 = tl.program_id(0) * BLOCK_G
+        gs = g0 + tl.arange(0, BLOCK_G)
+        hot = (e[:, None] == gs[None, :]).to(tl.int32)
+        counts = tl.sum(hot, 0)
+        ends = tl.sum(((e >= 0) & (e < g0)).to(tl.int32), 0) + tl.cumsum(counts, 0)
+        rank = tl.cumsum(hot, 0) - 1 + (ends - counts)[None, :]
+        dest = tl.sum(tl.where(hot != 0, rank, 0), 1)
+        mine = (e >= g0) & (e < g0 + BLOCK_G)
+        tl.store(COUNTS + gs, counts.to(tl.int64), mask=gs < G)
+        tl.store(ENDS + gs, ends, mask=gs < G)
+        tl.store(ORDER + dest, ps.to(tl.int64), mask=mine)
+        tl.store(POSITIONS + ps, dest.to(tl.int64), mask=mine)
+        tl.store(TOKENS + dest, (ps // SLOTS).to(tl.int64), mask=mine)
 
     @triton.jit
     def _route_kernel(LOGITS, WEIGHTS, EXPERTS, T, E, stride_t, K: tl.constexpr, NORMALIZE: tl.constexpr,
@@ -153,8 +151,9 @@ def dispatch(experts: torch.Tensor, groups: int) -> Dispatch:
     ends = torch.empty(groups, dtype=torch.int32, device=dev)
     block_p = next_pow2(p)
     block_g = max(1, min(next_pow2(groups), _CELLS // block_p))
-    _dispatch_kernel[(1,)](flat, order, positions, tokens, counts, ends, p, groups, experts.shape[-1],
-                           BLOCK_P=block_p, BLOCK_G=block_g, num_warps=8 if block_p >= 1024 else 4)
+    _dispatch_kernel[(triton.cdiv(groups, block_g),)](flat, order, positions, tokens, counts, ends, p, groups,
+                                                      experts.shape[-1], BLOCK_P=block_p, BLOCK_G=block_g,
+                                                      num_warps=8 if block_p >= 1024 else 4)
     return Dispatch(order, positions, tokens, counts, ends)
 
 
