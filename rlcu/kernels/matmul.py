@@ -150,19 +150,23 @@ if HAS_TRITON:
         tl.store(Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _grouped_linear_kernel(X, W, ENDS, TILE_ENDS, Y, N, K, G, stride_xm, stride_wg, stride_wn, stride_ym,
+    def _grouped_linear_kernel(X, W, ENDS, Y, N, K, G, stride_xm, stride_wg, stride_wn, stride_ym,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
-        # row tile t belongs to the group whose range of tiles holds it (TILE_ENDS: each group's last tile + 1,
-        # cumulative); past the last group's tiles a program has nothing to do. A tile's rows are its group's only,
-        # and each row's sums walk K from 0 as the single kernel's do: where a row sits changes nothing.
+        # row tile t belongs to the group whose range of tiles holds it (each group's row tiles, cumulative, made
+        # here from the ends: a few hundred integers, where a launch of their own costs more); past the last
+        # group's tiles a program has nothing to do. A tile's rows are its group's only, and each row's sums walk
+        # K from 0 as the single kernel's do: where a row sits changes nothing.
         t = tl.program_id(0)
         gs = tl.arange(0, BLOCK_G)
-        g = tl.sum((tl.load(TILE_ENDS + gs, mask=gs < G, other=2147483647) <= t).to(tl.int32), 0)
+        ends = tl.load(ENDS + gs, mask=gs < G, other=0)
+        starts = tl.load(ENDS + gs - 1, mask=(gs > 0) & (gs < G), other=0)
+        tile_ends = tl.cumsum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        g = tl.sum(((tile_ends <= t) & (gs < G)).to(tl.int32), 0)
         if g < G:
-            first_tile = tl.load(TILE_ENDS + g - 1, mask=g > 0, other=0)
-            start = tl.load(ENDS + g - 1, mask=g > 0, other=0)
-            end = tl.load(ENDS + g)
+            first_tile = tl.sum(tl.where(gs == g - 1, tile_ends, 0), 0)
+            start = tl.sum(tl.where(gs == g, starts, 0), 0)
+            end = tl.sum(tl.where(gs == g, ends, 0), 0)
             rows = start + (t - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _row_sums(X, W + g.to(tl.int64) * stride_wg, rows, cols, end, N, K, stride_xm, stride_wn, BLOCK_M,
@@ -364,24 +368,18 @@ def grouped_tile(m: int, groups: int, element_size: int = 2) -> tuple[int, int, 
 
 
 class GroupRows:
-    """Rows sorted by group: `counts` [G] on the device, and what a grouped launch derives from them (the cumulative
-    ends, each tile height's cumulative row tiles), made once for every launch over the same rows: an MoE layer's
-    two projections and their adapters' four."""
+    """Rows sorted by group: `counts` [G] on the device, and what a grouped launch reads of them (the cumulative
+    ends, int32), made once for every launch over the same rows: an MoE layer's two projections and their
+    adapters' four."""
 
     def __init__(self, counts: torch.Tensor, ends: torch.Tensor | None = None):
         self.counts = counts
-        self._ends = ends  # int32, where the caller has them already (the MoE dispatch kernel writes them)
-        self._tile_ends: dict[int, torch.Tensor] = {}
+        self._ends = ends  # where the caller has them already (the MoE dispatch kernel writes them)
 
     def ends(self) -> torch.Tensor:
         if self._ends is None:
             self._ends = self.counts.cumsum(0, dtype=torch.int32)
         return self._ends
-
-    def tile_ends(self, block_m: int) -> torch.Tensor:
-        if block_m not in self._tile_ends:
-            self._tile_ends[block_m] = ((self.counts + block_m - 1) // block_m).cumsum(0, dtype=torch.int32)
-        return self._tile_ends[block_m]
 
 
 def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | GroupRows,
@@ -399,7 +397,7 @@ def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, counts: torch.T
     if m and g:
         groups = counts if isinstance(counts, GroupRows) else GroupRows(counts)
         _grouped_linear_kernel[(triton.cdiv(m, bm) + g, triton.cdiv(n, bn))](
-            x, weight, groups.ends(), groups.tile_ends(bm), y, n, k, g, x.stride(0), weight.stride(0),
+            x, weight, groups.ends(), y, n, k, g, x.stride(0), weight.stride(0),
             weight.stride(1), y.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_G=triton.next_power_of_2(g), PRECISION=_precision(x),
             num_warps=warps, num_stages=stages)
