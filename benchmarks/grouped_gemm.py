@@ -68,7 +68,7 @@ def main() -> None:
                 for tile in TILES:
                     us = do_bench_cudagraph(lambda t=tile: grouped_linear_triton(x, w, counts, t)) * 1e3
                     same = torch.equal(grouped_linear_triton(x, w, counts, tile), shipped)
-                    cells.append(f"{tile[:3]} {us:.1f}{'' if same else ' DIFFERENT'}")
+                    cells.append(f"{tile} {us:.1f}{'' if same else ' DIFFERENT'}")
                 print(f"{name} {tokens} {n} {k} | {vendor:.1f} ({used / vendor / 1e3:.0f}) | {ship_us:.1f} "
                       f"{grouped_tile(len(x), experts)[:3]} | " + "; ".join(cells))
 
