@@ -77,7 +77,7 @@ if HAS_TRITON:
         # a program per block of experts: pair p of the block goes to start[e_p] + (pairs before p with the same
         # expert), start the pairs of lower experts (counted over all pairs) plus the block's counts scanned
         ps = tl.arange(0, BLOCK_P)
-        e = tl.load(E + ps, mask=ps < P, other=-1)
+        e = tl.load(E + ps, mask=ps < P, other=-1).to(tl.int32)  # the picks as the router gave them (int64)
         g0 = tl.program_id(0) * BLOCK_G
         gs = g0 + tl.arange(0, BLOCK_G)
         hot = (e[:, None] == gs[None, :]).to(tl.int32)
@@ -144,7 +144,7 @@ def dispatch(experts: torch.Tensor, groups: int) -> Dispatch:
     p = experts.numel()
     if not use_triton(experts) or p > MAX_PAIRS or p == 0:
         return dispatch_reference(experts, groups)
-    flat = experts.reshape(-1).to(torch.int32)
+    flat = experts.reshape(-1)
     dev = experts.device
     order, positions, tokens = (torch.empty(p, dtype=torch.int64, device=dev) for _ in range(3))
     counts = torch.empty(groups, dtype=torch.int64, device=dev)
