@@ -8,6 +8,8 @@ from rlcu.kernels import _triton
 from rlcu.kernels.decode_attention import (
     DECODE_BLOCK_N,
     DECODE_BLOCK_N_FP8,
+    combine_splits,
+    combine_splits_reference,
     decode_attention_reference,
     decode_attention_triton,
     default_block_n,
@@ -36,6 +38,28 @@ def test_decode_attention(dtype, hq, hkv, d, context_lens, block_size, block_n, 
     atol, rtol = TOLERANCE[dtype]
     assert torch.allclose(got.double().cpu(), exact, atol=atol, rtol=rtol)
     assert torch.allclose(ref.double().cpu(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [2, 3, 5, 16])
+def test_combine_splits_against_float64(dtype, splits):
+    """The splits' partial outputs weighed by their log-sum-exps, with empty splits (lse -inf, output 0) among
+    them; a row whose splits are all empty (a CUDA graph's padding) gives 0."""
+    g = torch.Generator().manual_seed(splits)
+    partial = torch.randn(3, 5, splits, 64, generator=g)
+    lse = 4 * torch.randn(3, 5, splits, generator=g)
+    empty = torch.rand(3, 5, splits, generator=g) < 0.3
+    empty[..., 0] = False
+    empty[2, 4] = True
+    lse[empty], partial[empty] = float("-inf"), 0.0
+    got = combine_splits(partial.to(DEVICE), lse.to(DEVICE), dtype).double().cpu()
+    w = torch.softmax(lse.double(), -1).nan_to_num(0.0)
+    exact = (partial.double() * w[..., None]).sum(2)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got, exact, atol=atol, rtol=rtol), (got - exact).abs().max()
+    assert got[2, 4].abs().max() == 0
+    ref = combine_splits_reference(partial, lse, dtype).double()
+    assert torch.allclose(ref[:2], exact[:2], atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
