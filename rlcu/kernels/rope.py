@@ -1,5 +1,7 @@
 """Rotary position embedding (rotate-half form, as Llama/Qwen use): x * cos + rotate_half(x) * sin,
-rounded at the same points as the PyTorch expression."""
+rounded at the same points as the PyTorch expression. Tables narrower than the head (Phi-3's and Qwen3.5's
+`partial_rotary_factor`) rotate each head's first `cos.shape[-1]` dims and pass the rest through, as
+transformers does."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +15,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos, sin: [B, T, 1, D] (both halves equal), in x's dtype."""
+    """x: [B, T, H, D]; cos, sin: [B, T, 1, R] (both halves equal, R <= D), in x's dtype."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([rope_reference(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
@@ -72,7 +77,9 @@ class RoPEFunction(torch.autograd.Function):
 def rope(x, cos, sin):
     """Triton on CUDA for a power-of-two head_dim (with its backward when gradients are recorded); the
     PyTorch reference otherwise. cos/sin come from positions and take no gradient."""
-    d = x.shape[-1]
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat([rope(x[..., :d].contiguous(), cos, sin), x[..., d:]], dim=-1)
     if not (use_triton(x) and d // 2 == next_pow2(d // 2)):
         return rope_reference(x, cos, sin)
     if torch.is_grad_enabled() and x.requires_grad:

@@ -30,19 +30,21 @@ def rope_store_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight
 
 if HAS_TRITON:
     @triton.jit
-    def _rotate(X, stride_h, heads, hmask, c1, c2, s1, s2, W, eps, HALF: tl.constexpr, NORM: tl.constexpr,
-                OFFSET: tl.constexpr):
-        """Heads `heads` of one token as [heads, HALF] halves, each RMS-normalised on its own when NORM, rotated."""
-        d = tl.arange(0, HALF)
+    def _rotate(X, stride_h, heads, hmask, c1, c2, s1, s2, W, eps, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                NORM: tl.constexpr, OFFSET: tl.constexpr):
+        """The rotated dims of heads `heads` of one token as [heads, HALF_PAD] halves, each head RMS-normalised on its
+        own first when NORM (whole heads only: no dims pass through), then rotated."""
+        d = tl.arange(0, HALF_PAD)
+        m = hmask[:, None] & (d < HALF)[None, :]
         row = X + heads[:, None] * stride_h + d[None, :]
-        x1 = tl.load(row, mask=hmask[:, None], other=0.0)
-        x2 = tl.load(row + HALF, mask=hmask[:, None], other=0.0)
+        x1 = tl.load(row, mask=m, other=0.0)
+        x2 = tl.load(row + HALF, mask=m, other=0.0)
         dt = X.dtype.element_ty
         if NORM:  # rounded as rms_norm: the normalised row to x's dtype, then times the weight (Gemma: one rounding)
             h1, h2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(h1 * h1, 1) + tl.sum(h2 * h2, 1)) / (2 * HALF) + eps)
-            w1 = tl.load(W + d).to(tl.float32)[None, :]
-            w2 = tl.load(W + HALF + d).to(tl.float32)[None, :]
+            w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
             if OFFSET != 0.0:
                 x1 = (h1 * rstd[:, None] * (OFFSET + w1)).to(dt)
                 x2 = (h2 * rstd[:, None] * (OFFSET + w2)).to(dt)
@@ -63,47 +65,64 @@ if HAS_TRITON:
     @triton.jit
     def _rope_store_kv_kernel(Q, K, V, COS, SIN, Q_OUT, KC, VC, slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
                               stride_kh, stride_vt, stride_vh, stride_ct, HQ: tl.constexpr, HKV: tl.constexpr,
-                              HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+                              HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                              HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, V_PAD: tl.constexpr, NORM: tl.constexpr,
                               FP8_CACHE: tl.constexpr, OFFSET: tl.constexpr):
         """Program (t, 0) rotates token t's query heads, (t, 1) its key heads into the cache, with v beside them:
-        a program per token and head was 12,288 programs of 128 elements at a 512-sequence decode step."""
+        a program per token and head was 12,288 programs of 128 elements at a 512-sequence decode step. Dims past
+        the rotated 2 * HALF (partial rotary) are copied as they are."""
         t = tl.program_id(0)
-        d = tl.arange(0, HALF)
-        c1 = tl.load(COS + t * stride_ct + d)
-        c2 = tl.load(COS + t * stride_ct + HALF + d)
-        s1 = tl.load(SIN + t * stride_ct + d)
-        s2 = tl.load(SIN + t * stride_ct + HALF + d)
+        d = tl.arange(0, HALF_PAD)
+        dm = d < HALF
+        c1 = tl.load(COS + t * stride_ct + d, mask=dm, other=0.0)
+        c2 = tl.load(COS + t * stride_ct + HALF + d, mask=dm, other=0.0)
+        s1 = tl.load(SIN + t * stride_ct + d, mask=dm, other=0.0)
+        s2 = tl.load(SIN + t * stride_ct + HALF + d, mask=dm, other=0.0)
         if tl.program_id(1) == 0:
             heads = tl.arange(0, HQ_PAD)
             hmask = heads < HQ
-            o1, o2 = _rotate(Q + t * stride_qt, stride_qh, heads, hmask, c1, c2, s1, s2, QW, eps, HALF, NORM, OFFSET)
-            out = Q_OUT + (t * HQ + heads[:, None]) * 2 * HALF + d[None, :]
-            tl.store(out, o1, mask=hmask[:, None])
-            tl.store(out + HALF, o2, mask=hmask[:, None])
+            o1, o2 = _rotate(Q + t * stride_qt, stride_qh, heads, hmask, c1, c2, s1, s2, QW, eps, HALF, HALF_PAD, NORM,
+                             OFFSET)
+            out = Q_OUT + (t * HQ + heads[:, None]) * HEAD_DIM
+            m = hmask[:, None] & dm[None, :]
+            tl.store(out + d[None, :], o1, mask=m)
+            tl.store(out + HALF + d[None, :], o2, mask=m)
+            if PASS_PAD > 0:  # the dims past the rotated ones
+                e = 2 * HALF + tl.arange(0, PASS_PAD)
+                pm = hmask[:, None] & (e < HEAD_DIM)[None, :]
+                x = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + e[None, :], mask=pm, other=0.0)
+                tl.store(out + e[None, :], x, mask=pm)
         else:
             slot = tl.load(slots + t)
             if slot >= 0:
                 heads = tl.arange(0, HKV_PAD)
                 hmask = heads < HKV
-                o1, o2 = _rotate(K + t * stride_kt, stride_kh, heads, hmask, c1, c2, s1, s2, KW, eps, HALF, NORM,
-                                 OFFSET)
-                dst = (slot * HKV + heads[:, None]) * 2 * HALF + d[None, :]
-                tl.store(KC + dst, _to_cache(o1, KC, FP8_CACHE), mask=hmask[:, None])
-                tl.store(KC + dst + HALF, _to_cache(o2, KC, FP8_CACHE), mask=hmask[:, None])
-                v_row = V + t * stride_vt + heads[:, None] * stride_vh + d[None, :]
-                v1 = tl.load(v_row, mask=hmask[:, None], other=0.0)
-                v2 = tl.load(v_row + HALF, mask=hmask[:, None], other=0.0)
-                tl.store(VC + dst, _to_cache(v1, VC, FP8_CACHE), mask=hmask[:, None])
-                tl.store(VC + dst + HALF, _to_cache(v2, VC, FP8_CACHE), mask=hmask[:, None])
+                o1, o2 = _rotate(K + t * stride_kt, stride_kh, heads, hmask, c1, c2, s1, s2, KW, eps, HALF, HALF_PAD,
+                                 NORM, OFFSET)
+                dst = (slot * HKV + heads[:, None]) * HEAD_DIM
+                m = hmask[:, None] & dm[None, :]
+                tl.store(KC + dst + d[None, :], _to_cache(o1, KC, FP8_CACHE), mask=m)
+                tl.store(KC + dst + HALF + d[None, :], _to_cache(o2, KC, FP8_CACHE), mask=m)
+                if PASS_PAD > 0:
+                    e = 2 * HALF + tl.arange(0, PASS_PAD)
+                    pm = hmask[:, None] & (e < HEAD_DIM)[None, :]
+                    x = tl.load(K + t * stride_kt + heads[:, None] * stride_kh + e[None, :], mask=pm, other=0.0)
+                    tl.store(KC + dst + e[None, :], _to_cache(x, KC, FP8_CACHE), mask=pm)
+                f = tl.arange(0, V_PAD)  # all of v, in one pass
+                vm = hmask[:, None] & (f < HEAD_DIM)[None, :]
+                v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + f[None, :], mask=vm, other=0.0)
+                tl.store(VC + dst + f[None, :], _to_cache(v, VC, FP8_CACHE), mask=vm)
 
 
 def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=None, k_weight=None,
                          eps: float = 0.0, offset: float = 0.0) -> torch.Tensor:
+    """cos/sin [T, R]: R < D rotates each head's first R dims and copies the rest (partial rotary)."""
     t, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, r = k.shape[1], cos.shape[-1]
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    assert cos.stride(-1) == 1 and cos.stride() == sin.stride() and r % 2 == 0 and r <= d
     norm = q_weight is not None
+    assert not norm or r == d, "the fused q/k norms need the whole head rotated"
     # the fused norm rounds once, to q's dtype: a wider weight (fp32 under autocast) would promote Llama's product
     # (Gemma's form rounds to q's dtype whatever the weight's)
     assert not norm or offset or q_weight.dtype == k_weight.dtype == q.dtype, "q/k norm weights in q's dtype only"
@@ -112,7 +131,9 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots, q_weight=No
                                   q_weight if norm else q, k_weight if norm else k, eps,
                                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                   cos.stride(0), HQ=hq, HKV=hkv, HQ_PAD=next_pow2(hq), HKV_PAD=next_pow2(hkv),
-                                  HALF=d // 2, NORM=norm, FP8_CACHE=k_cache.dtype == FP8, OFFSET=float(offset))
+                                  HEAD_DIM=d, HALF=r // 2, HALF_PAD=next_pow2(r // 2),
+                                  PASS_PAD=0 if r == d else next_pow2(d - r), V_PAD=next_pow2(d), NORM=norm,
+                                  FP8_CACHE=k_cache.dtype == FP8, OFFSET=float(offset))
     return q_out
 
 

@@ -20,7 +20,8 @@ from rlcu.models.linear_attention import Segments, rows_as_sequences
 class AttentionContext(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D], before RoPE; cos/sin: [B, T, 1, D] -> [B, T, Hq, D].
+        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D], before RoPE; cos/sin: [B, T, 1, R] -> [B, T, Hq, D], where
+        R <= D dims of each head rotate (R < D: partial RoPE, the rest pass through; `rlcu/kernels/rope.py`).
         `scale` multiplies q.k; `window`: a query sees only the last `window` keys up to itself (None: all).
         The context applies RoPE, so that the engine can fuse it with its KV-cache write. A context whose
         `applies_qk_norm` is true also receives the layer's q/k RMSNorm modules (Qwen3) as the keyword

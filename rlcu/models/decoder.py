@@ -18,7 +18,6 @@ from rlcu.kernels._recompute import recompute_contexts
 from rlcu.kernels._triton import next_pow2
 from rlcu.kernels.kv_cache import FP8
 from rlcu.kernels.rmsnorm import rms_norm
-from rlcu.kernels.rope import rope as apply_rope
 from rlcu.kernels.silu_mul import gated_mul
 from rlcu.models.attention import AttentionContext, DenseKVCache, PackedAttention, PaddedAttention, fuses_qk_norm
 from rlcu.models.config import ModelConfig
@@ -127,25 +126,17 @@ class Attention(nn.Module):
         if self.softcap is not None:
             norms["softcap"] = self.softcap
         if self.qk_norm == "head":  # Qwen3, Gemma 3: handed to a context that fuses them, else applied here
-            # (not under partial RoPE, which is applied here, after the norms)
+            # (the fused kernel normalises whole heads that it rotates whole: not under partial RoPE)
             if getattr(attention, "applies_qk_norm", False) and self.rotary_dim == self.head_dim:
                 norms["qk_norm"] = (self.q_norm, self.k_norm)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_dim < self.head_dim:  # partial RoPE here; the context's own RoPE then gets identity tables
-            q, k = partial_rope(q, k, cos, sin, self.rotary_dim)
-            cos, sin = identity_rope(cos, self.head_dim)
+        # under partial RoPE (Phi-3, Qwen3.5) the tables are rotary_dim wide, and the context rotates that many dims
         out = attention(self.layer_idx, q, k, v, cos, sin, scale=self.scale, window=self.window, **norms)
         out = out.reshape(b, t, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out, exact)
-
-
-def partial_rope(q, k, cos, sin, r: int):
-    """RoPE on the first r dims of each head (Phi-3's `partial_rotary_factor`), the rest passed through."""
-    cos, sin = cos[..., :r], sin[..., :r]
-    return (torch.cat([apply_rope(x[..., :r].contiguous(), cos, sin), x[..., r:]], dim=-1) for x in (q, k))
 
 
 def identity_rope(like: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

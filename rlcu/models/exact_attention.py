@@ -66,7 +66,8 @@ class _ExactAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cos, sin, sinks, q_weight, k_weight, plan: ExactPackedAttention, layer_idx: int, scale,
                 window, softcap, eps, offset):
         """q: [1, T, Hq, D], k/v: [1, T, Hkv, D] before RoPE (and before the per-head norms of `q_weight`,
-        `k_weight` [D], when given); cos/sin: [1, T, 1, D]; sinks [Hq] or None -> [1, T, Hq, D]."""
+        `k_weight` [D], when given); cos/sin: [1, T, 1, R] (R < D: partial RoPE); sinks [Hq] or None
+        -> [1, T, Hq, D]."""
         _, _, hkv, d = k.shape
         ctx.save_for_backward(q, k, v, cos, sin, sinks, q_weight, k_weight)
         ctx.plan, ctx.layer_idx, ctx.window, ctx.softcap = plan, layer_idx, window, softcap

@@ -56,3 +56,42 @@ def test_rope_store_kv(dtype, hq, hkv, head_dim, qk_norm):
     written = torch.zeros(blocks * block_size, dtype=torch.bool)
     written[slots.cpu()[keep]] = True
     assert not caches[0].view(blocks * block_size, -1)[~written.to(DEVICE)].any(), "the -1 row was written somewhere"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,head_dim,rotary", [(4, 2, 128, 96), (9, 3, 64, 48), (3, 1, 32, 8)])
+def test_partial_rotary(dtype, hq, hkv, head_dim, rotary):
+    """Phi-3's and Qwen3.5's partial RoPE: tables `rotary` wide rotate each head's first `rotary` dims (halves of
+    rotary / 2, not always a power of two) and the rest of q and k pass through unchanged, as transformers
+    computes it; v is copied whole."""
+    from rlcu.kernels.rope_store_kv import rope_store_kv_reference, rope_store_kv_triton
+
+    g = torch.Generator().manual_seed(head_dim + rotary)
+    t, block_size, blocks = 5, 16, 4
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype).to(DEVICE) for h in (hq, hkv, hkv))
+    pos = torch.tensor([0, 2, 33, 700, 9]).double()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rotary, 2).double() / rotary))
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+    slots = torch.tensor([3, -1, 40, 7, 63], device=DEVICE)
+    caches = [torch.zeros(blocks, block_size, hkv, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+    got = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
+    ref = rope_store_kv_reference(q, k, v, cos, sin, caches[2], caches[3], slots)
+    atol, rtol = TOLERANCE[dtype]
+    assert torch.allclose(got.double(), ref.double(), atol=atol, rtol=rtol)
+    assert torch.allclose(caches[0].double(), caches[2].double(), atol=atol, rtol=rtol)
+    assert torch.equal(caches[1], caches[3])
+
+    def rotate64(x):
+        x64, half = x.double().cpu(), rotary // 2
+        r = x64[..., :rotary]
+        turned = r * emb.cos()[:, None] + torch.cat((-r[..., half:], r[..., :half]), -1) * emb.sin()[:, None]
+        return torch.cat([turned, x64[..., rotary:]], -1)
+
+    assert torch.allclose(got.double().cpu(), rotate64(q), atol=4 * atol, rtol=rtol)
+    assert torch.equal(got[..., rotary:], q[..., rotary:])
+    keep = slots.cpu() >= 0
+    flat_k = caches[0].view(-1, hkv, head_dim)[slots[keep.to(DEVICE)]]
+    assert torch.allclose(flat_k.double().cpu(), rotate64(k)[keep], atol=4 * atol, rtol=rtol)
+    assert torch.equal(flat_k[..., rotary:], k[keep.to(DEVICE)][..., rotary:])
+    assert torch.equal(caches[1].view(-1, hkv, head_dim)[slots[keep.to(DEVICE)]], v[keep.to(DEVICE)])
