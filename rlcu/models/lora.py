@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlcu.kernels._triton import use_triton
-from rlcu.kernels.lora_update import MAX_ROWS, lora_update_triton
 from rlcu.kernels.matmul import LowRank, invariant_linear
 from rlcu.models.fused_linear import FusedLinear
 from rlcu.models.moe import Experts, grouped_linear, vendor_grouped
@@ -136,13 +134,9 @@ class LoraAdapter(Switch, nn.Module):
         part. A projection of one part adds B's GEMM into y directly. For several parts, with gradients
         recorded: one GEMM with a block-diagonal B (untargeted parts' rows of it are zero), assembled
         at each call; without (the engine's forward, at every decode step): one in-place GEMM per part into
-        its columns of y, which this call owns, so nothing is assembled or copied; at decode sizes under Triton,
-        two launches for all parts (`rlcu/kernels/lora_update.py`)."""
-        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        if self._decode_kernel(x2, y2):
-            rows, firsts = self.column_maps(x.device)
-            return lora_update_triton(y2, x2, self.lora_A, self.lora_B, rows, firsts, self.scaling).view(y.shape)
+        its columns of y, which this call owns, so nothing is assembled or copied."""
         h = F.linear(self.dropout(x), self.lora_A).reshape(-1, self.lora_A.shape[0])
+        y2 = y.reshape(-1, y.shape[-1])
         if len(self.part_sizes) == 1:
             return torch.addmm(y2, h, self.lora_B.t(), alpha=self.scaling).view(y.shape)
         if torch.is_grad_enabled():
@@ -152,12 +146,6 @@ class LoraAdapter(Switch, nn.Module):
             y2[:, start:start + size].addmm_(h[:, slot * self.r:(slot + 1) * self.r], b[row:row + size].t(),
                                              alpha=self.scaling)
         return y
-
-    def _decode_kernel(self, x2: torch.Tensor, y2: torch.Tensor) -> bool:
-        """Whether the update takes `lora_update_triton`: without gradients or dropout, at decode sizes, where
-        Triton runs."""
-        return (not torch.is_grad_enabled() and isinstance(self.dropout, nn.Identity) and use_triton(y2)
-                and y2.shape[0] <= MAX_ROWS and x2.stride(-1) == y2.stride(-1) == 1)
 
     def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) + (B A x) * scaling with batch-invariant rows (exact_logprobs): A's GEMM, then the base
