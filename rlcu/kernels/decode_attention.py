@@ -173,8 +173,8 @@ def combine_splits_reference(partial: torch.Tensor, lse: torch.Tensor, dtype: to
 
 if HAS_TRITON:
     @triton.jit
-    def _combine_splits_kernel(P, LSE, O, stride_ps, stride_ph, stride_pp, stride_ls, stride_lh, stride_os, stride_oh,
-                        num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def _combine_splits_kernel(P, LSE, O, stride_ps, stride_ph, stride_pp, stride_ls, stride_lh, stride_os,
+                               stride_oh, num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
         """Program (s, h): the splits' outputs of one query head weighed by their share of the softmax mass. A row
         whose splits all saw no token (a CUDA graph's padding) gives 0."""
         s = tl.program_id(0)
@@ -201,8 +201,8 @@ def combine_splits(partial: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype)
     n_seq, hq, splits, d = partial.shape
     out = torch.empty(n_seq, hq, d, dtype=dtype, device=partial.device)
     _combine_splits_kernel[(n_seq, hq)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
-                                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
-                                SPLITS_PAD=next_pow2(splits), HEAD_DIM=d)
+                                        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
+                                        SPLITS_PAD=next_pow2(splits), HEAD_DIM=d)
     return out
 
 
