@@ -6,22 +6,28 @@ elementwise passes over fp32 copies each way). Rows are addressed as [M, H, N] w
 and H, so per-head norms (Qwen3's q/k norm) read straight from the fused q/k/v projection without a copy.
 
 `offset` 1.0 is Gemma's form: the checkpoint stores w, the row scales by 1 + w, and the product is taken in fp32
-before one rounding to the input's dtype (where Llama's form rounds the normed row first, then multiplies)."""
+before one rounding to the input's dtype (where Llama's form rounds the normed row first, then multiplies).
+
+`gate` is Gated DeltaNet's output norm (Qwen3.5, Qwen3-Next): (w * norm(x)) * silu(gate) in fp32, rounded once to
+x's dtype, in the one launch where PyTorch takes eleven elementwise passes a layer."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                       offset: float = 0.0):
-    """x, residual: [..., H]; returns out, or (out, x + residual) when a residual is given."""
+                       offset: float = 0.0, gate: torch.Tensor | None = None):
+    """x, residual, gate: [..., H]; returns out, or (out, x + residual) when a residual is given."""
     if residual is not None:
         x = x + residual
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = (h * (offset + weight.float())).to(x.dtype) if offset else weight * h.to(x.dtype)
+    if gate is not None:  # transformers' Qwen3_5RMSNormGated: the gate in fp32, one rounding
+        out = (out * F.silu(gate.float())).to(x.dtype)
     return out if residual is None else (out, x)
 
 
@@ -31,9 +37,11 @@ if HAS_TRITON:
         return (rows // H) * stride_m + (rows % H) * stride_h
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, eps, N: tl.constexpr,
-                         N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         OFFSET: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, G, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, sg_m, sg_h, eps,
+                         N: tl.constexpr, N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         OFFSET: tl.constexpr, HAS_GATE: tl.constexpr, PRODUCT_FP32: tl.constexpr):
+        """HAS_GATE: OUT = (w * normed) * silu(G) in fp32, w * normed first rounded as torch would (to x's dtype
+        unless PRODUCT_FP32, where the weight is fp32 and x narrower)."""
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, N_PAD)
         mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -56,7 +64,14 @@ if HAS_TRITON:
                 normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
             else:
                 normed = (h * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-            tl.store(OUT + dense, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
+            y = normed * w[None, :]
+            if HAS_GATE:
+                if not PRODUCT_FP32:
+                    y = y.to(X.dtype.element_ty).to(tl.float32)
+                g = tl.load(G + _row_offsets(rows, H, sg_m, sg_h)[:, None] + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+                y = y * (g / (1.0 + tl.exp(-g)))
+            tl.store(OUT + dense, y.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_backward_kernel(DY, S, W, RSTD, DRES, DX, DW, n_rows, H, ss_m, ss_h, N: tl.constexpr,
@@ -100,21 +115,28 @@ def _block_rows(n_pad: int) -> int:
     return max(1, min(64, 8192 // n_pad))
 
 
-def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0):
+def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0, gate=None):
     """As rms_norm_reference; with store_rstd, also returns the fp32 1/rms of each row (for backward)."""
     shape, n = x.shape, x.shape[-1]
     x3 = _as_rows(x)
     rows = x3.shape[0] * x3.shape[1]
     total = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype  # x + residual
-    out = torch.empty(shape, dtype=total if offset else torch.promote_types(total, weight.dtype), device=x.device)
+    product = torch.promote_types(total, weight.dtype)
+    out_dtype = total if offset or gate is not None else product
+    out = torch.empty(shape, dtype=out_dtype, device=x.device)
     r3 = _as_rows(residual) if residual is not None else x3
+    if gate is not None and (residual is not None or offset or gate.shape != shape):
+        raise ValueError(f"a gated RMSNorm takes a gate of x's shape {tuple(shape)} and no residual or offset")
+    g3 = _as_rows(gate) if gate is not None else x3
     res_out = torch.empty(shape, dtype=total, device=x.device) if residual is not None else out
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     n_pad = next_pow2(n)
     br = _block_rows(n_pad)
     _rms_norm_kernel[(triton.cdiv(rows, br),)](
-        x3, r3, weight, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
-        r3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br, HAS_RESIDUAL=residual is not None, OFFSET=float(offset))
+        x3, r3, weight, g3, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
+        r3.stride(1), g3.stride(0), g3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br,
+        HAS_RESIDUAL=residual is not None, OFFSET=float(offset), HAS_GATE=gate is not None,
+        PRODUCT_FP32=product == torch.float32 != total)
     result = out if residual is None else (out, res_out)
     return (result, rstd) if store_rstd else result
 
@@ -160,12 +182,37 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw if ctx.needs_input_grad[1] else None, None, dx if ctx.has_residual else None, None
 
 
-def rms_norm(x, weight, eps, residual=None, offset: float = 0.0):
+class GatedRMSNormFunction(torch.autograd.Function):
+    """The gated form's backward: the gate's share in PyTorch over the recomputed w * normed, then the plain
+    form's kernel for x and the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gate, eps):
+        out, rstd = rms_norm_triton(x, weight, eps, store_rstd=True, gate=gate)
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight, gate, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, gate, rstd = ctx.saved_tensors
+        y = rms_norm_triton(x, weight, ctx.eps)  # w * normed, rounded as the forward rounded it
+        g, d = gate.float(), dout.float()
+        sig = torch.sigmoid(g)
+        dgate = d * y.float() * sig * (1 + g * (1 - sig))
+        dx, dw = rms_norm_backward_triton((d * g * sig).to(y.dtype), x, weight, rstd)
+        return (dx, dw if ctx.needs_input_grad[1] else None, dgate.to(gate.dtype) if ctx.needs_input_grad[2] else None,
+                None)
+
+
+def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None):
     """Triton on CUDA (with its backward when gradients are recorded); the PyTorch reference elsewhere."""
     if not use_triton(x):
-        return rms_norm_reference(x, weight, eps, residual, offset)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                              (residual is not None and residual.requires_grad))
+        return rms_norm_reference(x, weight, eps, residual, offset, gate)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual, gate))
+    if gate is not None:
+        return GatedRMSNormFunction.apply(x, weight, gate, eps) if needs_grad else rms_norm_triton(x, weight, eps,
+                                                                                                  gate=gate)
     if needs_grad:
         return RMSNormFunction.apply(x, weight, eps, residual, offset)
     return rms_norm_triton(x, weight, eps, residual, offset=offset)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rlcu.kernels.gated_delta import (
@@ -57,21 +56,16 @@ def rows_as_sequences(batch: int, length: int, device, mask: torch.Tensor | None
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output, then times SiLU of the gate: normalised in fp32, rounded to the input's dtype
-    before the weight, the gate applied in fp32 (transformers' order)."""
+    before the weight, the gate applied in fp32 (transformers' order), in one kernel (`rms_norm`'s gate), whose
+    sums are a row's own whatever the batch (exact numerics)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        """`batch_invariant` (exact numerics): through the RMSNorm kernel, whose sums are a row's own whatever the
-        batch; it rounds the normed row to x's dtype before the weight, as here."""
-        if batch_invariant:
-            return (rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, gate=gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -106,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, beta_logit, a = self.in_proj.split(self.in_proj(x, exact))
         mixed, a, beta_logit = mixed.reshape(b * t, -1), a.reshape(b * t, -1), beta_logit.reshape(b * t, -1)
         o = (self._mix_exact if exact else self._mix)(mixed, a, beta_logit, seg, attention)
-        o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim), exact)
+        o = self.norm(o, z.reshape(b * t, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(b, t, -1), exact)
 
     def _heads(self, mixed: torch.Tensor):

@@ -1,4 +1,4 @@
-"""RMSNorm (+residual) forward and backward against float64 and the PyTorch reference."""
+"""RMSNorm (+residual, or gated) forward and backward against float64 and the PyTorch reference."""
 import pytest
 import torch
 
@@ -107,7 +107,46 @@ def test_a_rows_bits_do_not_depend_on_the_rows_around_it():
     g = torch.Generator().manual_seed(3)
     for width in (6, 128):
         x = torch.randn(300, 4, width, generator=g).to(DTYPES[-1]).to(DEVICE)
+        z = torch.randn(300, 4, width, generator=g).to(DTYPES[-1]).to(DEVICE)
         w = (1 + 0.1 * torch.randn(width, generator=g)).to(DEVICE)
-        full = rms_norm_triton(x, w, 1e-6)
+        full = rms_norm_triton(x, w, 1e-6, gate=z)
         for rows in (slice(0, 1), slice(5, 12), slice(100, 164), slice(299, 300)):
-            assert torch.equal(rms_norm_triton(x[rows], w, 1e-6), full[rows])
+            assert torch.equal(rms_norm_triton(x[rows], w, 1e-6, gate=z[rows]), full[rows])
+
+
+def _gated64(x, w, gate, eps=1e-6):
+    return _rms64(x, w, eps=eps) * torch.nn.functional.silu(gate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,width", [(1, 6), (3, 40), (16, 128)])
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_gated_rms_norm(dtype, heads, width, weight_fp32):
+    """Gated DeltaNet's output norm on a strided view of the gate (the z rows of the layer's fused projection),
+    with the weight in x's dtype or in fp32 (mixed precision): float64, and the PyTorch reference's types."""
+    from rlcu.kernels.rmsnorm import GatedRMSNormFunction
+
+    g = torch.Generator().manual_seed(6)
+    rows = 37
+    x = torch.randn(rows, heads, width, generator=g).to(dtype).to(DEVICE)
+    proj = torch.randn(rows, (heads + 1) * width + 5, generator=g).to(dtype).to(DEVICE)
+    gate = proj[:, width:width + heads * width].unflatten(-1, (heads, width))
+    assert not gate.is_contiguous()
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(torch.float32 if weight_fp32 else dtype).to(DEVICE)
+    got, ref = rms_norm_triton(x, w, 1e-6, gate=gate), rms_norm_reference(x, w, 1e-6, gate=gate)
+    assert got.dtype == ref.dtype == dtype
+    exact = _gated64(x.double(), w.double(), gate.double())
+    assert_close(got, exact, dtype, scale=2)
+    assert_close(ref, exact, dtype, scale=2)
+    up = [torch.randn(x.shape, generator=g).to(dtype).to(DEVICE)]
+    got_grads = grads(lambda x, w, z: GatedRMSNormFunction.apply(x, w, z, 1e-6), [x, w, gate], up)
+    exact_grads = grads(_gated64, [x.double(), w.double(), gate.double()], [up[0].double()])
+    assert [a.dtype for a in got_grads] == [dtype, w.dtype, dtype]
+    for name, a, b in zip(("x", "weight", "gate"), got_grads, exact_grads):
+        assert_close(a, b, dtype, scale=16 if name == "weight" else 4)  # dweight sums over every row
+
+
+def test_gated_rms_norm_refuses_a_residual():
+    x = torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="gated RMSNorm"):
+        rms_norm_triton(x, torch.ones(8, device=DEVICE), 1e-6, x, gate=x)
