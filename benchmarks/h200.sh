@@ -14,7 +14,9 @@
 # shape, full fine-tuning, under fsdp2 on two GPUs), long (GRPO steps of reasoning length at the Qwen3-1.7B shape,
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
-# families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them),
+# families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
+# at the Qwen3.5 shapes beside TRL; HYBRID picks them; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla
+# off it where fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
 # the 8B, 32B and 72B shapes, as many as the host's GPUs allow; TP picks them),
@@ -71,6 +73,27 @@ case $part in
         --lora_rank $lora
       [ "$lora" = 0 ] && lora=
       LORA=$lora log trl-$f python3 benchmarks/trl_family.py "$peers" "$f-random" 8 8 512 2
+    done ;;
+  hybrids)
+    # issue #43: the 2B shape's 512-sequence rollout, then a shorter one under the profiler; 64 episodes of 4 turns
+    # against single turns of the same tokens; the 8x8 steps at 2B, and at 9B with LoRA r=16; TRL's on the same models
+    q=qwen3.5-2b-random; q9=qwen3.5-9b-random
+    for w in ${HYBRID:-rollout turns step trl lora trl-lora}; do
+      case $w in
+        rollout)
+          log rollout512-$q rlcu bench rollout --model $q --sequences 512 --new_tokens 512 --repeats 2
+          log rollout512-prof-$q rlcu bench rollout --model $q --sequences 512 --new_tokens 128 --repeats 1 \
+            --profile "$out/prof-rollout512-$q" ;;
+        turns)
+          log rollout64-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --repeats 2
+          log turns4-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --turns 4 --repeats 2 ;;
+        step) log step8x8-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 --steps 3 ;;
+        lora) log step8x8-lora-$q9 rlcu bench step --model $q9 --prompts 8 --generations 8 --new_tokens 512 --steps 3 \
+          --lora_rank 16 ;;
+        trl) PYTHONPATH=${TRL_PYTHONPATH:-$PYTHONPATH} log trl-$q python3 benchmarks/trl_family.py "$peers" $q 8 8 512 2 ;;
+        trl-lora) PYTHONPATH=${TRL_PYTHONPATH:-$PYTHONPATH} LORA=16 log trl-lora-$q9 python3 benchmarks/trl_family.py \
+          "$peers" $q9 8 8 512 ${TRL_STEPS:-2} ;;
+      esac
     done ;;
   exact)
     # issue #45: exact mode beside the default mode in one run, each workload both ways; EXACT picks the workloads

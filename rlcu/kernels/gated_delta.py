@@ -348,17 +348,19 @@ def _unread_cu(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int32, device=device)
 
 
-def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None):
-    """`cu` None: one token a sequence (a decode step)."""
+def _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, cu=None, block_v=None, num_warps=4):
+    """`cu` None: one token a sequence (a decode step). `block_v` and `num_warps`: the tile, for
+    benchmarks/gated_delta_step.py (a tile changes the bits: decode and sequences must share one)."""
     (hk, dk), (hv, dv), n = q.shape[1:], v.shape[1:], len(slots)
     q, k, v, a, b = (_rows(x) for x in (q, k, v, a, b))
     o = torch.empty(len(v), hv, dv, dtype=v.dtype, device=v.device)
     block_k = next_pow2(dk)
-    block_v = min(next_pow2(dv), max(16, 4096 // block_k))  # a [Dk, BV] tile of the state in registers, no spills
+    # a [Dk, BV] tile of the state in registers, no spills
+    block_v = block_v or min(next_pow2(dv), max(16, 4096 // block_k))
     _sequences_kernel[(n, hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, pool, slots.long(), _cu32(cu, v.device), o, q.stride(0), k.stride(0),
         v.stride(0), a.stride(0), b.stride(0), hv // hk, dk, dv, hv, dk ** -0.5, L2_EPS, int(cu is None),
-        BLOCK_K=block_k, BLOCK_V=block_v, enable_fp_fusion=False)
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps, enable_fp_fusion=False)
     return o
 
 
