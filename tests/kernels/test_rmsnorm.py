@@ -109,9 +109,11 @@ def test_a_rows_bits_do_not_depend_on_the_rows_around_it():
         x = torch.randn(300, 4, width, generator=g).to(DTYPES[-1]).to(DEVICE)
         z = torch.randn(300, 4, width, generator=g).to(DTYPES[-1]).to(DEVICE)
         w = (1 + 0.1 * torch.randn(width, generator=g)).to(DEVICE)
-        full = rms_norm_triton(x, w, 1e-6, gate=z)
-        for rows in (slice(0, 1), slice(5, 12), slice(100, 164), slice(299, 300)):
-            assert torch.equal(rms_norm_triton(x[rows], w, 1e-6, gate=z[rows]), full[rows])
+        for gate in (None, z):  # the plain form too: exact numerics' other norms
+            full = rms_norm_triton(x, w, 1e-6, gate=gate)
+            for rows in (slice(0, 1), slice(5, 12), slice(100, 164), slice(299, 300)):
+                part = rms_norm_triton(x[rows], w, 1e-6, gate=None if gate is None else gate[rows])
+                assert torch.equal(part, full[rows])
 
 
 def _gated64(x, w, gate, eps=1e-6):
