@@ -15,7 +15,8 @@
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
-# at the Qwen3.5 shapes beside TRL; HYBRID picks them; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla
+# at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, trl, lora and
+# trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla
 # off it where fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
@@ -76,7 +77,8 @@ case $part in
     done ;;
   hybrids)
     # issue #43: the 2B shape's 512-sequence rollout, then a shorter one under the profiler; 64 episodes of 4 turns
-    # against single turns of the same tokens; the 8x8 steps at 2B, and at 9B with LoRA r=16; TRL's on the same models
+    # against single turns of the same tokens; the 8x8 steps at 2B (also with bf16 AdamW moments), and at 9B with LoRA
+    # r=16; TRL's on the same models
     q=qwen3.5-2b-random; q9=qwen3.5-9b-random
     for w in ${HYBRID:-rollout turns step trl lora trl-lora}; do
       case $w in
@@ -88,6 +90,9 @@ case $part in
           log rollout64-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --repeats 2
           log turns4-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --turns 4 --repeats 2 ;;
         step) log step8x8-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 --steps 3 ;;
+        # AdamW's moments in bf16 (the peer trains bf16 weights with bf16 moments): the memory row's other setting
+        step-bf16-moments) log step8x8-bf16-moments-$q rlcu bench step --model $q --prompts 8 --generations 8 \
+          --new_tokens 512 --steps 3 --adam_state_dtype bfloat16 ;;
         lora) log step8x8-lora-$q9 rlcu bench step --model $q9 --prompts 8 --generations 8 --new_tokens 512 --steps 3 \
           --lora_rank 16 ;;
         trl) PYTHONPATH=${TRL_PYTHONPATH:-$PYTHONPATH} log trl-$q python3 benchmarks/trl_family.py "$peers" $q 8 8 512 2 ;;
