@@ -1,25 +1,19 @@
 """A hybrid decode step's per-layer kernels at the Qwen3.5-2B shape (16 value heads, key and value heads 128 wide,
 bf16 activations, fp32 states in a pool of 2N slots, shuffled): the delta rule's in-place step over the tiles it
 may take (value columns a program, warps), the convolution's window step, and the gated output norm as one kernel
-against the PyTorch passes it replaced. Each timed inside a CUDA graph, as the engine replays them; the delta
-rule's bytes are its states' read and write, the rate they are moved at printed beside (docs/benchmarks.md).
+against `rms_norm_reference`'s PyTorch passes (the layer's own before 0de35c4). Each timed inside a CUDA graph, as
+the engine replays them; the delta rule's bytes are its states' read and write, the rate they are moved at printed
+beside (docs/benchmarks.md).
     python3 benchmarks/gated_delta_step.py [N ...]       (sequences, default 64 512)"""
 import sys
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 from rlcu.kernels.gated_delta import _delta_triton, causal_conv_step_
-from rlcu.kernels.rmsnorm import rms_norm
+from rlcu.kernels.rmsnorm import rms_norm, rms_norm_reference
 
 HV, DK, DV, CONV, K = 16, 128, 128, 6144, 4
-
-
-def gated_norm_torch(x, w, gate, eps=1e-6):
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((w * normed) * F.silu(gate.float())).to(x.dtype)
 
 
 def main():
@@ -58,8 +52,9 @@ def main():
         nw = torch.ones(DV, device=dev)  # fp32: the weights under bf16-mixed
         with torch.no_grad():
             fused = do_bench_cudagraph(lambda: rms_norm(o, nw, 1e-6, gate=z), rep=50) * 1e3
-            passes = do_bench_cudagraph(lambda: gated_norm_torch(o, nw, z), rep=50) * 1e3
-            err = (rms_norm(o, nw, 1e-6, gate=z).float() - gated_norm_torch(o, nw, z).float()).abs().max().item()
+            passes = do_bench_cudagraph(lambda: rms_norm_reference(o, nw, 1e-6, gate=z), rep=50) * 1e3
+            want = rms_norm_reference(o, nw, 1e-6, gate=z)
+            err = (rms_norm(o, nw, 1e-6, gate=z).float() - want.float()).abs().max().item()
         print(f"gated norm N={n}: kernel {fused:7.1f} us, PyTorch passes {passes:7.1f} us, max|diff| {err:.1e}",
               flush=True)
 

@@ -209,7 +209,9 @@ def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None):
     """Triton on CUDA (with its backward when gradients are recorded); the PyTorch reference elsewhere."""
     if not use_triton(x):
         return rms_norm_reference(x, weight, eps, residual, offset, gate)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual, gate))
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                              (residual is not None and residual.requires_grad) or
+                                              (gate is not None and gate.requires_grad))
     if gate is not None:
         return GatedRMSNormFunction.apply(x, weight, gate, eps) if needs_grad else rms_norm_triton(x, weight, eps,
                                                                                                   gate=gate)
