@@ -15,9 +15,9 @@
 # 8x8x4096 and 16x16x2048, padded and packed, on GPU 0 while TRL runs each on GPU 1, or after it on a machine of
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
-# at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, trl, lora and
-# trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off it where fla's backward refuses the
-# machine's Triton, and TRL runs transformers' PyTorch delta rule),
+# at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, step-lean,
+# step-prof, trl, lora and trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off it where
+# fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
 # the 8B, 32B and 72B shapes, as many as the host's GPUs allow; TP picks them),
@@ -93,6 +93,12 @@ case $part in
         # AdamW's moments in bf16 (the peer trains bf16 weights with bf16 moments): the memory row's other setting
         step-bf16-moments) log step8x8-bf16-moments-$q rlcu bench step --model $q --prompts 8 --generations 8 \
           --new_tokens 512 --steps 3 --adam_state_dtype bfloat16 ;;
+        # and half the micro-batch's activations (the peer's own micro-batch is smaller still)
+        step-lean) log step8x8-lean-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 \
+          --steps 3 --adam_state_dtype bfloat16 --micro_batch_size 32 ;;
+        # one more step under the profiler: where the step's generate and train phases go, by kernel
+        step-prof) log step8x8-prof-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 \
+          --steps 2 --profile "$out/prof-step8x8-$q" ;;
         lora) log step8x8-lora-$q9 rlcu bench step --model $q9 --prompts 8 --generations 8 --new_tokens 512 --steps 3 \
           --lora_rank 16 ;;
         trl) PYTHONPATH=${TRL_PYTHONPATH:-$PYTHONPATH} log trl-$q python3 benchmarks/trl_family.py "$peers" $q 8 8 512 2 ;;
