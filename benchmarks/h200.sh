@@ -93,9 +93,9 @@ case $part in
         # AdamW's moments in bf16 (the peer trains bf16 weights with bf16 moments): the memory row's other setting
         step-bf16-moments) log step8x8-bf16-moments-$q rlcu bench step --model $q --prompts 8 --generations 8 \
           --new_tokens 512 --steps 3 --adam_state_dtype bfloat16 ;;
-        # and half the micro-batch's activations (the peer's own micro-batch is smaller still)
+        # and no fp32 masters: the peer's 8 bytes a parameter (bf16 weights, gradients and moments)
         step-lean) log step8x8-lean-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 \
-          --steps 3 --adam_state_dtype bfloat16 --micro_batch_size 32 ;;
+          --steps 3 --adam_state_dtype bfloat16 --no_master_weights ;;
         # one more step under the profiler: where the step's generate and train phases go, by kernel
         step-prof) log step8x8-prof-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 \
           --steps 2 --profile "$out/prof-step8x8-$q" ;;

@@ -254,6 +254,9 @@ def parser() -> argparse.ArgumentParser:
                         "the peer's LORA_EXPERTS=1)")
     s.add_argument("--adam_state_dtype", choices=("float32", "bfloat16"), default="float32",
                    help="AdamW moments in bf16 (stochastic rounding): 4 bytes a parameter less")
+    s.add_argument("--no_master_weights", action="store_true",
+                   help="the bf16 weights updated in place with stochastic rounding, no fp32 masters (the module's "
+                        "master_weights=False): with --adam_state_dtype bfloat16, the peer's 8 bytes a parameter")
     s.add_argument("--optimizer_offload", action="store_true",
                    help="AdamW's masters and moments in host memory, the step on the CPU")
     s.add_argument("--score_during_generation", action="store_true",
@@ -528,7 +531,7 @@ def bench_step(args) -> dict:
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
                         peft_config=lora_config(args.lora_rank, args.lora_experts),
-                        adam_state_dtype=args.adam_state_dtype,
+                        adam_state_dtype=args.adam_state_dtype, master_weights=not args.no_master_weights,
                         optimizer_offload=args.optimizer_offload, exact_logprobs=args.exact_logprobs,
                         score_during_generation=args.score_during_generation, streaming=args.streaming,
                         max_staleness=args.max_staleness, max_inflight_tasks=args.max_inflight_tasks,
@@ -608,7 +611,8 @@ def bench_step(args) -> dict:
                 gradient_checkpointing=module.policy.gradient_checkpointing, keep_memory=args.keep_memory,
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
                 lora_rank=args.lora_rank, lora_experts=args.lora_experts, adam_state_dtype=args.adam_state_dtype,
-                optimizer_offload=args.optimizer_offload, kv_cache_dtype=args.kv_cache_dtype,
+                master_weights=not args.no_master_weights, optimizer_offload=args.optimizer_offload,
+                kv_cache_dtype=args.kv_cache_dtype,
                 exact_logprobs=args.exact_logprobs, devices=args.devices, strategy=args.strategy,
                 score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,
                 reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms, lengths=args.lengths,

@@ -415,10 +415,11 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.options.optimizer
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        # fp32 masters for bf16 weights; moments in fp32 or (adam_state_dtype) bf16; in host memory when offloaded
+        # fp32 masters for bf16 weights (or none: master_weights); moments in fp32 or (adam_state_dtype) bf16; in
+        # host memory when offloaded
         opt = MasterWeightAdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.adam_betas,
                                 eps=hp.adam_epsilon, state_dtype=STATE_DTYPES[hp.adam_state_dtype],
-                                offload=hp.optimizer_offload)
+                                offload=hp.optimizer_offload, master_weights=hp.master_weights)
         split = split_parameters(self.policy, params)
         if split is not None:
             opt.tensor_parallel = (split, self.policy.tensor_parallel)

@@ -6,7 +6,10 @@ each parameter with its moments: a pure bf16 update would lose steps smaller tha
 (about 0.4% of a weight), which at RL learning rates is most of them. Gradients stay in the model's
 dtype: the step (kernels/adamw.py) reads them as they are and applies the clipping coefficient as it
 reads, so a bf16 model costs 2 + 2 + 4 + 8 bytes a parameter (weights, gradients, masters, moments),
-or 2 + 2 + 4 + 4 with `state_dtype=torch.bfloat16`. With `offload=True` the masters and moments live in
+or 2 + 2 + 4 + 4 with `state_dtype=torch.bfloat16`. With `master_weights=False` the bf16 weights are their
+own masters, updated with stochastic rounding (kernels/adamw.py): 2 + 2 + 4 with bf16 moments, the bytes of a
+pure-bf16 trainer (TRL's under `bf16=True` with a bf16 model), whose round-to-nearest update loses the steps
+that stochastic rounding keeps in expectation. With `offload=True` the masters and moments live in
 host memory and the step runs there, one tensor at a time (its gradient copied down, the updated weights
 copied back up) through torch's fused CPU AdamW (kernels/adamw.py `adamw_step_cpu`): the GPU keeps only the
 weights and gradients, 4 bytes a parameter, for the time of two transfers and a CPU AdamW pass over the model
@@ -31,25 +34,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+OFFLOAD_WITHOUT_MASTERS = ("master_weights=False updates the weights where they are; optimizer_offload moves fp32 "
+                           "masters to host memory: use one of the two")
+
+
+def _check_own_masters(params: list[torch.Tensor], offload: bool) -> None:
+    if offload:
+        raise ValueError(OFFLOAD_WITHOUT_MASTERS)
+    dtypes = {p.dtype for p in params} - {torch.float32, torch.bfloat16}
+    if dtypes:
+        raise ValueError(f"master_weights=False updates bf16 (or fp32) weights in place, not {sorted(map(str, dtypes))}"
+                         ": load the model in bfloat16, or keep master_weights=True")
+
+
 class MasterWeightAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update over fp32 masters of `params` (a parameter that is fp32 already is its own
-    master), writing the rounded result back into the parameters. `step(grad_scale=c)` scales the
-    gradients by `c` (the clipping coefficient) as it reads them. `tensor_parallel`: (which params are shares,
-    their group) when the model is split across ranks (`rlcu/models/tensor_parallel.py`), for the gradient norm."""
+    master, and with `master_weights=False` a bf16 one too), writing the rounded result back into the parameters.
+    `step(grad_scale=c)` scales the gradients by `c` (the clipping coefficient) as it reads them.
+    `tensor_parallel`: (which params are shares, their group) when the model is split across ranks
+    (`rlcu/models/tensor_parallel.py`), for the gradient norm."""
 
     tensor_parallel: tuple | None = None
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 state_dtype: torch.dtype = torch.float32, fused: bool | None = None, offload: bool = False):
+                 state_dtype: torch.dtype = torch.float32, fused: bool | None = None, offload: bool = False,
+                 master_weights: bool = True):
         del fused  # one fused kernel on CUDA always; the argument is torch.optim.AdamW's
         self.model_params = list(params)
         if offload and any(hasattr(p, "to_local") for p in self.model_params):
             raise ValueError("optimizer_offload keeps one process's whole optimizer state in host memory; under fsdp2 "
                              "the state is sharded across GPUs already: use one of the two")
+        if not master_weights:
+            _check_own_masters(self.model_params, offload)
+        own = (torch.float32,) if master_weights else (torch.float32, torch.bfloat16)
         if offload:
             masters = [_pinned(p.detach().to("cpu", torch.float32, copy=True)) for p in self.model_params]
         else:
-            masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
+            masters = [p if p.dtype in own else p.detach().float().clone() for p in self.model_params]
         super().__init__(masters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.masters, self.state_dtype, self.offload = masters, state_dtype, offload
         self._staging: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # offload: pinned transfer buffers

@@ -19,6 +19,7 @@ from rlcu.agents.workers import AUTO as AUTO_PROCESSES
 from rlcu.calls import ISOLATION
 from rlcu.contracts import SamplingParams
 from rlcu.grpo import registry
+from rlcu.grpo.optim import OFFLOAD_WITHOUT_MASTERS
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,8 @@ class OptimizerOptions(OptionGroup):
     adam_state_dtype: str = option("float32", "AdamW's moments in float32 or bfloat16 (stochastic rounding)",
                                    choices=ADAM_STATE_DTYPES)
     optimizer_offload: bool = option(False, "AdamW's fp32 masters and moments in host memory")
+    master_weights: bool = option(True, "fp32 master copies of bf16 weights in AdamW; False: the bf16 weights are "
+                                        "updated in place with stochastic rounding (4 bytes a parameter less)")
     adam_epsilon: float = option(1e-8, "AdamW's epsilon", minimum=0)
     lr_scheduler: str = option("linear", "transformers' schedule by TRL's name: linear, cosine, cosine_with_min_lr "
                                            "(lr_scheduler_kwargs: min_lr or min_lr_rate), constant (no warm-up), "
@@ -249,6 +252,8 @@ class OptimizerOptions(OptionGroup):
                                                                                                    "min_lr_rate"}:
             raise ValueError("lr_scheduler='cosine_with_min_lr' needs lr_scheduler_kwargs with min_lr or min_lr_rate "
                              "(transformers' arguments), e.g. {min_lr_rate: 0.1}")
+        if not self.master_weights and self.optimizer_offload:
+            raise ValueError(OFFLOAD_WITHOUT_MASTERS)
         if self.lr_scheduler == "constant" and self.warmup_steps:
             log.warning("lr_scheduler='constant' takes no warm-up (transformers' meaning, as in TRL): warmup_steps=%s "
                         "is not used; lr_scheduler='constant_with_warmup' warms up", self.warmup_steps)

@@ -7,7 +7,9 @@ The formula is torch.optim.AdamW's (decoupled weight decay):
 `p` is the fp32 master; `out`, when given, receives it rounded to the model's dtype. The moments are
 fp32, or bf16 with stochastic rounding: round-to-nearest would lose v's updates, which at b2 = 0.999 are
 0.1% of v, under bf16's resolution of 0.4% (the estimate would stop moving); rounded up or down with
-the probability of the distance, each stored moment equals the fp32 one in expectation."""
+the probability of the distance, each stored moment equals the fp32 one in expectation. `p` may itself be
+bf16 (no master copy: the model's own weights), rounded back stochastically for the same reason: a
+learning-rate-sized step is most often under half a bf16 spacing, which round-to-nearest would drop."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,11 +53,13 @@ def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=No
     """In place, in PyTorch: the formula above on fp32 values."""
     g = grad.float() * s.grad_scale
     bc1, bc2 = s.bias_corrections
-    master.mul_(1.0 - s.lr * s.weight_decay)
+    p = master.float().mul_(1.0 - s.lr * s.weight_decay)
     m = exp_avg.float().lerp_(g, 1.0 - s.beta1)
     v = exp_avg_sq.float().mul_(s.beta2).addcmul_(g, g, value=1.0 - s.beta2)
-    master.addcdiv_(m, v.sqrt().div_(bc2 ** 0.5).add_(s.eps), value=-s.lr / bc1)
-    for state, new in ((exp_avg, m), (exp_avg_sq, v)):
+    p.addcdiv_(m, v.sqrt().div_(bc2 ** 0.5).add_(s.eps), value=-s.lr / bc1)
+    for state, new in ((exp_avg, m), (exp_avg_sq, v), (master, p)):
+        if state is master and state.dtype == torch.float32:
+            continue  # updated in place above
         state.copy_(new if state.dtype == torch.float32 else stochastic_round_bf16(new, generator))
     if out is not None:
         out.copy_(master)
@@ -69,17 +73,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _adamw_kernel(P, G, M, V, OUT, n, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size, inv_sqrt_bc2,
-                      grad_scale, seed, HAS_OUT: tl.constexpr, BF16_STATE: tl.constexpr, BLOCK: tl.constexpr):
+                      grad_scale, seed, HAS_OUT: tl.constexpr, BF16_STATE: tl.constexpr, BF16_MASTER: tl.constexpr,
+                      BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        p = tl.load(P + offsets, mask=mask) * decay
+        p = tl.load(P + offsets, mask=mask).to(tl.float32) * decay
         g = tl.load(G + offsets, mask=mask).to(tl.float32) * grad_scale
         m = tl.load(M + offsets, mask=mask).to(tl.float32)
         v = tl.load(V + offsets, mask=mask).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * (g * g)
         p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
-        tl.store(P + offsets, p, mask=mask)
+        if BF16_MASTER:
+            tl.store(P + offsets, _round_bf16(p, seed + 2, offsets), mask=mask)
+        else:
+            tl.store(P + offsets, p, mask=mask)
         if BF16_STATE:
             tl.store(M + offsets, _round_bf16(m, seed, offsets), mask=mask)
             tl.store(V + offsets, _round_bf16(v, seed + 1, offsets), mask=mask)
@@ -100,7 +108,8 @@ def adamw_step_triton(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None)
     _adamw_kernel[(triton.cdiv(master.numel(), block),)](
         master, grad, exp_avg, exp_avg_sq, master if out is None else out, master.numel(), 1.0 - s.beta1, s.beta2,
         1.0 - s.beta2, s.eps, 1.0 - s.lr * s.weight_decay, s.lr / bc1, 1.0 / bc2 ** 0.5, s.grad_scale, s.seed,
-        HAS_OUT=out is not None, BF16_STATE=exp_avg.dtype == torch.bfloat16, BLOCK=block)
+        HAS_OUT=out is not None, BF16_STATE=exp_avg.dtype == torch.bfloat16, BF16_MASTER=master.dtype == torch.bfloat16,
+        BLOCK=block)
 
 
 CPU_CHUNK = 1 << 18  # elements per pass of the CPU step: its fp32 copies stay in cache (fastest of 2^16..2^22)
@@ -140,7 +149,9 @@ def adamw_step_cpu(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None, ch
 
 def adamw_step(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=None) -> None:
     """Triton on CUDA (one pass over the tensors); on the CPU torch's fused AdamW (`adamw_step_cpu`) for
-    fp32 masters; the PyTorch reference elsewhere."""
+    fp32 masters; the PyTorch reference elsewhere. `master` fp32, or bf16 (the weights themselves)."""
+    if master.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"AdamW updates fp32 or bf16 weights in place, not {master.dtype}: keep fp32 masters")
     if master.numel() == 0:  # an FSDP rank whose shard of a small parameter is empty
         return
     contiguous = all(t is None or t.is_contiguous() for t in (master, grad, exp_avg, exp_avg_sq, out))

@@ -253,6 +253,21 @@ def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
     assert all(torch.equal(m.to(torch.bfloat16), p.detach()) for m, p in zip(opt.masters, opt.model_params))
 
 
+def test_a_step_without_master_weights_updates_the_bf16_weights_in_place(tmp_path):
+    from tests.helpers import fit, match_target, toy_rows
+
+    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
+                                           head_dim=8), dtype="bfloat16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
+                        seed=0, learning_rate=1e-2, master_weights=False, adam_state_dtype="bfloat16")
+    fit(module, toy_rows(8), 1, tmp_path / "logs")
+    opt = module.optimizers().optimizer
+    assert all(m is p and p.dtype == torch.bfloat16 for m, p in zip(opt.masters, opt.model_params))
+    moved = max((module.policy.state_dict()[k].float() - v.float()).abs().max().item() for k, v in before.items())
+    assert moved > 1e-3
+
+
 @pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
 @pytest.mark.usefixtures("fixed_order_dot")

@@ -118,3 +118,38 @@ def test_offload_under_fsdp_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="under fsdp2 the state is sharded across GPUs already"):
         MasterWeightAdamW([Shard(torch.zeros(4))], offload=True)
+
+
+def test_without_masters_bf16_weights_follow_fp32_adamw_in_expectation():
+    """master_weights=False: the bf16 weights are AdamW's own, rounded stochastically. Over 100 steps of about
+    1e-4 (a tenth of bf16's spacing at these weights), the mean drift equals fp32 AdamW's where torch's AdamW on
+    the same bf16 weights loses most steps; no fp32 copy is kept."""
+    torch.manual_seed(0)
+    n, steps, lr = 4096, 100, 1e-4
+    start = (torch.randn(n) + 1.0).to(torch.bfloat16).float()
+    grads = [(1 + 0.5 * torch.randn(n)).to(torch.bfloat16).float() for _ in range(steps)]
+    ref = start.clone().requires_grad_(True)
+    ref_opt = torch.optim.AdamW([ref], lr=lr, weight_decay=0.01)
+    own = torch.nn.Parameter(start.to(torch.bfloat16))
+    opt = MasterWeightAdamW([own], lr=lr, weight_decay=0.01, state_dtype=torch.bfloat16, master_weights=False)
+    assert opt.masters[0] is own and "masters" not in opt.state_dict()
+    naive = torch.nn.Parameter(start.to(torch.bfloat16))
+    naive_opt = torch.optim.AdamW([naive], lr=lr, weight_decay=0.01)
+    for g in grads:
+        for p, o in ((ref, ref_opt), (own, opt), (naive, naive_opt)):
+            p.grad = g.to(p.dtype)
+            o.step()
+    assert own.dtype == torch.bfloat16 and opt.state[own]["exp_avg"].dtype == torch.bfloat16
+    drift, want = float((own.detach().float() - start).mean()), float((ref.detach() - start).mean())
+    assert want < -5e-3 and abs(drift - want) < 0.05 * abs(want)
+    assert (naive.detach().float() == start).float().mean() > 0.5, "round-to-nearest was expected to stall"
+    # each weight within a few of its bf16 spacings of fp32 AdamW's
+    assert ((own.detach().float() - ref.detach()).abs() <= 4 * 2 ** -7 * ref.detach().abs().clamp(min=1)).all()
+
+
+def test_without_masters_the_weights_must_be_bf16_and_on_the_device():
+    with pytest.raises(ValueError, match=r"not \['torch.float16'\]: load the model in bfloat16"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))], master_weights=False)
+    with pytest.raises(ValueError, match="master_weights=False updates the weights where they are; optimizer_offload"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], master_weights=False,
+                          offload=True)

@@ -36,6 +36,9 @@ def test_groups_validate_themselves_with_one_line_naming_the_option():
         O.CorrectionOptions(vllm_importance_sampling_clip_min=4, vllm_importance_sampling_clip_max=3)
     with pytest.raises(ValueError, match="reward_timeout must be >= 1e-09 seconds"):
         O.FaultOptions(reward_timeout=0)
+    with pytest.raises(ValueError, match="master_weights=False updates the weights where they are; optimizer_offload "
+                                         "moves fp32 masters to host memory: use one of the two"):
+        O.OptimizerOptions(master_weights=False, optimizer_offload=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         O.SamplingOptions().temperature = 0.5
 

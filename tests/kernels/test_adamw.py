@@ -85,3 +85,18 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour(impl):
         rounded = stochastic_round_bf16(x, torch.Generator().manual_seed(3)).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert abs(float((rounded == 1.0 + 2 ** -7).float().mean()) - 0.25) < 0.01
+
+
+@pytest.mark.parametrize("impl", ["reference"] + (["triton"] if _triton.HAS_TRITON else []))
+def test_a_bf16_master_is_rounded_stochastically(impl):
+    """A bf16 weight as its own master (master_weights=False): a step of a quarter of bf16's spacing above 1 lands
+    on 1 or the next bf16 value, the next a quarter of the time, so that the mean is the fp32 step's."""
+    n = 1 << 16
+    master = torch.ones(n, dtype=torch.bfloat16, device=DEVICE)
+    m, v = torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    # b1 = b2 = 0: m = g, v = g^2, so the step is lr * sign(-g) (eps aside)
+    step_with(impl, master, torch.full((n,), -1.0, device=DEVICE), m, v, AdamWStep(2 ** -9, 0.0, 0.0, 1e-12, 0.0, 1,
+                                                                                      seed=5))
+    got = master.float().cpu()
+    assert set(got.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(float((got > 1.0).float().mean()) - 0.25) < 0.01
