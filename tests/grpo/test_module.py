@@ -237,34 +237,30 @@ def test_the_sampler_correction_masks_sequences_the_sampler_scored_far_off(tiny,
     assert "sampling/importance_sampling_ratio/min" not in step and step["logprob_mismatch/max"] >= 3.0 - 1e-4
 
 
-def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
+def bf16_step(tmp_path, **optimizer_options):
+    """One GRPO step of a tiny bf16 llama with bf16 AdamW moments -> (its optimizer, the largest weight change)."""
     from tests.helpers import fit, match_target, toy_rows
 
     model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
                                            head_dim=8), dtype="bfloat16")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
-                        seed=0, learning_rate=1e-2, optimizer_offload=True, adam_state_dtype="bfloat16")
+                        seed=0, learning_rate=1e-2, adam_state_dtype="bfloat16", **optimizer_options)
     fit(module, toy_rows(8), 1, tmp_path / "logs")
-    opt = module.optimizers().optimizer
-    assert opt.offload and all(m.device.type == "cpu" for m in opt.masters)
     moved = max((module.policy.state_dict()[k].float() - v.float()).abs().max().item() for k, v in before.items())
+    return module.optimizers().optimizer, moved
+
+
+def test_a_step_with_the_optimizer_state_offloaded_updates_the_model(tmp_path):
+    opt, moved = bf16_step(tmp_path, optimizer_offload=True)
+    assert opt.offload and all(m.device.type == "cpu" for m in opt.masters)
     assert moved > 1e-3
     assert all(torch.equal(m.to(torch.bfloat16), p.detach()) for m, p in zip(opt.masters, opt.model_params))
 
 
 def test_a_step_without_master_weights_updates_the_bf16_weights_in_place(tmp_path):
-    from tests.helpers import fit, match_target, toy_rows
-
-    model, tok = load_model(tiny_hf_folder(tmp_path, "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2,
-                                           head_dim=8), dtype="bfloat16")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    module = GRPOModule(model, tokenizer=tok, rewards=[match_target], num_generations=4, max_completion_length=4,
-                        seed=0, learning_rate=1e-2, master_weights=False, adam_state_dtype="bfloat16")
-    fit(module, toy_rows(8), 1, tmp_path / "logs")
-    opt = module.optimizers().optimizer
+    opt, moved = bf16_step(tmp_path, master_weights=False)
     assert all(m is p and p.dtype == torch.bfloat16 for m, p in zip(opt.masters, opt.model_params))
-    moved = max((module.policy.state_dict()[k].float() - v.float()).abs().max().item() for k, v in before.items())
     assert moved > 1e-3
 
 
