@@ -59,7 +59,7 @@ def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, s: AdamWStep, out=No
     p.addcdiv_(m, v.sqrt().div_(bc2 ** 0.5).add_(s.eps), value=-s.lr / bc1)
     for state, new in ((exp_avg, m), (exp_avg_sq, v), (master, p)):
         if state is master and state.dtype == torch.float32:
-            continue  # updated in place above
+            continue  # `.float()` of an fp32 master is the master itself: updated in place above
         state.copy_(new if state.dtype == torch.float32 else stochastic_round_bf16(new, generator))
     if out is not None:
         out.copy_(master)
