@@ -208,13 +208,48 @@ def _chunked_torch(q, k, v, g, beta, cu, state):
     q_decayed = qc * gamma.exp()[..., None]
     k_to_end = kc * (gamma[..., -1:] - gamma).exp()[..., None]
     s = q.new_zeros(n, hv, dk, dv) if state is None else state.float()
-    outs = []
-    for i in range(padded // c):
-        u = u0[:, :, i] - w[:, :, i] @ s
-        outs.append(q_decayed[:, :, i] @ s + scores[:, :, i] @ u)
-        s = s * gamma[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outs, 2).permute(0, 2, 3, 1, 4).reshape(n, padded, hv, dv)[seq, pos]
-    return o.to(dtype), s
+    o, s = _ChunkScan.apply(u0, w, q_decayed, scores, k_to_end, gamma[..., -1].exp(), s)
+    return o.permute(0, 2, 3, 1, 4).reshape(n, padded, hv, dv)[seq, pos].to(dtype), s
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The scan over chunks, from the state s before chunk 0: per chunk i,
+        u = u0_i - w_i s;   o_i = qd_i s + scores_i u;   s <- decay_i s + kend_i^T u
+    (u0, w, qd, kend [N, Hv, chunks, c, D], scores [N, Hv, chunks, c, c], decay [N, Hv, chunks]) -> (o [N, Hv,
+    chunks, c, Dv], the last state). Its backward is the same loop reversed, written out: autograd through the loop's
+    slices of each input would make a whole zero gradient of that input per chunk and add them up."""
+
+    @staticmethod
+    def forward(ctx, u0, w, qd, scores, kend, decay, s):
+        o = torch.empty_like(u0)
+        before, us = [], []  # the state each chunk starts from, and its u: kept as they are made, not copied
+        for i in range(u0.shape[2]):
+            u = u0[:, :, i] - w[:, :, i] @ s
+            o[:, :, i] = qd[:, :, i] @ s + scores[:, :, i] @ u
+            before.append(s)
+            us.append(u)
+            s = s * decay[:, :, i, None, None] + kend[:, :, i].transpose(-1, -2) @ u
+        ctx.save_for_backward(w, qd, scores, kend, decay, *us, *before)
+        return o, s
+
+    @staticmethod
+    def backward(ctx, do, ds):
+        w, qd, scores, kend, decay, *saved = ctx.saved_tensors
+        chunks = w.shape[2]
+        us, before = saved[:chunks], saved[chunks:]
+        du = w.new_empty(*w.shape[:-1], us[0].shape[-1])
+        dw, dqd, dkend, dscores, ddecay = (torch.empty_like(x) for x in (w, qd, kend, scores, decay))
+        for i in reversed(range(chunks)):
+            s, u, do_i = before[i], us[i], do[:, :, i]
+            du[:, :, i] = kend[:, :, i] @ ds + scores[:, :, i].transpose(-1, -2) @ do_i
+            dkend[:, :, i] = u @ ds.transpose(-1, -2)
+            ddecay[:, :, i] = (ds * s).sum((-1, -2))
+            dscores[:, :, i] = do_i @ u.transpose(-1, -2)
+            dqd[:, :, i] = do_i @ s.transpose(-1, -2)
+            dw[:, :, i] = -(du[:, :, i] @ s.transpose(-1, -2))
+            ds = ds * decay[:, :, i, None, None] + qd[:, :, i].transpose(-1, -2) @ do_i \
+                - w[:, :, i].transpose(-1, -2) @ du[:, :, i]
+        return du, dw, dqd, dscores, dkend, ddecay, ds
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
