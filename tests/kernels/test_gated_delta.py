@@ -134,9 +134,11 @@ def test_the_in_place_decode_step_against_float64(monkeypatch, dk, dv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or fla_ops() is None, reason="needs CUDA and flash-linear-attention")
-def test_gradients_on_cuda_against_float64():
-    """Through whichever backward the GPU takes (fla's, or the PyTorch chunked form where fla's is unsound)."""
-    x, state, cu = inputs([3, 70, 20], hk=2, hv=4, dk=64, dv=64, device="cuda")
+@pytest.mark.parametrize("dk", [64, 128])  # fla's key tiles on Hopper: 64 wide (miscompiled there), and 128
+def test_gradients_on_cuda_against_float64(dk):
+    """Through whichever backward the GPU takes: fla's; fla's with its Hopper guard lifted, where the probe found
+    it right at these shapes; or the PyTorch chunked form's."""
+    x, state, cu = inputs([3, 70, 20], hk=2, hv=4, dk=dk, dv=64, device="cuda")
     leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
     o, s = gated_delta_rule(**leaves, cu=cu, state=state)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).cuda()
@@ -280,3 +282,77 @@ def _scan_by_autograd(u0, w, qd, scores, kend, decay, s):
         outs.append(qd[:, :, i] @ s + scores[:, :, i] @ u)
         s = s * decay[:, :, i, None, None] + kend[:, :, i].transpose(-1, -2) @ u
     return torch.stack(outs, 2), s
+
+
+class _GuardedBackward(torch.autograd.Function):
+    """Stands for fla's chunked backward where its Hopper guard refuses it: raises unless the guard's flag is
+    lifted, and, `wrong`, returns a gradient half again too large (the miscompile the guard is for)."""
+
+    @staticmethod
+    def forward(ctx, o, guard, wrong):
+        ctx.guard, ctx.wrong = guard, wrong
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.guard.TRITON_ABOVE_3_7_1:
+            raise RuntimeError("the guard refused the backward")
+        return grad * (1.5 if ctx.wrong else 1.0), None, None
+
+
+def _stand_in_fla(monkeypatch, wrong):
+    """fla's chunked rule, stood in for on the CPU by the PyTorch chunked form behind `_GuardedBackward`, with its
+    guard module; fla's own backward reported unsound, as on Hopper under Triton 3.6."""
+    import sys
+    import types
+
+    from rlcu.kernels import gated_delta as gd
+
+    guard = types.ModuleType("fla.ops.common.chunk_o")
+    guard.TRITON_ABOVE_3_7_1 = False
+    common = types.ModuleType("fla.ops.common")
+    common.chunk_o = guard
+    for name, module in [("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.common", common), ("fla.ops.common.chunk_o", guard)]:
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def chunk(q, k, v, *, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        o, final = gd._chunked_torch(q[0], k[0], v[0], g[0], beta[0], cu_seqlens, initial_state)
+        return _GuardedBackward.apply(o, guard, wrong)[None], final
+
+    monkeypatch.setattr(gd, "fla_ops", lambda: (chunk, None))
+    monkeypatch.setattr(gd, "fla_backward_sound", lambda device: False)
+    gd.fla_backward_probed.cache_clear()
+    return gd, guard
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_fla_backward_is_probed_where_its_guard_refuses_it(monkeypatch, wrong, checkpointed):
+    """Where fla's guard refuses its backward, one probe at the layer's shapes decides: a right backward is run with
+    the guard lifted for it alone, a wrong one gives way to the PyTorch form's. Either way the gradients equal float64
+    autograd of the recurrence, also when the probe first runs inside a checkpointed layer."""
+    gd, guard = _stand_in_fla(monkeypatch, wrong)
+    x, state, cu = inputs([3, 70, 20])
+    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+    calls = []
+    monkeypatch.setattr(gd._FlaUnguarded, "apply", lambda *a: calls.append("fla") or
+                        torch.autograd.Function.apply.__func__(gd._FlaUnguarded, *a))
+
+    def layer(q, k, v, g, beta):
+        return gd._fla_trainable(q, k, v, g, beta, cu, state)[0] * 1.0
+
+    args = [leaves[n] for n in ("q", "k", "v", "g", "beta")]
+    o = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if checkpointed else layer(*args)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    (o * do).sum().backward()
+    assert gd.fla_backward_probed(torch.device("cpu"), 2, 4, 8, 6, torch.float32) is (not wrong)
+    assert calls.count("fla") == (1 if wrong else 2 + checkpointed)  # the probe, then the layer (twice: checkpoint)
+    assert guard.TRITON_ABOVE_3_7_1 is False  # lifted for the backward alone
+    cpu = {k: v.double().detach().requires_grad_() for k, v in x.items()}
+    o64, _ = gated_delta_reference(**cpu, cu=cu, state=state, dtype=torch.float64)
+    (o64 * do.double()).sum().backward()
+    for name in leaves:
+        want = cpu[name].grad
+        assert (leaves[name].grad.double() - want).abs().max() < 1e-4 * (1 + want.abs().max()), name
+    gd.fla_backward_probed.cache_clear()
