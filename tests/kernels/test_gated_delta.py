@@ -356,3 +356,17 @@ def test_fla_backward_is_probed_where_its_guard_refuses_it(monkeypatch, wrong, c
         want = cpu[name].grad
         assert (leaves[name].grad.double() - want).abs().max() < 1e-4 * (1 + want.abs().max()), name
     gd.fla_backward_probed.cache_clear()
+
+
+def test_a_probe_that_fails_leaves_fla_backward_off(monkeypatch, caplog):
+    """fla refusing in another way, or its kernels failing to compile, turn the probe's answer to no, with a
+    warning that names the error: the PyTorch form's backward runs."""
+    gd, _ = _stand_in_fla(monkeypatch, wrong=False)
+
+    def refuses(*args, **kwargs):
+        raise ValueError("a shape fla does not take")
+
+    monkeypatch.setattr(gd, "fla_ops", lambda: (refuses, None))
+    assert gd.fla_backward_probed(torch.device("cpu"), 2, 4, 8, 6, torch.float32) is False
+    assert "ValueError: a shape fla does not take" in caplog.text
+    gd.fla_backward_probed.cache_clear()
