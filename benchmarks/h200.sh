@@ -16,7 +16,7 @@
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
 # at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, step-lean,
-# step-prof, trl, lora and trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off it where
+# step-prof, delta-train, trl, lora and trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off it where
 # fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
@@ -90,6 +90,9 @@ case $part in
           log rollout64-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --repeats 2
           log turns4-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --turns 4 --repeats 2 ;;
         step) log step8x8-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 --steps 3 ;;
+        # one layer's delta rule forward and backward at the step's shape, by training's path (fla's backward where
+        # its probe found it right) and by the PyTorch chunked form's backward
+        delta-train) log delta-train python3 benchmarks/gated_delta_train.py 64 640; tail -4 "$out/delta-train.log" ;;
         # AdamW's moments in bf16 (the peer trains bf16 weights with bf16 moments): the memory row's other setting
         step-bf16-moments) log step8x8-bf16-moments-$q rlcu bench step --model $q --prompts 8 --generations 8 \
           --new_tokens 512 --steps 3 --adam_state_dtype bfloat16 ;;
