@@ -16,8 +16,8 @@
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
 # at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, step-lean,
-# step-prof, delta-train, trl, lora and trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off it where
-# fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
+# step-prof, delta-train, trl, lora and trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off
+# it where fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
 # the 8B, 32B and 72B shapes, as many as the host's GPUs allow; TP picks them),
