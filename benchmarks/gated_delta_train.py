@@ -5,20 +5,23 @@ Hopper under the Triton that torch ships, fla's backward where its probe found i
 then by fla's forward and the PyTorch chunked form's backward (the path where the probe did not). Prints ms a pass
 and peak memory of each, and the largest difference of their gradients; with SAVE=FILE it saves the first path's
 gradients, with CHECK=FILE it prints their largest difference from those saved (two trees on the same inputs).
+Then the short convolution before it (6,144 channels), forward and backward, by our Triton kernels and by torch's.
     python3 benchmarks/gated_delta_train.py [N T]"""
 import os
 import sys
 
 import torch
 
+from rlcu.kernels.causal_conv import causal_conv_triton
 from rlcu.kernels.gated_delta import (
     _FlaForwardTorchBackward,
+    causal_conv_reference,
     fla_backward_probed,
     fla_backward_sound,
     gated_delta_rule,
 )
 
-HK, HV, D = 16, 16, 128
+HK, HV, D, CONV = 16, 16, 128, 6144  # CONV: the convolution's channels (q, k and v)
 
 
 def main():
@@ -43,6 +46,15 @@ def main():
         print(f"{name} N={n} T={t}: {ms:.1f} ms a pass (forward and backward), peak {peak:.2f} GB")
     first, second = grads.values()
     print(f"the two paths' gradients within {_diff(first, second):.2e} (relative)")
+    conv_x = torch.randn(n * t, CONV, device=dev, dtype=bf).requires_grad_()
+    conv_w = (torch.randn(CONV, 4, device=dev) * 0.3).requires_grad_()
+    conv_dy = torch.randn(n * t, CONV, device=dev, dtype=bf)
+    convs = {"convolution, Triton": causal_conv_triton, "convolution, torch": lambda *a: causal_conv_reference(*a)[0]}
+    conv_grads = {}
+    for name, conv in convs.items():
+        ms, peak, conv_grads[name] = _time(lambda: (conv(conv_x, conv_w, cu, None),), (conv_x, conv_w), conv_dy)
+        print(f"{name} N={n} T={t} C={CONV}: {ms:.2f} ms a pass (forward and backward), peak {peak:.2f} GB")
+    print(f"the two convolutions' gradients within {_diff(*conv_grads.values()):.2e} (relative)")
     if os.environ.get("SAVE"):
         torch.save([x.cpu() for x in first], os.environ["SAVE"])
     if os.environ.get("CHECK"):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from rlcu.kernels.causal_conv import causal_conv_triton
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,18 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, window:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution with SiLU: x [T, C] (sequences at `cu`), weight [C, K], `window` [N, C, K - 1]
     the inputs before each sequence's first token (None: zeros) -> (out [T, C], each sequence's last K - 1 inputs
-    [N, C, K - 1], the window its next tokens continue from).
+    [N, C, K - 1], the window its next tokens continue from). With Triton (CUDA), our kernels
+    (`causal_conv.causal_conv_triton`) where no gradient is asked of the window; elsewhere `causal_conv_reference`."""
+    if use_triton(x) and len(x) and (window is None or not window.requires_grad):
+        return causal_conv_triton(x, weight, cu, window), _last_inputs(x, cu, window, weight.shape[1] - 1)
+    return causal_conv_reference(x, weight, cu, window)
 
-    Each sequence gets its window laid in front of it, and one convolution without padding runs over the lot:
-    an output at a sequence's token reads only that sequence's window and tokens."""
+
+def causal_conv_reference(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, window: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` in PyTorch. Each sequence gets its window laid in front of it, and one depthwise convolution
+    without padding runs over the lot: an output at a sequence's token reads only that sequence's window and
+    tokens."""
     t, c = x.shape
     n, k = len(cu) - 1, weight.shape[1]
     w = k - 1
@@ -69,6 +78,19 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, window:
     ends = cu[1:].long() + (torch.arange(n, device=x.device) + 1) * w
     last = ext[(ends[:, None] - w + torch.arange(w, device=x.device)).reshape(-1)].reshape(n, w, c).transpose(1, 2)
     return y, last
+
+
+def _last_inputs(x, cu, window, w):
+    """Each sequence's last w inputs [N, C, w] (x's dtype): its own tokens, and before its first its window's."""
+    n, starts = len(cu) - 1, cu[:-1].long()
+    at = cu[1:].long()[:, None] - w + torch.arange(w, device=x.device)  # [N, w] rows of x
+    mine = (at >= starts[:, None])[..., None]
+    if window is None:
+        before = x.new_zeros(n, w, x.shape[1])
+    else:
+        pos = (at - starts[:, None] + w).clamp(0, w - 1)  # where a row before the sequence sits in its window
+        before = window.transpose(1, 2)[torch.arange(n, device=x.device)[:, None], pos]
+    return torch.where(mine, x[at.clamp(min=0)], before.to(x.dtype)).transpose(1, 2)
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor

@@ -370,3 +370,4 @@ def test_a_probe_that_fails_leaves_fla_backward_off(monkeypatch, caplog):
     assert gd.fla_backward_probed(torch.device("cpu"), 2, 4, 8, 6, torch.float32) is False
     assert "ValueError: a shape fla does not take" in caplog.text
     gd.fla_backward_probed.cache_clear()
+
