@@ -89,7 +89,8 @@ if HAS_TRITON:
                     mask=(tm & inside)[:, None] & cm[None, :], other=0.0).to(tl.float32)
         if HAS_WINDOW:
             at = seq[:, None].to(tl.int64) * (c * (K - 1)) + cs[None, :] * (K - 1) + (src - start + K - 1)[:, None]
-            x += tl.load(WIN + at, mask=(tm & (src < start))[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            before = tl.load(WIN + at, mask=(tm & (src < start))[:, None] & cm[None, :], other=0.0)
+            x += before.to(X.dtype.element_ty).to(tl.float32)  # in x's dtype, as the reference lays it out
         return x
 
     @triton.jit

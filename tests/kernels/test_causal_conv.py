@@ -36,7 +36,8 @@ def test_the_convolution_kernels_against_pytorch_and_float64(monkeypatch, dtype,
             monkeypatch.delenv("RLCU_TRITON", raising=False)
         x = rows.to(dev, to).clone()[:, 5:].requires_grad_()  # a strided view, as the layer's projection
         weight = w.to(dev, to).clone().requires_grad_()
-        out, last = causal_conv(x, weight, cu.to(dev), window.to(dev, to) if with_window else None)
+        win = window.to(dev, torch.float64 if to == torch.float64 else torch.float32) if with_window else None
+        out, last = causal_conv(x, weight, cu.to(dev), win)  # an fp32 window beside fp16 x, as a pool may hold
         out.backward(dy.to(dev, to))
         return [a.detach().cpu().double() for a in (out, last, x.grad, weight.grad)]
 
