@@ -77,3 +77,30 @@ def test_a_bf16_training_step_through_fla(tmp_path):
     after = dict(model.named_parameters())
     assert all(torch.isfinite(after[n]).all() for n in before)
     assert any(not torch.equal(before[n], after[n].detach().cpu()) for n in before)
+
+
+@pytest.mark.parametrize("dk", [64, 128])  # fla's key tiles on Hopper: 64 (its miscompile's), 128 (Qwen3.5's)
+def test_training_gradients_through_the_probed_backward_equal_the_pytorch_forms(tmp_path, monkeypatch, dk):
+    """Where fla's guard refuses its backward (Hopper under Triton 3.4 to 3.7.0), a probe at each layer's shapes
+    picks fla's backward or the PyTorch form's: the model's gradients under bf16 autocast and gradient
+    checkpointing agree with the PyTorch form's whichever it picked (elsewhere fla's backward runs unprobed)."""
+    from rlcu.kernels import gated_delta
+
+    sizes = dict(SIZES, linear_key_head_dim=dk, linear_value_head_dim=dk)
+    model = load_model(tiny_hf_folder(tmp_path, "qwen3_5_text", **sizes))[0].cuda()
+    model.gradient_checkpointing = True
+    ids = torch.randint(0, sizes["vocab_size"], (4, 150), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            hidden = model.forward_padded(ids, None)
+        hidden.float().pow(2).mean().backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters() if ".linear_attn." in n}
+
+    taken = grads()
+    monkeypatch.setattr(gated_delta, "fla_backward_sound", lambda device: False)
+    monkeypatch.setattr(gated_delta, "fla_backward_probed", lambda *shape: False)
+    pytorch_form = grads()
+    for name, want in pytorch_form.items():
+        assert (taken[name] - want).abs().max() <= 0.05 * (1 + want.abs().max()), name
