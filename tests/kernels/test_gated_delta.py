@@ -255,8 +255,8 @@ def test_exact_sequences_are_decode_steps_bit_for_bit(monkeypatch, dk, dv, act, 
 
 @pytest.mark.parametrize("with_state", [False, True])
 def test_the_chunk_scans_written_out_backward_against_autograd_in_float64(with_state):
-    """The chunked form's scan over chunks differentiates by a loop written out: gradcheck in float64, one input
-    at a time among those that need it (the state only when a sequence brings one)."""
+    """The chunked form's scan over chunks differentiates by a loop written out: gradcheck in float64 over every
+    input that asks for a gradient (the state only when a sequence brings one), then autograd of the plain loop."""
     from rlcu.kernels.gated_delta import _ChunkScan
     g = torch.Generator().manual_seed(3)
     n, hv, chunks, c, dk, dv = 2, 3, 3, 5, 4, 6
