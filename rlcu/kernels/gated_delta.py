@@ -462,9 +462,8 @@ class _ExactConv(torch.autograd.Function):
         leaves = [t.detach().requires_grad_(need) for t, need in zip((x, weight), ctx.needs_input_grad)]
         with torch.enable_grad():
             out, _ = causal_conv(*leaves, cu, window)
-            wanted = [t for t in leaves if t.requires_grad]
-            got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
-        return (*(next(got) if t.requires_grad else None for t in leaves), None, None, None)
+            dx, dw = _grad_of((out,), (grad.to(out.dtype),), leaves)
+        return dx, dw, None, None, None
 
 
 class _ExactDelta(torch.autograd.Function):
