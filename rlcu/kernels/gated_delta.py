@@ -246,8 +246,10 @@ def _fla_guard_lifted():
         module.TRITON_ABOVE_3_7_1 = saved
 
 
-def _leaves(tensors):
-    return [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]
+def _needed(ctx, rule_inputs):
+    """A rule's saved (q, k, v, g, beta, state) as leaves, each needing a gradient where the Function's input did."""
+    needs = (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6])
+    return [t.detach().requires_grad_(need) if t is not None else None for t, need in zip(rule_inputs, needs)]
 
 
 def _grad_of(outs, grads, leaves):
@@ -259,20 +261,23 @@ def _grad_of(outs, grads, leaves):
 
 class _FlaUnguarded(torch.autograd.Function):
     """fla's chunked rule, its backward run with fla's Hopper guard lifted (where `fla_backward_probed` found it
-    right): the forward records fla's own graph, the backward runs it."""
+    right). The backward runs fla's forward again to record fla's graph: a graph recorded in the forward would hold
+    its tensors through a checkpoint's hooks, and its backward would ask the checkpoint to recompute the layer a second
+    time."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu, state):
-        ctx.leaves = _leaves((q, k, v, g, beta, state))
-        with torch.enable_grad():
-            ctx.outs = _fla(fla_ops()[0], *ctx.leaves[:5], cu, ctx.leaves[5])
-        return tuple(t.detach() for t in ctx.outs)
+        ctx.save_for_backward(q, k, v, g, beta, cu, state)
+        return _fla(fla_ops()[0], q, k, v, g, beta, cu, state)
 
     @staticmethod
     def backward(ctx, grad_o, grad_final):
-        with _fla_guard_lifted():
-            out = _grad_of(ctx.outs, (grad_o, grad_final), ctx.leaves)
-        del ctx.outs, ctx.leaves
+        q, k, v, g, beta, cu, state = ctx.saved_tensors
+        leaves = _needed(ctx, (q, k, v, g, beta, state))
+        with torch.enable_grad():
+            outs = _fla(fla_ops()[0], *leaves[:5], cu, leaves[5])
+            with _fla_guard_lifted():
+                out = _grad_of(outs, (grad_o, grad_final), leaves)
         return (*out[:5], None, out[5])
 
 
@@ -288,8 +293,7 @@ class _FlaForwardTorchBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_final):
         q, k, v, g, beta, cu, state = ctx.saved_tensors
-        leaves = [t.detach().requires_grad_(need) if t is not None else None
-                  for t, need in zip((q, k, v, g, beta, state), (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6]))]
+        leaves = _needed(ctx, (q, k, v, g, beta, state))
         with torch.enable_grad():
             o, final = _chunked_torch(*leaves[:5], cu, leaves[5])
             out = _grad_of((o, final), (grad_o, grad_final), leaves)
