@@ -16,8 +16,10 @@
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
 # at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, step-lean,
-# step-prof, delta-train, trl, lora and trl-lora; TRL_PYTHONPATH is TRL's PYTHONPATH, default rlcu's: leave fla off
-# it where fla's backward refuses the machine's Triton, and TRL runs transformers' PyTorch delta rule),
+# step-prof, delta-train, trl, lora, trl-lora, trl-fla and trl-lora-fla; TRL_PYTHONPATH is trl and trl-lora's
+# PYTHONPATH, default rlcu's: leave fla off it where fla's backward refuses the machine's Triton, and TRL runs
+# transformers' PyTorch delta rule; trl-fla and trl-lora-fla run TRL on rlcu's path with fla, its guard lifted where
+# its backward probes right, TRL_FLA=lifted in benchmarks/trl_family.py),
 # scaling (issue #46: per-GPU throughput of the host's GPUs against one at the same batch per GPU; SCALE picks
 # "ddp" (1.7B), "stream" (0.6B, streaming under ddp) and "fsdp" (8B, fsdp2)), tp (issue #46: tensor parallelism at
 # the 8B, 32B and 72B shapes, as many as the host's GPUs allow; TP picks them),
@@ -107,6 +109,10 @@ case $part in
         trl) PYTHONPATH=${TRL_PYTHONPATH:-$PYTHONPATH} log trl-$q python3 benchmarks/trl_family.py "$peers" $q 8 8 512 2 ;;
         trl-lora) PYTHONPATH=${TRL_PYTHONPATH:-$PYTHONPATH} LORA=16 log trl-lora-$q9 python3 benchmarks/trl_family.py \
           "$peers" $q9 8 8 512 ${TRL_STEPS:-2} ;;
+        # TRL with fla (the targets' peer): rlcu's PYTHONPATH, fla's guard lifted where its backward probes right
+        trl-fla) TRL_FLA=lifted log trl-fla-$q python3 benchmarks/trl_family.py "$peers" $q 8 8 512 2 ;;
+        trl-lora-fla) TRL_FLA=lifted LORA=16 log trl-lora-fla-$q9 python3 benchmarks/trl_family.py "$peers" $q9 8 8 512 \
+          ${TRL_STEPS:-2} ;;
       esac
     done ;;
   exact)

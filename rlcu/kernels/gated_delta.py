@@ -237,7 +237,8 @@ def _fla_guard():
 
 
 @contextlib.contextmanager
-def _fla_guard_lifted():
+def fla_guard_lifted():
+    """fla's Hopper guard lifted while the block runs (where `fla_backward_probed` found its backward right)."""
     module = _fla_guard()
     saved, module.TRITON_ABOVE_3_7_1 = module.TRITON_ABOVE_3_7_1, True
     try:
@@ -276,7 +277,7 @@ class _FlaUnguarded(torch.autograd.Function):
         leaves = _needed(ctx, (q, k, v, g, beta, state))
         with torch.enable_grad():
             outs = _fla(fla_ops()[0], *leaves[:5], cu, leaves[5])
-            with _fla_guard_lifted():
+            with fla_guard_lifted():
                 out = _grad_of(outs, (grad_o, grad_final), leaves)
         return (*out[:5], None, out[5])
 
