@@ -116,18 +116,21 @@ def random_model(device: str, dtype: torch.dtype, seed: int = 0, shape: str = ST
     fields = dict(QWEN3_06B, **SHAPES[shape])
     cfg = ModelConfig(**fields, eos_token_id=fields["vocab_size"] - 1, pad_token_id=fields["vocab_size"] - 2)
     torch.manual_seed(seed)
-    return random_native(cfg, device, dtype), word_tokenizer(cfg.vocab_size)
+    return random_native(cfg, device, dtype, shape), word_tokenizer(cfg.vocab_size)
 
 
-def random_native(cfg, device: str, dtype: torch.dtype):
+def random_native(cfg, device: str, dtype: torch.dtype, name: str = "this shape"):
     """rlcu's decoder for `cfg`, initialised as transformers does: normal, std 0.02; norms at their identity. Built
     in `dtype` (a 30B model in fp32 would not fit one GPU beside its cast)."""
     from rlcu.models.decoder import CausalLM
+    from rlcu.models.loading import require_fits, weight_bytes
     from rlcu.models.random_init import init_weights
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
+        with torch.device("meta"):  # its size first: a model no one GPU holds is refused before any memory is taken
+            require_fits(weight_bytes(CausalLM(cfg)), device, name)
         with torch.device(device):
             model = CausalLM(cfg)
     finally:
@@ -164,7 +167,7 @@ def random_family_model(name: str, device: str, dtype: torch.dtype, seed: int = 
             model = HFCausalLM(AutoModelForCausalLM.from_config(hf, dtype=dtype))
         return model, word_tokenizer(hf.vocab_size)
     cfg = ModelConfig.from_hf(hf.to_dict())
-    return random_native(cfg, device, dtype), word_tokenizer(cfg.vocab_size)
+    return random_native(cfg, device, dtype, name), word_tokenizer(cfg.vocab_size)
 
 
 def build_model(name: str, device: str, dtype: str):

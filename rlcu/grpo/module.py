@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.profiler import record_function
@@ -57,7 +57,7 @@ from rlcu.grpo.streaming import Prescored, Streamer
 from rlcu.grpo.update import Update
 from rlcu.hparams import plain
 from rlcu.models import CausalLM, load_model
-from rlcu.models.loading import load_pending
+from rlcu.models.loading import load_pending, require_fits, weight_bytes
 from rlcu.models.lora import add_lora
 from rlcu.models.random_init import materialize
 from rlcu.models.sharding import full_parameters, is_sharded, shard
@@ -300,6 +300,9 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"{type(strategy).__name__} wraps modules in a way the rollout engine cannot "
                              "run; for FSDP use rlcu's fsdp2 (Lightning's ModelParallelStrategy with fully_shard): "
                              "--trainer.strategy=fsdp2 (see docs/scaling.md)")
+        if strategy is not None and not isinstance(strategy, ModelParallelStrategy):  # the models move whole
+            what = "the policy" if self.ref_model is None else "the policy and its reference model"
+            require_fits(weight_bytes(self.policy, self.ref_model), strategy.root_device, what)
         if self.world_size > 1 and loss.filter_zero_std_groups and not self.loss_kind.needs_num_items:
             # every rank must run the same backward passes, so filtered rows are masked, not removed; only a loss
             # over the global token count (dapo's) is then the same as removing them

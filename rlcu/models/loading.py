@@ -136,6 +136,24 @@ def joined_stops(eos: int | list[int] | None, more: int | list[int] | None) -> i
     return ids + [i for i in ([more] if isinstance(more, int) else more) if i not in ids]
 
 
+def weight_bytes(*models: torch.nn.Module | None) -> int:
+    """The bytes of the models' parameters and buffers (on the meta device too: a model loaded without memory)."""
+    return sum(t.numel() * t.element_size() for m in models if m is not None for t in (*m.parameters(), *m.buffers()))
+
+
+def require_fits(nbytes: int, device: torch.device | str, what: str) -> None:
+    """Refuses, in one line and before they move, weights that cannot fit whole on the GPU `device`. Weights alone:
+    training and the rollout's cache need more, so this refuses only what cannot run at all."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    props = torch.cuda.get_device_properties(device)
+    if nbytes > props.total_memory:
+        raise ValueError(f"{what}: its weights ({nbytes / 1e9:.1f} GB) do not fit one {props.name} "
+                         f"({props.total_memory / 1e9:.1f} GB): shard them across GPUs (--trainer.strategy=fsdp2, "
+                         "or tensor_parallel_size; docs/scaling.md), or choose a smaller model")
+
+
 def load_model(source: str | os.PathLike, dtype: str | torch.dtype = "float32", trust_remote_code: bool = False,
                low_cpu_mem_usage: bool = False):
     """Load (model, tokenizer) from any supported source: rlcu's own `CausalLM` for a native family, else the

@@ -67,3 +67,61 @@ def test_low_cpu_mem_usage_in_a_grpo_run_and_its_refusals(tmp_path):
     assert all(torch.equal(runs[True][k], v) for k, v in runs[False].items())
     with pytest.raises(ValueError, match="peft_config with low_cpu_mem_usage"):
         GRPOModule(str(folder), rewards=[match_target], low_cpu_mem_usage=True, peft_config={"r": 2})
+
+
+def gpu_of(monkeypatch, gigabytes: float):
+    """torch.cuda's answer for a GPU of this size, on a machine without one (the check runs before any memory is
+    taken)."""
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(name="NVIDIA H200", total_memory=int(gigabytes * 1e9))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+
+def test_weights_that_no_one_gpu_holds_are_refused_in_one_line(tmp_path, monkeypatch):
+    """`require_fits` counts what a model moved whole to one GPU holds (on the meta device too, before its weights
+    are read) and refuses, naming the sizes and the fix, weights larger than the GPU; other devices are never
+    checked."""
+    import torch
+
+    from rlcu.models.loading import require_fits, weight_bytes
+
+    folder = tiny_hf_folder(tmp_path, "qwen3")
+    model, _ = load_model(folder)
+    lazy, _ = load_model(folder, low_cpu_mem_usage=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert lazy.device.type == "meta" and weight_bytes(lazy) == weight_bytes(model)
+    assert weight_bytes(model) >= 4 * hf.num_parameters()  # fp32 parameters, and rlcu's buffers beside them
+    gpu_of(monkeypatch, 150.0)
+    require_fits(149_999_000_000, "cuda", "m")
+    with pytest.raises(ValueError, match=r"^m: its weights \(150\.1 GB\) do not fit one NVIDIA H200 \(150\.0 GB\): "
+                                         r"shard them across GPUs \(--trainer\.strategy=fsdp2"):
+        require_fits(150_100_000_000, torch.device("cuda", 0), "m")
+    require_fits(10**15, "cpu", "m")
+
+
+def test_a_grpo_module_refuses_a_policy_too_large_for_its_gpu_at_set_up(tmp_path, monkeypatch):
+    """Before Lightning moves the policy and its reference model whole to the GPU (one device, or DDP); sharded
+    strategies (fsdp2, tp) are never refused here."""
+    import types
+
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+
+    from rlcu.grpo.module import GRPOModule
+    from rlcu.models.loading import weight_bytes
+    from tests.helpers import match_target
+
+    module = GRPOModule(str(tiny_hf_folder(tmp_path, "qwen3")), rewards=[match_target], beta=0.04)
+    size = weight_bytes(module.policy) + weight_bytes(module.ref_model)
+    gpu_of(monkeypatch, size / 1e9 * 0.99)
+    cuda = SingleDeviceStrategy(device=torch.device("cuda", 0))
+    monkeypatch.setattr(module, "_attached_trainer", lambda: types.SimpleNamespace(strategy=cuda, world_size=1))
+    with pytest.raises(ValueError, match="the policy and its reference model: its weights"):
+        module.setup("fit")
+    sharded = ModelParallelStrategy()
+    monkeypatch.setattr(module, "_attached_trainer", lambda: types.SimpleNamespace(strategy=sharded, world_size=1))
+    monkeypatch.setattr("rlcu.grpo.module.bind", lambda *args: None)  # the refusal is what this test is about
+    module.setup("fit")

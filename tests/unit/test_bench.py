@@ -302,3 +302,23 @@ def test_bench_step_streams_on_long_tail_lengths_the_same_samples_as_the_synchro
     from rlcu.engine.scheduler import Scheduler
 
     assert Scheduler.postprocess.__name__ == "postprocess"  # the planned lengths end with the bench
+
+
+def test_a_shape_no_one_gpu_holds_is_refused_before_any_memory_is_taken(monkeypatch):
+    """Qwen3-Next-80B-A3B's shape on one H200-sized GPU: rlcu's model of the shape, counted on the meta device, holds
+    what transformers' own module of the same config holds (79.7B parameters, 159.3 GB in bf16), more than the GPU,
+    and the benchmark says so in one line instead of running out of memory."""
+    import torch
+    import transformers
+
+    from rlcu.bench import build_model, family_config
+    from tests.models.test_loading import gpu_of
+
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(family_config("qwen3-next-80b-a3b-random"))
+    gigabytes = 2 * hf.num_parameters() / 1e9
+    assert round(gigabytes, 1) == 159.3
+    gpu_of(monkeypatch, 150.0)
+    with pytest.raises(ValueError, match=rf"^qwen3-next-80b-a3b-random: its weights \({gigabytes:.1f} GB\) do not "
+                                         r"fit one NVIDIA H200 \(150\.0 GB\)"):
+        build_model("qwen3-next-80b-a3b-random", "cuda", "bfloat16")
