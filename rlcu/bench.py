@@ -217,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
                             "auto (the engine's default) at decode steps of 256 sequences or more, on at any size")
         s.add_argument("--kv_cache_dtype", choices=("auto", "fp8"), default="auto",
                        help="fp8: keys and values in e4m3 (half the bytes a decode step reads; a logprob cost)")
+        s.add_argument("--mamba_ssm_cache_dtype", choices=("float32", "bfloat16", "float16", "auto"),
+                       default="float32", help="a hybrid's delta-rule states in the pool (vLLM's name): bfloat16 "
+                                               "halves a decode step's largest traffic, each new state rounded once")
         s.add_argument("--exact_logprobs", action="store_true",
                        help="batch-invariant kernels: the engine's logprobs equal the trainer's to the bit")
         s.add_argument("--profile", metavar="DIR",
@@ -313,6 +316,7 @@ def bench_rollout(args) -> dict:
                                            cuda_graphs=not args.no_cuda_graphs, release_memory=False,
                                            lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
                                            kv_cache_dtype=args.kv_cache_dtype,
+                                           mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                                            numerics=Numerics.EXACT if args.exact_logprobs else Numerics.FAST))
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)  # no stop ids: full length
     continuation = None
@@ -349,7 +353,8 @@ def bench_rollout(args) -> dict:
                 generations=args.generations, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                 cuda_graphs=not args.no_cuda_graphs,
                 lookahead=args.lookahead, shared_prefix=args.shared_prefix, turns=args.turns,
-                kv_cache_dtype=args.kv_cache_dtype, exact_logprobs=args.exact_logprobs, tokens=tokens,
+                kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                exact_logprobs=args.exact_logprobs, tokens=tokens,
                 seconds=round(best, 3), tok_per_s=round(tokens / best),
                 ms_per_step=round(1e3 * best / engine.stats["steps"], 2),
                 peak_GB=round(_peak_gb(args.device), 1), device=_device_name(args.device), **http,
@@ -434,9 +439,10 @@ def bench_reference_rollout(args, model, requests) -> dict:
     from rlcu.rollout.base import SamplingParams
     from rlcu.rollout.reference import ReferenceRollout
 
-    if args.turns > 1 or args.profile or args.exact_logprobs or args.kv_cache_dtype != "auto":
-        raise ValueError(f"{args.model} runs on the transformers fallback: --turns, --profile, --exact_logprobs and "
-                         "--kv_cache_dtype measure the native engine only")
+    if (args.turns > 1 or args.profile or args.exact_logprobs or args.kv_cache_dtype != "auto"
+            or args.mamba_ssm_cache_dtype != "float32"):
+        raise ValueError(f"{args.model} runs on the transformers fallback: --turns, --profile, --exact_logprobs, "
+                         "--kv_cache_dtype and --mamba_ssm_cache_dtype measure the native engine only")
     backend = ReferenceRollout(max_batch_size=len(requests))
     backend.setup(model)
     sampling = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)
@@ -527,6 +533,7 @@ def bench_step(args) -> dict:
     rollout = NativeRollout(EngineConfig(block_size=args.block_size, cuda_graphs=not args.no_cuda_graphs,
                                          lookahead=args.lookahead, shared_prefix=SHARED_PREFIX[args.shared_prefix],
                                          release_memory=not args.keep_memory, kv_cache_dtype=args.kv_cache_dtype,
+                                         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                                          max_num_seqs=args.max_num_seqs or max(256, args.prompts * args.generations),
                                          beside_priority=args.beside_priority))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
@@ -615,7 +622,7 @@ def bench_step(args) -> dict:
                 lookahead=args.lookahead, packing=args.packing, shared_prefix=args.shared_prefix,
                 lora_rank=args.lora_rank, lora_experts=args.lora_experts, adam_state_dtype=args.adam_state_dtype,
                 master_weights=not args.no_master_weights, optimizer_offload=args.optimizer_offload,
-                kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                 exact_logprobs=args.exact_logprobs, devices=args.devices, strategy=args.strategy,
                 score_during_generation=args.score_during_generation, stop_tokens=args.stop_tokens,
                 reward_ms=args.reward_ms, reward_wait_ms=args.reward_wait_ms, lengths=args.lengths,

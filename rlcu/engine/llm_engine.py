@@ -41,7 +41,7 @@ from rlcu.engine.paged_attention import KV_CACHE_DTYPES, cache_dtype
 from rlcu.engine.pool import pool_size
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.sequence import Sequence
-from rlcu.engine.states import bytes_per_slot
+from rlcu.engine.states import STATE_DTYPES, bytes_per_slot, state_dtype
 from rlcu.kernels.decode_attention import DECODE_BLOCK_N_FP8
 from rlcu.models.decoder import CausalLM
 
@@ -111,6 +111,9 @@ class EngineConfig:
     # "auto": keys and values in the forward's dtype; "fp8" (or "fp8_e4m3", vLLM's names): e4m3 with unit scale,
     # half the bytes a decode step reads and twice the sequences a pool holds, for a logprob cost (docs/engine.md)
     kv_cache_dtype: str = "auto"
+    # a hybrid's delta-rule states in the pool (vLLM's name): "float32", or "bfloat16" / "float16" (half the bytes a
+    # decode step moves, each step's state rounded once; docs/engine.md), or "auto" (the forward's dtype)
+    mamba_ssm_cache_dtype: str = "float32"
     # EXACT: decode and prefill through the training forward's kernels, so sampled logprobs equal the trainer's
     # to the bit (GRPOModule's exact_logprobs sets it; over an FP8 cache it becomes EXACT_FP8, which the training
     # forward must take too); FAST: the fastest kernels
@@ -120,6 +123,9 @@ class EngineConfig:
         self.numerics = Numerics(self.numerics)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype must be one of {sorted(STATE_DTYPES)}, got "
+                             f"{self.mamba_ssm_cache_dtype!r}")
         if self.numerics.batch_invariant:  # the exact numerics of this cache (the trainer must take the same)
             if self.numerics is Numerics.EXACT_FP8 and self.kv_cache_dtype == "auto":
                 raise ValueError("numerics exact_fp8 read an FP8 KV cache: set kv_cache_dtype: fp8, or numerics: exact")
@@ -140,6 +146,12 @@ class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         model.check_numerics(self.config.numerics)
+        narrow = self.config.mamba_ssm_cache_dtype
+        if (self.config.numerics.batch_invariant and getattr(model.config, "linear_layers", None)
+                and state_dtype(model, narrow) != torch.float32):
+            raise ValueError(f"exact logprobs run the trainer's delta rule on fp32 states, and mamba_ssm_cache_dtype="
+                             f"{narrow} rounds the sampler's: set mamba_ssm_cache_dtype: float32, or leave "
+                             "exact_logprobs off")
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None  # of the generate() in progress
         self.stats: dict[str, int] = {}
@@ -168,7 +180,7 @@ class LLMEngine:
                                  f"the rollout's {len(prompt_token_ids)} prompts")
             spawned = (spawns.capacity, spawns.max_prompt_tokens) if spawns is not None else (0, 0)
             slots = len(prompt_token_ids) + spawned[0] if self.model.config.linear_layers else 0
-            state_bytes = slots * bytes_per_slot(self.model.config, self.model.compute_dtype()) if slots else 0
+            state_bytes = slots * self._bytes_per_slot() if slots else 0
             self._prepare_runner(pool_size(parents, self.config, self.model, self._pool_bytes_held(), state_bytes,
                                            spawned), slots)
             self._start(parents, sampling, continuation is not None, on_finished, state_slots=slots)
@@ -358,21 +370,29 @@ class LLMEngine:
         return (runner.k_cache.nbytes * 2 + (runner.states.nbytes if runner.states is not None else 0)
                 + (runner.routing.table.nbytes if runner.routing is not None else 0))
 
+    def _bytes_per_slot(self) -> int:
+        """A hybrid's state for one sequence, in the pool's dtypes."""
+        model, matrices = self.model, self.config.mamba_ssm_cache_dtype
+        return bytes_per_slot(model.config, model.compute_dtype(), state_dtype(model, matrices))
+
     def _prepare_runner(self, num_blocks: int, num_state_slots: int = 0) -> None:
         """Keep a kept pool that is large enough and whose graphs still read the parameters where they are;
         else a new one (parameters move when FSDP gathers them anew, or on a user's model.to())."""
         cfg, runner = self.config, self.runner
         addresses = [p.data_ptr() for p in self.model.parameters()]
+        matrices = state_dtype(self.model, cfg.mamba_ssm_cache_dtype)
         if (runner is not None and runner.k_cache.shape[1] >= num_blocks and runner.param_addresses == addresses
                 and runner.dtype == cache_dtype(self.model, cfg.kv_cache_dtype)
-                and (runner.states is None or runner.states.num_slots >= num_state_slots)):
+                and (runner.states is None or (runner.states.num_slots >= num_state_slots
+                                               and runner.states.matrix.dtype == matrices))):
             return
         self.runner = None  # the old pool goes before the new one is taken
         # FSDP's gathered parameters are plain tensors for the rollout (models/sharding.py): graphs capture them
         # as they capture a single process's; if the next gather puts them elsewhere, the check above renews them
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.cuda_graphs,
                                   shared_prefix=cfg.shared_prefix, kv_cache_dtype=cfg.kv_cache_dtype,
-                                  numerics=cfg.numerics, num_state_slots=num_state_slots)
+                                  numerics=cfg.numerics, num_state_slots=num_state_slots,
+                                  state_dtype=matrices)
         if cfg.shared_prefix is True and not self.runner.shared_prefix and not self._said_no_shared_prefix:
             self._said_no_shared_prefix = True  # once per engine, not at every rollout
             log.warning("shared_prefix needs the Triton kernels (a CUDA device, a power-of-two head_dim >= 16): "

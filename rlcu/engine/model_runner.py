@@ -31,7 +31,8 @@ SHARED_PREFIX_MIN_SEQS = 256
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  cuda_graphs: bool = True, shared_prefix: bool | None = False, kv_cache_dtype: str = "auto",
-                 numerics: Numerics = Numerics.FAST, num_state_slots: int = 0):
+                 numerics: Numerics = Numerics.FAST, num_state_slots: int = 0,
+                 state_dtype: torch.dtype = torch.float32):
         cfg = model.config
         self.model = model  # the module's own: its parameters are read in place, never copied
         # KV for the attention layers only; a hybrid's linear-attention layers keep a state per request instead
@@ -41,8 +42,8 @@ class ModelRunner:
         # zeros, not empty: a padding row of a graph batch reads block 0, and must not read NaN
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.states = (StatePool(cfg, num_state_slots, model.compute_dtype(), self.device) if cfg.linear_layers
-                       else None)
+        self.states = (StatePool(cfg, num_state_slots, model.compute_dtype(), self.device, state_dtype)
+                       if cfg.linear_layers else None)
         self.routing = RoutingCache(cfg, num_blocks * block_size, self.device) if cfg.is_moe else None
         self.param_addresses: list[int] = []  # where the parameters were when this runner's graphs were made
         self.graphs = None

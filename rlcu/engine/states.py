@@ -12,21 +12,35 @@ from __future__ import annotations
 import torch
 
 from rlcu.models.config import ModelConfig
+from rlcu.models.decoder import CausalLM
 from rlcu.models.linear_attention import Segments
 
+# EngineConfig.mamba_ssm_cache_dtype, vLLM's name and values for these states: the delta rule's matrices in the pool.
+# "float32" (rlcu's default, the trainer's precision); "bfloat16" or "float16" halve a decode step's largest traffic,
+# each step's new state rounded once; "auto": the forward's dtype, as vLLM's "auto"
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 
-def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+
+def state_dtype(model: CausalLM, mamba_ssm_cache_dtype: str = "float32") -> torch.dtype:
+    """The dtype the pool keeps the delta rule's matrices in."""
+    return STATE_DTYPES[mamba_ssm_cache_dtype] or model.compute_dtype()
+
+
+def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, matrix_dtype: torch.dtype = torch.float32) -> int:
     """One sequence's state over all linear-attention layers: the convolution window in the forward's dtype, the
-    delta rule's matrices in fp32."""
+    delta rule's matrices in `matrix_dtype`."""
     conv = cfg.linear_conv_channels * (cfg.linear_conv_kernel_dim - 1) * torch.empty((), dtype=dtype).element_size()
-    matrix = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    matrix = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+              * torch.empty((), dtype=matrix_dtype).element_size())
     return len(cfg.linear_layers) * (conv + matrix)
 
 
 class StatePool:
-    """`num_slots` slots, and one more (`scratch`) that the padding rows of a CUDA-graph batch update."""
+    """`num_slots` slots, and one more (`scratch`) that the padding rows of a CUDA-graph batch update. The
+    convolutions' windows in the forward's `dtype`, the delta rule's matrices in `matrix_dtype` (`state_dtype`)."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 matrix_dtype: torch.dtype = torch.float32):
         self.index = {layer: i for i, layer in enumerate(cfg.linear_layers)}
         n = len(cfg.linear_layers)
         self.scratch = num_slots
@@ -34,7 +48,7 @@ class StatePool:
         self.conv = torch.zeros(n, num_slots, cfg.linear_conv_channels, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
                                 device=device)
         self.matrix = torch.zeros(n, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                  cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+                                  cfg.linear_value_head_dim, dtype=matrix_dtype, device=device)
 
     @property
     def num_slots(self) -> int:
@@ -64,7 +78,7 @@ class StatePool:
         if conv is not None:  # None: updated in place already
             self.conv[i].index_copy_(0, slots, conv.to(self.conv.dtype))
         if matrix is not None:
-            self.matrix[i].index_copy_(0, slots, matrix.float())
+            self.matrix[i].index_copy_(0, slots, matrix.to(self.matrix.dtype))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(source slot, destination slot): forks take their parent's state."""

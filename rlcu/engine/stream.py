@@ -27,7 +27,6 @@ import torch
 from rlcu.contracts import SamplingParams
 from rlcu.engine.pool import pool_size
 from rlcu.engine.sequence import Sequence
-from rlcu.engine.states import bytes_per_slot
 from rlcu.engine.threads import beside_decoding
 
 
@@ -41,7 +40,7 @@ class EngineStream:
         shape = Sequence([0], max_prompt_tokens, sampling.max_tokens, frozenset(), 0)
         # a hybrid's recurrent states: a slot for each sequence in flight, recycled as sequences end
         self.state_slots = max_sequences if engine.model.config.linear_layers else 0
-        state_bytes = self.state_slots * bytes_per_slot(engine.model.config, engine.model.compute_dtype())
+        state_bytes = self.state_slots * engine._bytes_per_slot()
         self.num_blocks = pool_size([shape] * max_sequences, engine.config, engine.model, engine._pool_bytes_held(),
                                     state_bytes)
         # the pool itself is taken when decoding starts

@@ -385,16 +385,16 @@ def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.
 
 
 def gated_delta_step_(q, k, v, a, b, A_log, dt_bias, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One decode step of N sequences whose states live in `pool` [S, Hv, Dk, Dv] (fp32) at `slots` [N]: the
-    recurrence's one token each, the states updated in place. q/k [N, Hk, Dk], v [N, Hv, Dv] (views of the layer's
-    projection are read where they are), a/b [N, Hv] the decay's and beta's logits (`gates`) -> o [N, Hv, Dv] in
-    v's dtype. A decode step's state traffic is its largest: one read and one write of each state, where gathering
-    into a batch and scattering back would add a copy each way."""
+    """One decode step of N sequences whose states live in `pool` [S, Hv, Dk, Dv] at `slots` [N]: the recurrence's
+    one token each in fp32, the states updated in place (rounded to the pool's dtype where it is narrower). q/k
+    [N, Hk, Dk], v [N, Hv, Dv] (views of the layer's projection are read where they are), a/b [N, Hv] the decay's
+    and beta's logits (`gates`) -> o [N, Hv, Dv] in v's dtype. A decode step's state traffic is its largest: one
+    read and one write of each state, where gathering into a batch and scattering back would add a copy each way."""
     if use_triton(pool) and q.shape[-1] <= 256:
         return _delta_triton(q, k, v, a, b, A_log, dt_bias, pool, slots)
     g, beta = gates(a, b, A_log, dt_bias)
     o, final = gated_delta_reference(q, k, v, g, beta, torch.arange(len(q) + 1, device=q.device), pool[slots])
-    pool.index_copy_(0, slots, final)
+    pool.index_copy_(0, slots, final.to(pool.dtype))
     return o.to(v.dtype)
 
 
@@ -601,7 +601,7 @@ if HAS_TRITON:
         km, vm = ks < dk, vs < dv
         slot = tl.load(SLOTS + seq).to(tl.int64)
         ptr = POOL + (slot * hv + h) * dk * dv + ks[:, None] * dv + vs[None, :]
-        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0)
+        s = tl.load(ptr, mask=km[:, None] & vm[None, :], other=0.0).to(tl.float32)
         start, end = seq, seq + 1
         if one_token == 0:
             start, end = tl.load(CU + seq), tl.load(CU + seq + 1)
@@ -609,4 +609,4 @@ if HAS_TRITON:
             s = _delta_token(s, Q, K, V, A, B, A_LOG, DT_BIAS, O, t * stride_q + (h // group) * dk,
                              t * stride_k + (h // group) * dk, t * stride_v + h * dv, t * stride_a, t * stride_b,
                              (t * hv + h) * dv, h, ks, vs, km, vm, scale, eps)
-        tl.store(ptr, s, mask=km[:, None] & vm[None, :])
+        tl.store(ptr, s.to(POOL.dtype.element_ty), mask=km[:, None] & vm[None, :])

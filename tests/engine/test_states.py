@@ -114,3 +114,54 @@ def test_a_model_of_linear_attention_layers_only_has_no_kv_to_hold(tmp_path):
     out = LLMEngine(model, EngineConfig(max_num_batched_tokens=11, max_num_seqs=4)).generate(LONG + [LONG[0]] * 2,
                                                                                              sampled())
     assert logprob_gaps(model, out).max() < 1e-4
+
+
+@pytest.mark.parametrize("name,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_delta_rule_states_kept_narrow(model, name, dtype):
+    """`mamba_ssm_cache_dtype` (vLLM's name): the pool keeps the delta rule's matrices in bf16 or fp16, half the
+    bytes a slot holds for them (so a memory budget takes more sequences), each new state rounded once; the
+    sampled tokens' logprobs then differ from the training forward's (fp32 states throughout) by that rounding
+    alone, and the rollout's configuration takes it by name as YAML gives it."""
+    from rlcu.rollout.native import NativeRollout
+
+    cfg = model.config
+    matrix = len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    wide, narrow = LLMEngine(model), LLMEngine(model, EngineConfig(mamba_ssm_cache_dtype=name, release_memory=False))
+    assert wide._bytes_per_slot() - narrow._bytes_per_slot() == matrix * (4 - 2)
+    prompts = LONG + [LONG[1]] * 2
+    out = narrow.generate(prompts, sampled())
+    assert narrow.runner.states.matrix.dtype == dtype
+    gaps, fp32_gaps = logprob_gaps(model, out), logprob_gaps(model, wide.generate(prompts, sampled()))
+    assert 4 * fp32_gaps.max() < gaps.max() < 0.02  # rounded (fp32 states: 5e-7 here), and by the rounding alone
+    assert NativeRollout({"mamba_ssm_cache_dtype": name}).config.mamba_ssm_cache_dtype == name
+
+
+def test_the_shipped_bf16_states_fragment(model):
+    """configs/rollout/native-bf16-states.yaml, as `--config` hands it to the native rollout."""
+    from pathlib import Path
+
+    import yaml
+
+    from rlcu.rollout.native import NativeRollout
+
+    fragment = Path(__file__).resolve().parents[2] / "configs/rollout/native-bf16-states.yaml"
+    rollout = yaml.safe_load(fragment.read_text())["model"]["rollout"]
+    backend = NativeRollout(**rollout["init_args"])
+    backend.setup(model, None)
+    backend.config.release_memory = False
+    out = backend.generate(LONG[:2], sampled(max_tokens=3))
+    assert [len(c) for c in out.completion_ids] == [3, 3]
+    assert backend.engine.runner.states.matrix.dtype == torch.bfloat16
+
+
+def test_narrow_states_and_exact_logprobs_are_refused_together(model, tmp_path):
+    from rlcu.contracts import Numerics
+
+    with pytest.raises(ValueError, match="^mamba_ssm_cache_dtype must be one of .*, got 'fp8'"):
+        EngineConfig(mamba_ssm_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="exact logprobs run the trainer's delta rule on fp32 states, and "
+                                         "mamba_ssm_cache_dtype=bfloat16 rounds the sampler's: set"):
+        LLMEngine(model, EngineConfig(numerics=Numerics.EXACT, mamba_ssm_cache_dtype="bfloat16"))
+    dense = load_model(tiny_hf_folder(tmp_path, "qwen3"))[0]  # no delta rule: nothing to round
+    LLMEngine(dense, EngineConfig(numerics=Numerics.EXACT, mamba_ssm_cache_dtype="bfloat16"))
+    LLMEngine(model, EngineConfig(numerics=Numerics.EXACT, mamba_ssm_cache_dtype="auto"))  # fp32 model: fp32 states

@@ -64,6 +64,22 @@ def test_cuda_graphs_advance_the_states_once(tmp_path):
     assert gaps[True] < 2 * gaps[False] + 1e-4 and gaps[True] < 1e-2
 
 
+def test_bf16_states_in_the_pool_on_cuda(tmp_path):
+    """`mamba_ssm_cache_dtype: bfloat16` through the Triton step kernel and CUDA graphs: the pool holds bf16
+    matrices, and the bf16 model's logprobs stay as near the trainer's as with fp32 states (printed beside them)."""
+    model = load_model(tiny_hf_folder(tmp_path, "qwen3_5_text", **SIZES), dtype="bfloat16")[0].cuda()
+    sp = SamplingParams(max_tokens=48, temperature=1.0, stop_token_ids=[EOS], seed=0)
+    gaps = {}
+    for name in ("float32", "bfloat16"):
+        engine = LLMEngine(model, EngineConfig(release_memory=False, mamba_ssm_cache_dtype=name))
+        out = engine.generate([p for p in PROMPTS for _ in range(4)], sp)
+        assert engine.runner.graphs is not None and engine.runner.states.matrix.dtype == getattr(torch, name)
+        gaps[name] = logprob_gaps(model, out).mean().item()
+    print(f"qwen3_5 bf16 model: engine vs trainer mean |diff| with fp32 states {gaps['float32']:.2e}, bf16 states "
+          f"{gaps['bfloat16']:.2e}")
+    assert gaps["bfloat16"] < 0.05
+
+
 def test_a_bf16_training_step_through_fla(tmp_path):
     from rlcu.grpo.module import GRPOModule
     from tests.helpers import fit, toy_rows, varied_reward

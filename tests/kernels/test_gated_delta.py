@@ -132,6 +132,37 @@ def test_the_in_place_decode_step_against_float64(monkeypatch, dk, dv):
     assert torch.equal(updated[others], pool[others])
 
 
+@pytest.mark.parametrize("triton_kernel", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_decode_step_over_a_narrow_state_pool(monkeypatch, triton_kernel, dtype):
+    """`mamba_ssm_cache_dtype` bfloat16 / float16: the step reads each state from the pool, computes in fp32 as over
+    an fp32 pool, and writes the new state rounded once: the float64 recurrence from the same stored states, its
+    output within fp32's error and its new state within one rounding of the pool's dtype (Triton under the
+    interpreter, and the PyTorch path)."""
+    if triton_kernel and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if triton_kernel:
+        monkeypatch.setenv("RLCU_TRITON", "1")
+    else:
+        monkeypatch.delenv("RLCU_TRITON", raising=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, _, _ = inputs([1] * 3, hk=2, hv=4, dk=24, dv=40, device=device)
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(5, 4, 24, 40, generator=gen).to(device, dtype)
+    a, b, a_log, dt_bias = (torch.randn(*shape, generator=gen).to(device) for shape in [(3, 4), (3, 4), (4,), (4,)])
+    x["g"], x["beta"] = gates(a, b, a_log, dt_bias)
+    slots = torch.tensor([4, 1, 2], device=device)
+    want, want_state = gated_delta_reference(**x, cu=torch.arange(4, device=device), state=pool[slots],
+                                             dtype=torch.float64)
+    updated = pool.clone()
+    got = gated_delta_step_(x["q"], x["k"], x["v"], a, b, a_log, dt_bias, pool=updated, slots=slots)
+    assert updated.dtype == dtype
+    assert (got.double() - want).abs().max() < 1e-5
+    spacing = torch.finfo(dtype).eps * want_state.abs() + 1e-6  # one rounding to the pool's dtype: half of this
+    assert ((updated[slots].double() - want_state).abs() <= spacing).all()
+    assert torch.equal(updated[[0, 3]], pool[[0, 3]])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or fla_ops() is None, reason="needs CUDA and flash-linear-attention")
 @pytest.mark.parametrize("dk", [64, 128])  # fla's key tiles on Hopper: 64 wide (miscompiled there), and 128

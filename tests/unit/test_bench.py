@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from rlcu.bench import QWEN3_06B
 from rlcu.cli import main
@@ -322,3 +323,24 @@ def test_a_shape_no_one_gpu_holds_is_refused_before_any_memory_is_taken(monkeypa
     with pytest.raises(ValueError, match=rf"^qwen3-next-80b-a3b-random: its weights \({gigabytes:.1f} GB\) do not "
                                          r"fit one NVIDIA H200 \(150\.0 GB\)"):
         build_model("qwen3-next-80b-a3b-random", "cuda", "bfloat16")
+
+
+def test_bench_rollout_and_step_keep_a_hybrids_states_in_bf16(tmp_path, capsys, monkeypatch):
+    """`--mamba_ssm_cache_dtype bfloat16` reaches the engine of both benches (the state pools they make hold bf16
+    matrices) and the JSON says so; a model on the transformers fallback refuses it in one line."""
+    from rlcu.engine import model_runner
+
+    pools, real = [], model_runner.StatePool
+    monkeypatch.setattr(model_runner, "StatePool", lambda *a, **k: pools.append(real(*a, **k)) or pools[-1])
+    folder = tiny_hf_folder(tmp_path, "qwen3_5_text")
+    common = ["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--new_tokens", "4",
+              "--mamba_ssm_cache_dtype", "bfloat16"]
+    main(["bench", "rollout", *common, "--sequences", "3", "--prompt_len", "5", "--repeats", "1"])
+    assert last_json(capsys)["mamba_ssm_cache_dtype"] == "bfloat16"
+    main(["bench", "step", *common, "--prompts", "2", "--generations", "2", "--prompt_len", "5", "--steps", "1"])
+    assert last_json(capsys)["mamba_ssm_cache_dtype"] == "bfloat16"
+    assert len(pools) >= 2 and {p.matrix.dtype for p in pools} == {torch.bfloat16}
+    with pytest.raises(SystemExit):
+        main(["bench", "rollout", "--model", str(tiny_hf_folder(tmp_path / "neox", "gpt_neox")), "--device", "cpu",
+              "--sequences", "2", "--new_tokens", "2", "--mamba_ssm_cache_dtype", "bfloat16"])
+    assert "--mamba_ssm_cache_dtype measure the native engine only" in capsys.readouterr().err
