@@ -16,7 +16,7 @@
 # one GPU; LONG picks the workloads, MB rlcu's micro-batch, SIDES as for curves, KV rlcu's kv_cache_dtype),
 # families (issue #40's dense families at public shapes beside TRL; FAMILIES picks them), hybrids (issue #43's rows
 # at the Qwen3.5 shapes beside TRL; HYBRID picks them among rollout, turns, step, step-bf16-moments, step-lean,
-# step-prof, delta-train, trl, lora, trl-lora, trl-fla and trl-lora-fla; TRL_PYTHONPATH is trl and trl-lora's
+# step-prof, delta-train, bf16-states, trl, lora, trl-lora, trl-fla and trl-lora-fla; TRL_PYTHONPATH is trl and trl-lora's
 # PYTHONPATH, default rlcu's: leave fla off it where fla's backward refuses the machine's Triton, and TRL runs
 # transformers' PyTorch delta rule; trl-fla and trl-lora-fla run TRL on rlcu's path with fla, its guard lifted where
 # its backward probes right, TRL_FLA=lifted in benchmarks/trl_family.py),
@@ -92,6 +92,15 @@ case $part in
           log rollout64-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --repeats 2
           log turns4-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --turns 4 --repeats 2 ;;
         step) log step8x8-$q rlcu bench step --model $q --prompts 8 --generations 8 --new_tokens 512 --steps 3 ;;
+        # the delta rule's states in bf16 in the pool (vLLM's mamba_ssm_cache_dtype): the rollouts at 512 and 64
+        # sequences and the 9B LoRA step, each beside its fp32-state run of the same part (rollout, turns, lora)
+        bf16-states)
+          log rollout512-bf16-states-$q rlcu bench rollout --model $q --sequences 512 --new_tokens 512 --repeats 2 \
+            --mamba_ssm_cache_dtype bfloat16
+          log rollout64-bf16-states-$q rlcu bench rollout --model $q --sequences 64 --new_tokens 512 --repeats 2 \
+            --mamba_ssm_cache_dtype bfloat16
+          log step8x8-lora-bf16-states-$q9 rlcu bench step --model $q9 --prompts 8 --generations 8 --new_tokens 512 \
+            --steps 3 --lora_rank 16 --mamba_ssm_cache_dtype bfloat16 ;;
         # one layer's delta rule forward and backward at the step's shape, by training's path (fla's backward where
         # its probe found it right) and by the PyTorch chunked form's backward
         delta-train) log delta-train python3 benchmarks/gated_delta_train.py 64 640; tail -4 "$out/delta-train.log" ;;
