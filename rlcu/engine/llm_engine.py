@@ -146,11 +146,11 @@ class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         model.check_numerics(self.config.numerics)
-        narrow = self.config.mamba_ssm_cache_dtype
+        states = self.config.mamba_ssm_cache_dtype
         if (self.config.numerics.batch_invariant and getattr(model.config, "linear_layers", None)
-                and state_dtype(model, narrow) != torch.float32):
+                and state_dtype(model, states) != torch.float32):
             raise ValueError(f"exact logprobs run the trainer's delta rule on fp32 states, and mamba_ssm_cache_dtype="
-                             f"{narrow} rounds the sampler's: set mamba_ssm_cache_dtype: float32, or leave "
+                             f"{states} rounds the sampler's: set mamba_ssm_cache_dtype: float32, or leave "
                              "exact_logprobs off")
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None  # of the generate() in progress
