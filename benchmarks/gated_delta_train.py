@@ -14,7 +14,7 @@ import torch
 
 from rlcu.kernels.causal_conv import causal_conv_triton
 from rlcu.kernels.gated_delta import (
-    _FlaForwardTorchBackward,
+    _FlaChunked,
     causal_conv_reference,
     fla_backward_probed,
     fla_backward_sound,
@@ -39,7 +39,7 @@ def main():
     probed = sound or fla_backward_probed(dev, HK, HV, D, D, bf)
     print(f"fla's backward here: {'sound' if sound else 'probed right' if probed else 'probed wrong'}")
     paths = {"training's": lambda: gated_delta_rule(q, k, v, g, beta, cu),
-             "torch backward": lambda: _FlaForwardTorchBackward.apply(q, k, v, g, beta, cu, None)}
+             "torch backward": lambda: _FlaChunked.apply(q, k, v, g, beta, cu, None, False)}
     grads = {}
     for name, rule in paths.items():
         ms, peak, grads[name] = _time(rule, leaves, do)

@@ -169,9 +169,8 @@ def _fla_trainable(q, k, v, g, beta, cu, state):
     (`fla_backward_probed`); elsewhere fla's forward and the PyTorch chunked form's backward."""
     if fla_backward_sound(q.device):
         return _fla(fla_ops()[0], q, k, v, g, beta, cu, state)
-    if fla_backward_probed(q.device, q.shape[1], v.shape[1], q.shape[2], v.shape[2], v.dtype):
-        return _FlaUnguarded.apply(q, k, v, g, beta, cu, state)
-    return _FlaForwardTorchBackward.apply(q, k, v, g, beta, cu, state)
+    right = fla_backward_probed(q.device, q.shape[1], v.shape[1], q.shape[2], v.shape[2], v.dtype)
+    return _FlaChunked.apply(q, k, v, g, beta, cu, state, right)
 
 
 @functools.cache
@@ -209,7 +208,7 @@ def fla_backward_probed(device: torch.device, hk: int, hv: int, dk: int, dv: int
     with torch.autograd.graph.saved_tensors_hooks(lambda a: a, lambda a: a), torch.enable_grad(), \
             torch.autocast(device.type, enabled=False):
         try:
-            got = _grads(_FlaUnguarded.apply, x, cu, state, do)
+            got = _grads(lambda *a: _FlaChunked.apply(*a, True), x, cu, state, do)
         except Exception as e:  # another refusal or a failed compile: the probe only ever turns a speed-up on
             log.warning("fla's chunked backward failed its probe at %d/%d heads %dx%d %s (%s: %s); the PyTorch "
                         "form's backward runs instead", hk, hv, dk, dv, dtype, type(e).__name__, e)
@@ -247,12 +246,6 @@ def fla_guard_lifted():
         module.TRITON_ABOVE_3_7_1 = saved
 
 
-def _needed(ctx, rule_inputs):
-    """A rule's saved (q, k, v, g, beta, state) as leaves, each needing a gradient where the Function's input did."""
-    needs = (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6])
-    return [t.detach().requires_grad_(need) if t is not None else None for t, need in zip(rule_inputs, needs)]
-
-
 def _grad_of(outs, grads, leaves):
     """Gradients of `outs` against `grads` at `leaves` (None where one is absent or needs none)."""
     wanted = [t for t in leaves if t is not None and t.requires_grad]
@@ -260,45 +253,31 @@ def _grad_of(outs, grads, leaves):
     return [next(got) if t is not None and t.requires_grad else None for t in leaves]
 
 
-class _FlaUnguarded(torch.autograd.Function):
-    """fla's chunked rule, its backward run with fla's Hopper guard lifted (where `fla_backward_probed` found it
-    right). The backward runs fla's forward again to record fla's graph: a graph recorded in the forward would hold
-    its tensors through a checkpoint's hooks, and its backward would ask the checkpoint to recompute the layer a second
-    time."""
+class _FlaChunked(torch.autograd.Function):
+    """fla's chunked forward. The backward runs the forward again, recording its graph, and differentiates it: fla's
+    own with its Hopper guard lifted (`fla_backward`, where `fla_backward_probed` found it right), else the PyTorch
+    chunked form (where fla's backward is unsound and was not found right). A graph recorded in the forward would
+    hold its tensors through a checkpoint's hooks, and its backward would ask the checkpoint to recompute the layer
+    a second time."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu, state):
+    def forward(ctx, q, k, v, g, beta, cu, state, fla_backward: bool):
+        ctx.fla_backward = fla_backward
         ctx.save_for_backward(q, k, v, g, beta, cu, state)
         return _fla(fla_ops()[0], q, k, v, g, beta, cu, state)
 
     @staticmethod
     def backward(ctx, grad_o, grad_final):
         q, k, v, g, beta, cu, state = ctx.saved_tensors
-        leaves = _needed(ctx, (q, k, v, g, beta, state))
+        needs = (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6])
+        leaves = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip((q, k, v, g, beta, state), needs)]
+        rule = functools.partial(_fla, fla_ops()[0]) if ctx.fla_backward else _chunked_torch
         with torch.enable_grad():
-            outs = _fla(fla_ops()[0], *leaves[:5], cu, leaves[5])
-            with fla_guard_lifted():
+            outs = rule(*leaves[:5], cu, leaves[5])
+            with fla_guard_lifted() if ctx.fla_backward else contextlib.nullcontext():
                 out = _grad_of(outs, (grad_o, grad_final), leaves)
-        return (*out[:5], None, out[5])
-
-
-class _FlaForwardTorchBackward(torch.autograd.Function):
-    """fla's chunked forward; the backward differentiates the PyTorch chunked form, recomputed (where fla's own
-    backward is unsound, `fla_backward_sound`, and was not found right, `fla_backward_probed`)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu, state):
-        ctx.save_for_backward(q, k, v, g, beta, cu, state)
-        return _fla(fla_ops()[0], q, k, v, g, beta, cu, state)
-
-    @staticmethod
-    def backward(ctx, grad_o, grad_final):
-        q, k, v, g, beta, cu, state = ctx.saved_tensors
-        leaves = _needed(ctx, (q, k, v, g, beta, state))
-        with torch.enable_grad():
-            o, final = _chunked_torch(*leaves[:5], cu, leaves[5])
-            out = _grad_of((o, final), (grad_o, grad_final), leaves)
-        return (*out[:5], None, out[5])
+        return (*out[:5], None, out[5], None)
 
 
 def _chunked_torch(q, k, v, g, beta, cu, state):
