@@ -149,7 +149,7 @@ def require_fits(nbytes: int, device: torch.device | str, what: str) -> None:
         return
     props = torch.cuda.get_device_properties(device)
     if nbytes > props.total_memory:
-        raise ValueError(f"{what}: its weights ({nbytes / 1e9:.1f} GB) do not fit one {props.name} "
+        raise ValueError(f"{what}: {nbytes / 1e9:.1f} GB of weights do not fit one {props.name} "
                          f"({props.total_memory / 1e9:.1f} GB): shard them across GPUs (--trainer.strategy=fsdp2, "
                          "or tensor_parallel_size; docs/scaling.md), or choose a smaller model")
 
