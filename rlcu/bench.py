@@ -198,6 +198,9 @@ def random_prompt_ids(n: int, length: int, vocab_size: int, seed: int = 0) -> li
 
 
 def parser() -> argparse.ArgumentParser:
+    from rlcu.engine.llm_engine import EngineConfig
+    from rlcu.engine.states import STATE_DTYPES
+
     p = argparse.ArgumentParser(prog="rlcu bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("rollout", "step"):
@@ -217,9 +220,10 @@ def parser() -> argparse.ArgumentParser:
                             "auto (the engine's default) at decode steps of 256 sequences or more, on at any size")
         s.add_argument("--kv_cache_dtype", choices=("auto", "fp8"), default="auto",
                        help="fp8: keys and values in e4m3 (half the bytes a decode step reads; a logprob cost)")
-        s.add_argument("--mamba_ssm_cache_dtype", choices=("float32", "bfloat16", "float16", "auto"),
-                       default="float32", help="a hybrid's delta-rule states in the pool (vLLM's name): bfloat16 "
-                                               "halves a decode step's largest traffic, each new state rounded once")
+        s.add_argument("--mamba_ssm_cache_dtype", choices=tuple(STATE_DTYPES),
+                       default=EngineConfig.mamba_ssm_cache_dtype,
+                       help="a hybrid's delta-rule states in the pool (vLLM's name): bfloat16 halves a decode step's "
+                            "largest traffic, each new state rounded once")
         s.add_argument("--exact_logprobs", action="store_true",
                        help="batch-invariant kernels: the engine's logprobs equal the trainer's to the bit")
         s.add_argument("--profile", metavar="DIR",
@@ -436,11 +440,12 @@ class HTTPEpisode:
 def bench_reference_rollout(args, model, requests) -> dict:
     """A model without a native family: the rollouts GRPOModule gives it (the reference backend, over rlcu's static
     cache where the model allows, `rlcu/models/hf_decode.py`), all the sequences as one lockstep batch."""
+    from rlcu.engine.llm_engine import EngineConfig
     from rlcu.rollout.base import SamplingParams
     from rlcu.rollout.reference import ReferenceRollout
 
     if (args.turns > 1 or args.profile or args.exact_logprobs or args.kv_cache_dtype != "auto"
-            or args.mamba_ssm_cache_dtype != "float32"):
+            or args.mamba_ssm_cache_dtype != EngineConfig.mamba_ssm_cache_dtype):
         raise ValueError(f"{args.model} runs on the transformers fallback: --turns, --profile, --exact_logprobs, "
                          "--kv_cache_dtype and --mamba_ssm_cache_dtype measure the native engine only")
     backend = ReferenceRollout(max_batch_size=len(requests))
