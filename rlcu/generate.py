@@ -1,7 +1,8 @@
 """`rlcu generate`: run a model with any rollout backend on a JSONL of prompts and write completions,
 token ids, logprobs and finish reasons as JSONL (for evaluation and for debugging the engine).
 
-Input rows: {"prompt": "text"}, {"prompt": [chat messages]} or {"messages": [chat messages]}; other
+Input rows: {"prompt": "text"}, {"prompt": [chat messages]}, {"messages": [chat messages]} or
+{"prompt_token_ids": [ids]} (vLLM's name: token ids as they are, for a model without a tokenizer too); other
 fields are copied to the output."""
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ def read_prompts(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
-            raise ValueError(f"{path}:{n} needs a 'prompt' (text or chat messages) or a 'messages' field")
+        if not isinstance(row, dict) or not any(k in row for k in ("prompt", "messages", "prompt_token_ids")):
+            raise ValueError(f"{path}:{n} needs a 'prompt' (text or chat messages), a 'messages' or a "
+                             "'prompt_token_ids' field")
+        ids = row.get("prompt_token_ids")
+        if ids is not None and not (isinstance(ids, list) and ids and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise ValueError(f"{path}:{n}: 'prompt_token_ids' must be a non-empty list of token ids (ints >= 0)")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path} holds no prompts")
@@ -74,7 +80,8 @@ class StopOnSignal:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlcu generate", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="smollm2-135m-instruct", help="HF folder, hub id, .gguf file or embedded name")
-    p.add_argument("--input", required=True, type=Path, help="JSONL of prompts")
+    p.add_argument("--input", required=True, type=Path,
+                   help="JSONL of prompts: rows with 'prompt' (text or chat), 'messages' or 'prompt_token_ids'")
     p.add_argument("--output", required=True, type=Path, help="JSONL to write")
     p.add_argument("--rollout", default="native", help="rollout backend: a plugin name or import path")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
@@ -91,9 +98,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def prompt_token_ids(rows: list[dict], tok, vocab_size: int, args) -> list[list[int]]:
+    """Each row's prompt as token ids: its 'prompt_token_ids' as they are, else its text or chat encoded by the
+    tokenizer (chat through its template)."""
+    from rlcu.data.prompts import encode_prompts
+
+    texts = [(i, r.get("prompt", r.get("messages"))) for i, r in enumerate(rows) if "prompt_token_ids" not in r]
+    if texts and tok is None:
+        raise ValueError(f"{args.model} has no tokenizer, so the text prompts of {args.input} (row {texts[0][0] + 1} "
+                         "the first) cannot be encoded: add the tokenizer's files to the model's folder, or give each "
+                         "row 'prompt_token_ids' (a list of token ids) instead")
+    encoded = dict(zip((i for i, _ in texts), encode_prompts(tok, [t for _, t in texts]))) if texts else {}
+    out = [r["prompt_token_ids"] if "prompt_token_ids" in r else encoded[i] for i, r in enumerate(rows)]
+    for i, ids in enumerate(out):
+        if max(ids) >= vocab_size:
+            raise ValueError(f"row {i + 1} of {args.input} holds token id {max(ids)}, past the model's vocabulary "
+                             f"of {vocab_size}")
+    return out
+
+
 def run(argv: list[str]) -> Path:
     from rlcu.contracts import GenerationInterrupted, eos_token_ids
-    from rlcu.data.prompts import encode_prompts
     from rlcu.models import load_model
     from rlcu.paths import check_writable_file
     from rlcu.rollout import SamplingParams, resolve_rollout, turns
@@ -109,7 +134,7 @@ def run(argv: list[str]) -> Path:
     model.to(device).eval()
     backend = resolve_rollout(args.rollout)
     backend.setup(model, tok)
-    prompt_ids = encode_prompts(tok, [r.get("prompt", r.get("messages")) for r in rows])
+    prompt_ids = prompt_token_ids(rows, tok, model.config.vocab_size, args)
     context = model.config.max_position_embeddings
     for i, ids in enumerate(prompt_ids):  # before any work: past the context a model computes garbage
         if len(ids) + args.max_tokens > context:
@@ -133,7 +158,8 @@ def run(argv: list[str]) -> Path:
         for i, (ids, lps, reason) in enumerate(zip(out.completion_ids, out.logprobs, out.finish_reasons)):
             row = rows[i // args.n]
             record = {k: v for k, v in row.items()}
-            record.update(index=i // args.n, sample=i % args.n, completion=tok.decode(ids, skip_special_tokens=True),
+            text = tok.decode(ids, skip_special_tokens=True) if tok is not None else None
+            record.update(index=i // args.n, sample=i % args.n, completion=text,
                           completion_ids=ids, logprobs=lps, finish_reason=reason, prompt_ids=out.prompt_ids[i])
             f.write(json.dumps(record) + "\n")
     tokens = sum(len(c) for c in out.completion_ids)

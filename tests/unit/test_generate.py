@@ -71,6 +71,47 @@ def test_an_unwritable_output_is_an_error_before_any_work(tmp_path, tiny, capsys
     assert e.value.code == 2 and "cannot write there" in capsys.readouterr().err
 
 
+def test_token_id_prompts_generate_as_their_text_does_and_need_no_tokenizer(tmp_path, tiny, capsys):
+    """vLLM's 'prompt_token_ids' rows: taken as they are, beside text rows, and the only prompts a model without a
+    tokenizer can take (a folder of weights alone, as transformers' config classes save them)."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "t1 t2 t3"}\n')
+    cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(out), "--max_tokens", "6"])
+    text_row = json.loads(out.read_text())
+    ids = text_row["prompt_ids"]
+    prompts.write_text(json.dumps({"prompt_token_ids": ids, "id": 7}) + '\n{"prompt": "t4"}\n')
+    cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(out), "--max_tokens", "6"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["prompt_ids"] == ids and rows[0]["completion_ids"] == text_row["completion_ids"]
+    assert rows[0]["completion"] == text_row["completion"] and rows[0]["id"] == 7 and rows[1]["prompt_ids"] != ids
+
+    bare = tmp_path / "bare"  # the same weights without the tokenizer's files
+    bare.mkdir()
+    for f in tiny.iterdir():
+        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+            (bare / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(bare), "--input", str(prompts), "--output", str(out), "--max_tokens", "6"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and "has no tokenizer, so the text prompts" in err and "(row 2 the first)" in err
+    prompts.write_text(json.dumps({"prompt_token_ids": ids}) + "\n")
+    cli.main(["generate", "--model", str(bare), "--input", str(prompts), "--output", str(out), "--max_tokens", "6"])
+    row = json.loads(out.read_text())
+    assert row["completion_ids"] == text_row["completion_ids"] and row["completion"] is None
+
+
+@pytest.mark.parametrize("ids, says", [("[]", "non-empty list"), ('["t1"]', "non-empty list"), ("[-1]", "ints >= 0"),
+                                       ("[true]", "ints >= 0"), ("7", "non-empty list"),
+                                       ("[3, 64]", "holds token id 64, past the model's vocabulary of 64")])
+def test_bad_token_id_prompts_are_one_line_errors(tmp_path, tiny, capsys, ids, says):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "t1"}\n{"prompt_token_ids": ' + ids + "}\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tiny), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 2 and says in err and ("p.jsonl:2" in err or "row 2 of" in err), err
+
+
 def test_a_prompt_past_the_context_is_refused_before_any_work(tmp_path, tiny, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": " ".join(["t1"] * 1000)}) + "\n")  # the tiny model's context: 1024
