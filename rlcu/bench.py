@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcu.data.tokenizers import word_tokenizer
+from rlcu.devices import resolve_device
 
 QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -210,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--prompt_len", type=int, default=128)
         s.add_argument("--new_tokens", type=int, default=512)
         s.add_argument("--dtype", default="bfloat16")
-        s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        s.add_argument("--device", default="auto", help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda")
         s.add_argument("--no_cuda_graphs", action="store_true")
         s.add_argument("--no_lookahead", dest="lookahead", action="store_false",
                        help="wait for each decode step's tokens on the host before launching the next")
@@ -722,6 +723,7 @@ def run(argv: list[str]) -> dict:
             raise ValueError(f"--{name} must be >= 1")
     if getattr(args, "profile_steps", 1) < 1:
         raise ValueError("--profile_steps must be >= 1")
+    args.device = resolve_device(args.device)
     if args.profile:  # before any work: a folder that cannot be made fails now, not after the timed runs
         try:
             os.makedirs(args.profile, exist_ok=True)

@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 
 def read_prompts(path: Path) -> list[dict]:
     if not path.is_file():
@@ -94,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
                    help="> 1 discourages tokens already in the prompt or completion (vLLM's meaning; 1.0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     return p
 
 
@@ -119,6 +117,7 @@ def prompt_token_ids(rows: list[dict], tok, vocab_size: int, args) -> list[list[
 
 def run(argv: list[str]) -> Path:
     from rlcu.contracts import GenerationInterrupted, eos_token_ids
+    from rlcu.devices import resolve_device
     from rlcu.models import load_model
     from rlcu.paths import check_writable_file
     from rlcu.rollout import SamplingParams, resolve_rollout, turns
@@ -127,7 +126,7 @@ def run(argv: list[str]) -> Path:
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     check_writable_file(args.output, "--output")  # before the model loads and generates, not after
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     dtype = ("bfloat16" if device == "cuda" else "float32") if args.dtype == "auto" else args.dtype
     rows = read_prompts(args.input)
     model, tok = load_model(args.model, dtype=dtype)

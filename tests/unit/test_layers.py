@@ -13,7 +13,7 @@ LAYERS = ["kernels", "models", "engine", "rollout", "agents", "grpo"]  # each ma
 TOP = {"cli", "callbacks", "bench", "generate", "export", "trl"}  # may import everything
 LEAF_PACKAGES = {"rewards", "data"}  # may import themselves and the shared modules
 SHARED = {"__init__", "calls", "contracts", "plugins", "hparams", "text", "paths", "pypi_files", "checkpoint", "quiet",
-          "loggers", "profiling", "strategies"}
+          "loggers", "profiling", "strategies", "devices"}
 
 
 def part(module: str) -> str:
