@@ -112,9 +112,10 @@ class LossOptions(OptionGroup):
                                               choices=AGGREGATIONS)
     importance_sampling_level: str = option("token", "token, or sequence (GSPO)", choices=LEVELS)
     epsilon: float = option(0.2, "clip range", minimum=0)
-    epsilon_high: float | None = option(None, "upper clip range (DAPO's clip-higher; None: epsilon)")
+    epsilon_high: float | None = option(None, "upper clip range (DAPO's clip-higher; None: epsilon)", minimum=0)
     delta: float | None = option(None, "two-sided clipping: the unclipped ratio capped at delta (INTELLECT-2)")
-    beta: float = option(0.0, "k3 KL to a frozen copy of the starting model")
+    beta: float = option(0.0, "k3 KL to a frozen copy of the starting model", minimum=0,
+                         why=" (the KL penalty's weight; 0 keeps no reference model)")
     sync_ref_model: bool = option(False, "every ref_model_sync_steps steps the reference becomes alpha x policy + "
                                          "(1 - alpha) x reference (TR-DPO; TRL's)")
     ref_model_mixup_alpha: float = option(0.6, "the policy's share in a reference sync", minimum=0, maximum=1)
@@ -167,10 +168,10 @@ class CorrectionOptions(OptionGroup):
     vllm_importance_sampling_mode: str = option("sequence_mask", "per token or per sequence, truncated or zeroed "
                                                                  "outside [clip_min, clip_max]",
                                                 choices=SAMPLING_CORRECTION_MODES)
-    vllm_importance_sampling_clip_max: float | None = option(3.0, "upper bound of the weight")
-    vllm_importance_sampling_clip_min: float | None = option(None, "lower bound of the weight")
+    vllm_importance_sampling_clip_max: float | None = option(3.0, "upper bound of the weight", minimum=0)
+    vllm_importance_sampling_clip_min: float | None = option(None, "lower bound of the weight", minimum=0)
     off_policy_mask_threshold: float | None = option(None, "drop a negative-advantage sequence whose mean "
-                                                           "sampler-to-policy KL exceeds it (DeepSeek-V3.2)")
+                                                           "sampler-to-policy KL exceeds it (DeepSeek-V3.2)", minimum=0)
     importance_sampling_correction: bool | None = option(None, "rlcu's neutral name of "
                                                                "vllm_importance_sampling_correction",
                                                          alias_of="vllm_importance_sampling_correction")
@@ -208,7 +209,7 @@ class EntropyOptions(OptionGroup):
     entropy_coef_min: float = option(0.0, "the adaptive coefficient's lower bound")
     entropy_coef_max: float = option(1.0, "the adaptive coefficient's upper bound")
     entropy_coef_delta: float = option(0.005, "the adaptive coefficient's step", minimum=0)
-    entropy_target: float = option(0.2, "the entropy the adaptive coefficient steers to")
+    entropy_target: float = option(0.2, "the entropy the adaptive coefficient steers to", minimum=0)
 
     def check(self) -> None:
         if self.entropy_coef_min > self.entropy_coef_max:
@@ -223,7 +224,7 @@ class EntropyOptions(OptionGroup):
 class OptimizerOptions(OptionGroup):
     title: ClassVar[str] = "optimizer"
     learning_rate: float = option(1e-6, "AdamW's learning rate", minimum=0)
-    weight_decay: float = option(0.0, "AdamW's weight decay")
+    weight_decay: float = option(0.0, "AdamW's weight decay", minimum=0)
     adam_betas: tuple[float, float] = option((0.9, 0.999), "AdamW's betas")
     adam_state_dtype: str = option("float32", "AdamW's moments in float32 or bfloat16 (stochastic rounding)",
                                    choices=ADAM_STATE_DTYPES)
@@ -238,7 +239,8 @@ class OptimizerOptions(OptionGroup):
     lr_scheduler_kwargs: dict | None = option(None, "the schedule's own arguments (TRL's), e.g. {min_lr_rate: 0.1}")
     warmup_steps: float = option(0, "steps of linear warm-up; a value below 1 is a ratio of max_steps (TRL's)",
                                  minimum=0)
-    max_grad_norm: float | None = option(1.0, "gradient clipping (None: off)")
+    max_grad_norm: float | None = option(1.0, "gradient clipping (None or 0: off)", minimum=0,
+                                         why=" (a norm; None or 0: no clipping)")
     micro_batch_size: int = option(8, "sequences per forward/backward (gradient accumulation over the step)",
                                    minimum=1)
     steps_per_rollout: int = option(1, "optimizer steps a rollout feeds, each on a slice of its rows, shuffled "

@@ -43,6 +43,19 @@ def test_groups_validate_themselves_with_one_line_naming_the_option():
         O.SamplingOptions().temperature = 0.5
 
 
+@pytest.mark.parametrize("name, value", [("beta", -0.1), ("epsilon_high", -0.5), ("max_grad_norm", -1.0),
+                                         ("weight_decay", -0.01), ("entropy_target", -0.2),
+                                         ("off_policy_mask_threshold", -0.5),
+                                         ("vllm_importance_sampling_clip_max", -3.0),
+                                         ("importance_sampling_clip_min", -1.0)])
+def test_a_weight_norm_or_bound_below_zero_is_refused(name, value):
+    """A negative max_grad_norm would scale the step by a negative factor (gradient ascent), a negative beta would
+    reward drifting from the reference: each is refused in one line."""
+    with pytest.raises(ValueError, match=r"^\w+ must be >= 0"):
+        O.Options.from_flat({name: value})
+    assert O.Options.from_flat({name: 0.0}) is not None  # zero stays allowed: off, or no penalty
+
+
 def test_the_adapter_groups_flat_names_resolves_aliases_and_names_unknown_ones():
     opts = O.Options.from_flat({"temperature": 0.7, "learning_rate": 3e-6, "importance_sampling_mode": "token_mask",
                                 "num_generations_eval": 2, "adam_betas": [0.9, 0.99]})
