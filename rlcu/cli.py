@@ -182,6 +182,17 @@ def check_output_folders(cfg) -> None:
             check_writable_folder(dirpath, f"the dirpath of {str(cb.class_path).rsplit('.', 1)[-1]}", keep=False)
 
 
+def check_accelerator(cfg) -> None:
+    """A GPU asked of a machine where torch sees none: one line naming the choices, before anything starts."""
+    import torch
+
+    accelerator = cfg.trainer.get("accelerator")
+    if isinstance(accelerator, str) and accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--trainer.accelerator={accelerator}: torch sees no GPU on this machine (torch "
+                         f"{torch.__version__}); use --trainer.accelerator=cpu, or auto to take a GPU where there "
+                         "is one")
+
+
 def explicit_model_flags(args: list[str]) -> list[str]:
     """The module options set on the command line (`--model.learning_rate=1e-5` or `--model.learning_rate 1e-5`)."""
     keys = []
@@ -203,6 +214,7 @@ def check_sections(cfg) -> None:
         if section in cfg and not isinstance(cfg[section], Namespace):
             raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
                              f"{cfg[section]!r}; leave it out for the defaults")
+    check_accelerator(cfg)
     check_output_folders(cfg)
     check_whole_plugins(cfg)
     add_progress_bar(cfg)

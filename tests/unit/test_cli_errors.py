@@ -97,6 +97,15 @@ def test_bad_input_is_one_line_and_exit_code_2(name, tiny, folder):
     assert "Traceback" not in err and "usage:" not in err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has the GPU asked for")
+def test_a_gpu_asked_of_a_machine_without_one_is_one_line(tiny, folder, capsys):
+    with pytest.raises(SystemExit) as e:
+        run(tiny, "--trainer.accelerator=gpu")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--trainer.accelerator=gpu: torch sees no GPU on this machine" in err
+    assert "--trainer.accelerator=cpu" in err and not list(folder.glob("runs/*/version_*"))
+
+
 def test_disk_full_while_saving_is_one_line(tiny, folder, capsys, monkeypatch):
     import torch
 
