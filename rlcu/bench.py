@@ -718,9 +718,10 @@ def finite(value):
 
 def run(argv: list[str]) -> dict:
     args = parser().parse_args(argv)
-    for name in ("prompt_len", "new_tokens", "generations"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1")
+    for name in ("prompt_len", "new_tokens", "generations", "sequences", "repeats", "turns", "prompts", "steps",
+                 "devices"):
+        if getattr(args, name, 1) < 1:  # (each subcommand has some of them)
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "profile_steps", 1) < 1:
         raise ValueError("--profile_steps must be >= 1")
     args.device = resolve_device(args.device)

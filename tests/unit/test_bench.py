@@ -146,10 +146,15 @@ def test_standard_tokenizer_round_trips_every_id():
     assert QWEN3_06B["vocab_size"] == 151936 and QWEN3_06B["num_hidden_layers"] == 28
 
 
-def test_bench_rejects_bad_lengths(tmp_path):
+@pytest.mark.parametrize("argv", [["rollout", "--new_tokens", "0"], ["rollout", "--sequences", "0"],
+                                  ["rollout", "--repeats", "0"], ["rollout", "--turns", "0"], ["step", "--steps", "0"],
+                                  ["step", "--prompts", "0"], ["step", "--devices", "0"]])
+def test_bench_rejects_counts_below_one_before_any_work(argv, capsys):
+    """A rollout of no sequences or a step count of zero would fail deep in the timing (an IndexError), and zero
+    repeats or turns would report figures of runs never timed."""
     with pytest.raises(SystemExit) as e:
-        main(["bench", "rollout", "--model", "x", "--new_tokens", "0"])
-    assert e.value.code == 2
+        main(["bench", *argv, "--model", "x"])
+    assert e.value.code == 2 and f"{argv[1]} must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["step", "--prompt", "8"], ["rollout", "--new_token", "8"],
