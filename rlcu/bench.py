@@ -178,6 +178,9 @@ def build_model(name: str, device: str, dtype: str):
         return random_model(device, resolve_dtype(dtype), shape=name)
     if name in FAMILY_SHAPES:
         return random_family_model(name, device, resolve_dtype(dtype))
+    if name.endswith("-random") and not os.path.exists(name):  # a misspelt shape of the benches is not a hub id
+        raise ValueError(f"--model {name}: no such random shape; rlcu bench builds "
+                         f"{', '.join([*SHAPES, *FAMILY_SHAPES])}")
     model, tok = load_model(name, dtype=dtype)
     # the benchmarks sample token ids: a folder without a tokenizer gets one that covers the vocabulary
     return model.to(device), tok if tok is not None else word_tokenizer(model.config.vocab_size)

@@ -146,6 +146,19 @@ def test_standard_tokenizer_round_trips_every_id():
     assert QWEN3_06B["vocab_size"] == 151936 and QWEN3_06B["num_hidden_layers"] == 28
 
 
+def test_a_misspelt_random_shape_names_the_shapes_and_a_folder_of_that_name_loads(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "rollout", "--model", "qwen3.5-2B-random", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--model qwen3.5-2B-random: no such random shape; rlcu bench builds" in err
+    assert "qwen3.5-2b-random" in err and "qwen3-0.6b-random" in err
+    folder = tiny_hf_folder(tmp_path / "mine-random", "llama")
+    monkeypatch.chdir(tmp_path)
+    main(["bench", "rollout", "--model", "mine-random", "--device", "cpu", "--dtype", "float32", "--sequences", "2",
+          "--new_tokens", "2", "--prompt_len", "4", "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == 4 and folder.is_dir()
+
+
 @pytest.mark.parametrize("argv", [["rollout", "--new_tokens", "0"], ["rollout", "--sequences", "0"],
                                   ["rollout", "--repeats", "0"], ["rollout", "--turns", "0"], ["step", "--steps", "0"],
                                   ["step", "--prompts", "0"], ["step", "--devices", "0"]])
