@@ -77,9 +77,11 @@ def print_plugins() -> None:
 
 
 def print_recipes() -> None:
-    for name, cfg in sorted(recipes().items()):
-        print(f"  {name:<14} {describe(cfg)}")
-        print(f"  {'':<14} {cfg}")
+    found = sorted(recipes().items())
+    width = max((len(name) for name, _ in found), default=0)  # one column whatever the longest name
+    for name, cfg in found:
+        print(f"  {name:<{width}} {describe(cfg)}")
+        print(f"  {'':<{width}} {cfg}")
 
 
 def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
@@ -391,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr)
             sys.exit(128 + stop)
         raise
+    except BrokenPipeError:  # `rlcu recipes | head`: the reader left; a shell's SIGPIPE exit, not a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush finds no closed pipe
+        sys.exit(128 + signal.SIGPIPE)
     except user_errors() as e:
         discard_failed_run()
         if os.environ.get("RLCU_DEBUG"):

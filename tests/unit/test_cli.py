@@ -275,3 +275,19 @@ def test_a_command_ends_the_process_group_it_ran_in(tmp_path, capsys):
     cli.main(["recipes"])
     assert "arithmetic" in capsys.readouterr().out
     assert not dist.is_initialized()
+
+
+def test_a_reader_that_leaves_early_ends_the_listing_quietly(tmp_path):
+    """`rlcu plugins | head -1`: the pipe's reader goes before rlcu writes, which exits as a shell's SIGPIPE death
+    (141) with nothing on stderr, where it printed "rlcu: error: [Errno 32] Broken pipe"."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    read, write = os.pipe()
+    os.close(read)  # no reader: the first write fails
+    done = subprocess.run([sys.executable, "-m", "rlcu.cli", "plugins"], stdout=write, stderr=subprocess.PIPE,
+                          text=True, env=dict(os.environ, PYTHONPATH=root), timeout=120, cwd=tmp_path)
+    os.close(write)
+    assert done.returncode == 141 and done.stderr == "", done.stderr[-2000:]
