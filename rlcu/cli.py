@@ -295,6 +295,9 @@ def expand_run(argv: list[str]) -> list[str]:
         return argv
     if argv[0] == "run" and argv[1:2] and argv[1].split("=", 1)[0] == "--trl_config":
         return trl_run(argv[1:])
+    if argv[0] == "run" and any(a.split("=", 1)[0] == "--trl_config" for a in argv[2:]):
+        raise ValueError("--trl_config takes the place of a recipe (each is a whole config): rlcu run --trl_config "
+                         "FILE [--section.key=value ...]")
     if len(argv) < 2 or argv[1].startswith("-"):
         raise ValueError(f"usage: rlcu {argv[0]} RECIPE [--section.key=value ...]; recipes: "
                          f"{', '.join(sorted(recipes()))} (rlcu {argv[0]} RECIPE --help lists every option)")

@@ -82,6 +82,16 @@ def test_bad_trl_input_names_the_field_and_the_fix():
     assert all("no effect here (rlcu samples with its own engine" in line for line in lines)
 
 
+@pytest.mark.parametrize("flag", [["--trl_config", "grpo.yaml"], ["--trl_config=grpo.yaml"]])
+def test_a_trl_config_after_a_recipe_says_where_it_goes(flag, capsys):
+    from rlcu import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "arithmetic", *flag])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--trl_config takes the place of a recipe" in err and err.count("\n") == 1
+
+
 def test_a_trl_grpo_yaml_trains_a_step_through_rlcu_run(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
