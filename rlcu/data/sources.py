@@ -47,8 +47,9 @@ def load_rows(path: str | list[str], split: str = "train", name: str | None = No
     try:
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
-        raise RuntimeError(f"could not load dataset {path!r} (split {split!r}): {type(e).__name__}: {e}. Offline? "
-                           "Pass local files of the same schema instead.") from e
+        cause = " ".join(str(e).split())[:300]  # one line, however long the library's message
+        raise ValueError(f"could not load dataset {path!r} (split {split!r}): {type(e).__name__}: {cause}. Offline? "
+                         "Pass local files of the same schema instead.") from e
 
 
 def check_local_file(path: Path) -> None:

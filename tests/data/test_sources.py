@@ -70,6 +70,21 @@ def test_bad_data_fails_at_setup_with_the_fix():
         build_dataset(str(FIXTURES / "no_prompt.jsonl"), {"n": 4})
 
 
+def test_a_hub_dataset_out_of_reach_is_one_user_error_line(monkeypatch):
+    """A ValueError (a user error: `rlcu run` prints one line), where a RuntimeError printed a traceback."""
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/nothing' on the Hub\n(LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(ValueError, match=r"^could not load dataset 'someone/nothing' \(split 'train'\): "
+                                         r"ConnectionError: Couldn't reach 'someone/nothing' on the Hub "
+                                         r"\(LocalEntryNotFoundError\)\. Offline\? Pass local files of the same "
+                                         r"schema instead\.$"):
+        build_dataset("someone/nothing", {})
+
+
 def test_datamodule_batches_rows_reproducibly_and_wraps_text_as_chat():
     dm = PromptDataModule([{"prompt": f"q{i}", "answer": str(i)} for i in range(10)], batch_size=4, as_chat=True,
                           system_prompt="sys", seed=1)
