@@ -24,6 +24,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.profiler import record_function
 from transformers import get_scheduler
@@ -443,11 +444,37 @@ class GRPOModule(L.LightningModule):
             checkpoint["rlcu_stream"] = self.streamer.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._match_reference(checkpoint.get("state_dict", {}))
         self._check_shapes(checkpoint.get("state_dict", {}))
         for name, value in checkpoint.get("rlcu_counters", {}).items():  # in place: the update phase holds them
             setattr(self.counters, name, value)
         if self.streamer is not None and "rlcu_stream" in checkpoint:
             self.streamer.load_state_dict(checkpoint["rlcu_stream"])
+
+    def _match_reference(self, saved: dict) -> None:
+        """A run resumed with another beta (Lightning resumes a run folder's last.ckpt by itself) goes on: where this
+        run keeps no reference model, the checkpoint's is left out; where it keeps one and the checkpoint has none,
+        the reference is this run's starting model, as it would have been from the first step. Any other tensor that
+        one side has and the other lacks (adapters added or taken away) is one error naming it, before any copy."""
+        if not saved:
+            return
+        live = self.state_dict()
+        reference = [k for k in saved if k.startswith("ref_model.")]
+        if reference and self.ref_model is None:
+            for key in reference:
+                del saved[key]
+            rank_zero_info("rlcu: the checkpoint's reference model is left out: this run keeps none (beta 0, or LoRA)")
+        elif self.ref_model is not None and not reference:
+            saved.update({k: v for k, v in live.items() if k.startswith("ref_model.")})
+            rank_zero_info("rlcu: the checkpoint has no reference model: this run's starting model is the reference")
+        missing, extra = [k for k in live if k not in saved], [k for k in saved if k not in live]
+        if missing or extra:
+            path = getattr(self._attached_trainer(), "ckpt_path", None) or "the checkpoint"
+            which = (f"lacks {missing[0]}, which this run has" if missing else f"has {extra[0]}, which this run lacks")
+            raise ValueError(f"{path} was saved by another set-up: it {which} ({len(missing)} such tensors missing, "
+                             f"{len(extra)} extra); resume it with the settings it was trained with (peft_config, the "
+                             "model), or start this run in another folder (--trainer.default_root_dir) or without "
+                             "that checkpoint")
 
     def _check_shapes(self, saved: dict) -> None:
         """A checkpoint of another model (a run folder's last.ckpt, resumed by Lightning, after the recipe's model was

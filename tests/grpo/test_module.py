@@ -156,6 +156,41 @@ def test_a_checkpoint_of_another_model_is_one_error_before_its_tensors_load(tmp_
         module.on_load_checkpoint(other)
 
 
+def test_a_checkpoint_resumed_with_another_beta_goes_on_and_other_missing_tensors_are_one_error(tmp_path):
+    """`rlcu run RECIPE --model.beta=...` again in a run folder: Lightning resumes its last.ckpt, which has a reference
+    model where this run keeps none, or none where this run keeps one; each used to stop in load_state_dict's
+    traceback. Adapters added or taken away stay an error, one line naming a tensor."""
+    reward = [lambda prompts, completions, completion_ids, **kw: [0.0] * len(prompts)]
+    folder = tiny_hf_folder(tmp_path / "a", "llama")
+    build = lambda **kw: GRPOModule(str(folder), rewards=reward, num_generations=2,  # noqa: E731
+                                    max_completion_length=4, **kw)
+    with_reference, without = build(beta=0.04), build()
+    with torch.no_grad():  # a trained policy: the checkpoint's reference and policy differ from the start
+        for p in with_reference.policy.parameters():
+            p.add_(0.5)
+    saved = {"state_dict": with_reference.state_dict()}
+    assert any(k.startswith("ref_model.") for k in saved["state_dict"])
+    without.on_load_checkpoint(saved)
+    without.load_state_dict(saved["state_dict"])  # strict: the reference's tensors were left out
+    assert torch.equal(without.policy.model.embed_tokens.weight, with_reference.policy.model.embed_tokens.weight)
+
+    start = build(beta=0.04)
+    reference = {k: v.clone() for k, v in start.ref_model.state_dict().items()}
+    saved = {"state_dict": build().state_dict()}
+    for v in saved["state_dict"].values():
+        v.add_(1.0)  # the checkpoint's policy trained on without a reference
+    start.on_load_checkpoint(saved)
+    start.load_state_dict(saved["state_dict"])
+    assert all(torch.equal(v, reference[k]) for k, v in start.ref_model.state_dict().items())  # the starting model
+    assert not torch.equal(start.policy.model.embed_tokens.weight, start.ref_model.model.embed_tokens.weight)
+
+    lora = build(peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    with pytest.raises(ValueError, match=r"^the checkpoint was saved by another set-up: it lacks policy\.\S*lora\S*, "
+                                         r"which this run has \(\d+ such tensors missing, 0 extra\); resume it "
+                                         r"with the settings it was trained with"):
+        lora.on_load_checkpoint({"state_dict": build().state_dict()})
+
+
 def test_fsdp1_and_deepspeed_are_refused_with_the_way_to_fsdp2(tmp_path):
     from lightning.pytorch.strategies import FSDPStrategy
 
