@@ -127,6 +127,8 @@ def build_cli(args: list[str], run: bool = True, parse_only: bool = False):
         def before_instantiate_classes(self) -> None:
             cfg = self.config[self.subcommand] if self.subcommand else self.config
             check_sections(cfg)
+            if not parse_only:  # a config that names a GPU parses anywhere; it runs only where there is one
+                check_accelerator(cfg)
             load_shares_alone(cfg, explicit)
 
         def after_instantiate_classes(self) -> None:
@@ -216,7 +218,6 @@ def check_sections(cfg) -> None:
         if section in cfg and not isinstance(cfg[section], Namespace):
             raise ValueError(f"the config's '{section}' section must be a mapping of settings, got "
                              f"{cfg[section]!r}; leave it out for the defaults")
-    check_accelerator(cfg)
     check_output_folders(cfg)
     check_whole_plugins(cfg)
     add_progress_bar(cfg)
