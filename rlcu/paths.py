@@ -22,8 +22,14 @@ def check_writable_folder(folder: str | Path, option: str, shown: str | Path | N
     folder = Path(folder)
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".rlcu-write-check-")
+        for attempt in range(3):
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, probe = tempfile.mkstemp(dir=folder, prefix=".rlcu-write-check-")
+                break
+            except FileNotFoundError:  # another run's check removed the folder it made (two starts in one place)
+                if attempt == 2:
+                    raise
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
