@@ -20,6 +20,8 @@ def check_writable_folder(folder: str | Path, option: str, shown: str | Path | N
     """`keep` False: the folders made for the check are removed after it (a run's output folders, which the run
     makes again as it writes: a run that fails to start leaves none behind)."""
     folder = Path(folder)
+    if shown is None and folder.is_file():
+        raise ValueError(f"{option} {folder} is a file; give a folder path")
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
     try:
         for attempt in range(3):

@@ -26,5 +26,7 @@ def test_a_file_where_a_folder_goes_is_one_error(tmp_path):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ValueError, match="--out .*a-file/sub: cannot write there"):
         check_writable_folder(tmp_path / "a-file" / "sub", "--out")
+    with pytest.raises(ValueError, match=r"^--out .*a-file is a file; give a folder path$"):
+        check_writable_folder(tmp_path / "a-file", "--out")
     with pytest.raises(ValueError, match="is a folder; give a file path"):
         check_writable_file(tmp_path, "--output")
