@@ -131,8 +131,9 @@ class PromptDataModule(L.LightningDataModule):
         columns = set(rows.column_names) if hasattr(rows, "column_names") else set(rows[0])
         missing = [c for c in [PROMPT, *self.required_columns] if c not in columns]
         if missing:
-            raise KeyError(f"the training dataset lacks the column(s) {missing}; it has {sorted(columns)}. "
-                           "Rename a column to 'prompt', or use a loader such as 'gsm8k' that builds it.")
+            fix = ("Rename a column to 'prompt', or use a loader such as 'gsm8k' that builds it" if PROMPT in missing
+                   else "Rename columns to those names, or drop them from data.required_columns")
+            raise KeyError(f"the training dataset lacks the column(s) {missing}; it has {sorted(columns)}. {fix}.")
         self.train_set, self.val_set = self._hold_out(rows, self._val_rows())
 
     def _build(self, split: str):

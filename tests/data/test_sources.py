@@ -60,6 +60,9 @@ def test_bad_data_fails_at_setup_with_the_fix():
         build_dataset("gsm8k", {"path": str(FIXTURES / "math.jsonl")})
     with pytest.raises(KeyError, match=r"lacks the column\(s\) \['prompt'\]; it has \['answer', 'question'\]"):
         PromptDataModule(str(FIXTURES / "no_prompt.jsonl")).setup()
+    with pytest.raises(KeyError, match=r"lacks the column\(s\) \['nope'\]; .* Rename columns to those names, or "
+                                       r"drop them from data.required_columns"):
+        PromptDataModule(arithmetic(8, seed=0), required_columns=["nope"]).setup()
     with pytest.raises(ValueError, match="is empty"):
         PromptDataModule([]).setup()
     with pytest.raises(ValueError, match=r"take 'seed' and 'n' \(or their own arguments\), not 'split'"):
