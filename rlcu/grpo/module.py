@@ -444,21 +444,22 @@ class GRPOModule(L.LightningModule):
             checkpoint["rlcu_stream"] = self.streamer.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._match_reference(checkpoint.get("state_dict", {}))
-        self._check_shapes(checkpoint.get("state_dict", {}))
+        saved = checkpoint.get("state_dict", {})
+        live = self.state_dict() if saved else {}  # once: both checks read it
+        self._match_reference(saved, live)
+        self._check_shapes(saved, live)
         for name, value in checkpoint.get("rlcu_counters", {}).items():  # in place: the update phase holds them
             setattr(self.counters, name, value)
         if self.streamer is not None and "rlcu_stream" in checkpoint:
             self.streamer.load_state_dict(checkpoint["rlcu_stream"])
 
-    def _match_reference(self, saved: dict) -> None:
+    def _match_reference(self, saved: dict, live: dict) -> None:
         """A run resumed with another beta (Lightning resumes a run folder's last.ckpt by itself) goes on: where this
         run keeps no reference model, the checkpoint's is left out; where it keeps one and the checkpoint has none,
         the reference is this run's starting model, as it would have been from the first step. Any other tensor that
         one side has and the other lacks (adapters added or taken away) is one error naming it, before any copy."""
         if not saved:
             return
-        live = self.state_dict()
         reference = [k for k in saved if k.startswith("ref_model.")]
         if reference and self.ref_model is None:
             for key in reference:
@@ -476,7 +477,7 @@ class GRPOModule(L.LightningModule):
                              "model), or start this run in another folder (--trainer.default_root_dir) or without "
                              "that checkpoint")
 
-    def _check_shapes(self, saved: dict) -> None:
+    def _check_shapes(self, saved: dict, live: dict) -> None:
         """A checkpoint of another model (a run folder's last.ckpt, resumed by Lightning, after the recipe's model was
         changed) is one error that says so, before its tensors are copied in. A tensor-parallel share is smaller
         than the whole tensor the file holds, and is left to the split's own loading."""
@@ -484,7 +485,6 @@ class GRPOModule(L.LightningModule):
         for prefix, model in (("policy.", self.policy), ("ref_model.", self.ref_model)):
             tp = getattr(model, "tensor_parallel", None)
             split |= {prefix + k for k in tp.split_tensors(model)} if tp is not None else set()
-        live = self.state_dict()
         for key, value in saved.items():
             if key in live and key not in split and tuple(value.shape) != tuple(live[key].shape):
                 path = getattr(self._attached_trainer(), "ckpt_path", None) or "the checkpoint"
