@@ -5,12 +5,14 @@ the target's own folder, flushes it to disk and renames it into place, so a save
 (a full disk, a kill) leaves the previous checkpoint as it was; Lightning's own save stages the file
 in the system temp folder and moves it, which across file systems is a copy that can be cut short.
 
-Each save also writes `NAME.sha256` beside the checkpoint (its sha256 and size). Loading checks the file
-against it first, so bytes damaged anywhere (not only a truncated end, which the unpickler notices) are an
-error that names the file, never a resumed run on wrong weights. A checkpoint without that file (another
-tool's) loads unchecked."""
+Each save also writes `NAME.sha256` beside the checkpoint (its sha256 and size), hashed from the bytes as they
+are written rather than read back: a save of a few GB then costs one pass over the disk, not two. Loading checks
+the file against it first, so bytes damaged anywhere (not only a truncated end, which the unpickler notices) are an
+error that names the file, never a resumed run on wrong weights. A link (ModelCheckpoint's `save_last: link`) is
+checked against its target's sum. A checkpoint without that file (another tool's) loads unchecked."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import zipfile
@@ -43,7 +45,7 @@ class UnsafeCheckpointError(ValueError):
 
 def verify(path: str | Path) -> None:
     """Check `path` against the checksum saved with it (if any); a mismatch is a CorruptCheckpointError."""
-    path = Path(path)
+    path = Path(path).resolve()  # a link's own .sha256 may be left from when the name held a file
     saved = checksum_path(path)
     if not saved.is_file():
         return
@@ -86,10 +88,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         tmp_sum = path.with_name(f".{path.name}.sha256.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
+                hashed = _HashingWriter(f)
+                torch.save(checkpoint, hashed)
                 f.flush()
                 os.fsync(f.fileno())
-            _write_synced(tmp_sum, f"{sha256(tmp)} {tmp.stat().st_size}\n")
+            size = tmp.stat().st_size
+            digest = hashed.sha.hexdigest() if hashed.size == size else sha256(tmp)  # torch wrote in order
+            _write_synced(tmp_sum, f"{digest} {size}\n")
             os.replace(tmp, path)
             os.replace(tmp_sum, checksum_path(path))
         except BaseException:
@@ -103,6 +108,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         return load(path, map_location if map_location is not None else "cpu")
+
+
+class _HashingWriter:
+    """A file's writes, hashed on their way: torch.save writes a stream without seeking it."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def _write_synced(path: Path, text: str) -> None:

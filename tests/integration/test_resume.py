@@ -66,7 +66,8 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
         run("first", 8, "--trainer.callbacks+=tests.integration.test_resume.StopAt", "--trainer.callbacks.step=3",
             "--trainer.enable_checkpointing=true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.filename=interrupted",
-            "--trainer.callbacks.every_n_train_steps=1")
+            "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=link")  # as the recipes save
+        assert (tmp_path / "ckpt" / "last.ckpt").is_symlink()
     else:  # the step in progress finishes, a checkpoint is saved, the run stops with 143 (130) as a signal death would
         with pytest.raises(SystemExit) as stopped:
             run("first", 8, *checkpoints, "--trainer.callbacks+=tests.integration.test_resume.SignalAt",
@@ -74,7 +75,8 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(tmp_path, mon
         assert stopped.value.code == 128 + getattr(signal, interruption)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / 'interrupted.ckpt'}")
+        saved = "last.ckpt" if interruption == "stop" else "interrupted.ckpt"
+        run("resumed", 8, f"--ckpt_path={tmp_path / 'ckpt' / saved}")
     resumable = not [w for w in caught if "not resumable" in str(w.message)]
     assert resumable, "Lightning thinks the data loader cannot resume"
     whole, first, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "first"), metrics(tmp_path / "resumed")

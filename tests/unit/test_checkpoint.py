@@ -66,6 +66,43 @@ def test_bytes_damaged_in_the_middle_are_caught_by_the_checksum(tmp_path, capsys
     assert e.value.code == 2 and "sha256 differs" in capsys.readouterr().err
 
 
+def test_the_sum_hashed_while_writing_is_the_files(tmp_path, monkeypatch):
+    """The sum is taken from the bytes on their way to disk; where torch.save did not write them in one ordered
+    stream (its count differs from the file's size), the file is read back instead."""
+    from rlcu.pypi_files import sha256
+
+    path = tmp_path / "step.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(300_000)}, "step": 3}, path)
+    digest, size = (tmp_path / "step.ckpt.sha256").read_text().split()
+    assert digest == sha256(path) and int(size) == path.stat().st_size
+    real_save = torch.save
+
+    def seeking_save(obj, f, *a, **kw):  # a writer that goes back over its bytes
+        real_save(obj, f, *a, **kw)
+        f.f.seek(0)
+        f.f.write(b"PK")
+
+    monkeypatch.setattr(torch, "save", seeking_save)
+    AtomicCheckpointIO().save_checkpoint({"step": 4}, path)
+    assert (tmp_path / "step.ckpt.sha256").read_text().split()[0] == sha256(path) and load(path)["step"] == 4
+
+
+def test_a_link_is_checked_against_its_targets_sum(tmp_path):
+    """`save_last: link`: last.ckpt becomes a link to the step's file, and a .sha256 of its own left from when
+    last.ckpt was a file (a run's end saves it whole) no longer applies."""
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    io.save_checkpoint({"step": 250, "w": torch.randn(50_000)}, tmp_path / "step=250.ckpt")
+    (tmp_path / "last.ckpt").unlink()
+    (tmp_path / "last.ckpt").symlink_to("step=250.ckpt")
+    assert (tmp_path / "last.ckpt.sha256").exists() and load(tmp_path / "last.ckpt")["step"] == 250
+    data = bytearray((tmp_path / "step=250.ckpt").read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = bytes(4096)
+    (tmp_path / "step=250.ckpt").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="step=250.ckpt is truncated.*sha256 differs"):
+        load(tmp_path / "last.ckpt")
+
+
 def test_a_checkpoint_without_a_checksum_still_loads(tmp_path):
     path = tmp_path / "other.ckpt"
     torch.save({"step": 7}, path)
