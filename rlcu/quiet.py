@@ -9,6 +9,9 @@ import warnings
 WARNINGS = (
     (r".*isinstance\(treespec, LeafSpec\)` is deprecated",
      "Lightning's own pytree helper calls an API that torch 2.13 deprecates; nothing in the user's code or config"),
+    (r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
+     "GRPOModule steps its optimizer itself, and the state after the step is the one to resume from; Lightning's "
+     "eleven lines, at each periodic save, propose keeping the state before it"),
     (r".*does not have many workers which may be a bottleneck",
      "a step's prompts are a few rows: loader worker processes would only cost memory and start-up"),
 )
