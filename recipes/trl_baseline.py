@@ -36,7 +36,9 @@ def main(argv=None):
                    help="steps between held-out evaluations (default: the recipe's val_check_interval; 0: none)")
     args = p.parse_args(argv)
     recipe = yaml.safe_load((Path(__file__).parent / args.recipe / "config.yaml").read_text())
-    m, d = {**module_defaults(), **recipe["model"]}, recipe["data"]  # what the recipe leaves out, as rlcu runs it
+    from rlcu.grpo.options import DEFAULTS
+
+    m, d = {**DEFAULTS, **recipe["model"]}, recipe["data"]  # what the recipe leaves out, as rlcu runs it
     d["batch_size"] = args.batch_size or d["batch_size"]
     m["num_generations"] = args.num_generations or m["num_generations"]
     m["max_completion_length"] = args.max_completion_length or m["max_completion_length"]
@@ -131,15 +133,6 @@ def main(argv=None):
 # GRPOModule options spelled and meant as GRPOConfig's: a recipe that sets one sets it on TRL's side too
 SAME_NAMES = ("epsilon", "epsilon_high", "beta", "top_p", "top_k", "min_p",
               "mask_truncated_completions", "top_entropy_quantile", "num_iterations")
-
-
-def module_defaults() -> dict:
-    """GRPOModule's defaults (temperature, loss_type, ...): the values an rlcu run of a recipe that omits them uses."""
-    import inspect
-
-    from rlcu.grpo.module import GRPOModule
-
-    return {k: p.default for k, p in inspect.signature(GRPOModule).parameters.items() if p.default is not p.empty}
 
 
 def held_out_metrics(weights, model_path: str, options: dict, rows: list[dict], batch_size: int) -> dict:
