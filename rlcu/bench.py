@@ -201,6 +201,29 @@ def random_prompt_ids(n: int, length: int, vocab_size: int, seed: int = 0) -> li
     return [[rng.randrange(vocab_size - 2) for _ in range(length)] for _ in range(n)]
 
 
+PROMPT_SLACK = 8  # a step's max_prompt_length past --prompt_len: room for the tokens a tokenizer adds (BOS)
+
+
+def prompt_texts(tok, prompts: list[list[int]], limit: int) -> list[str]:
+    """The step's prompts as text, which the module takes as TRL's trainer does. A real tokenizer can read random
+    ids, decoded, back as more ids (byte pieces, a special token's name spelt out): such a text is cut by its
+    excess until it tokenizes within `limit` ids, so that a step on any model's tokenizer starts."""
+    texts = []
+    for ids in prompts:
+        text = tok.decode(ids)
+        for _ in range(8):
+            excess = len(tok(text).input_ids) - limit
+            if excess <= 0:
+                break
+            ids = tok(text, add_special_tokens=False).input_ids
+            text = tok.decode(ids[:max(1, len(ids) - excess)])
+        else:
+            raise ValueError(f"a random prompt does not come within {limit} tokens of this tokenizer; "
+                             "pass a larger --prompt_len")
+        texts.append(text)
+    return texts
+
+
 def parser() -> argparse.ArgumentParser:
     from rlcu.engine.llm_engine import EngineConfig
     from rlcu.engine.states import STATE_DTYPES
@@ -532,7 +555,7 @@ def bench_step(args) -> dict:
     ahead = (Streamer(None, args.generations, args.max_staleness, args.max_inflight_tasks).steps_in_flight(
         args.prompts // args.devices) if args.streaming else 1)
     prompts = random_prompt_ids(args.prompts * (total_steps + ahead), args.prompt_len, model.config.vocab_size)
-    rows = [{"prompt": tok.decode(p)} for p in prompts]
+    rows = [{"prompt": text} for text in prompt_texts(tok, prompts, args.prompt_len + PROMPT_SLACK)]
 
     def reward_len(completions, **kwargs):  # the peers' reward: the completion's length in characters
         busy(args.reward_ms * len(completions) / 1e3)
@@ -546,7 +569,7 @@ def bench_step(args) -> dict:
                                          max_num_seqs=args.max_num_seqs or max(256, args.prompts * args.generations),
                                          beside_priority=args.beside_priority))
     module = GRPOModule(model, tokenizer=tok, rewards=[reward_len], rollout=rollout, num_generations=args.generations,
-                        max_prompt_length=args.prompt_len + 8, max_completion_length=args.new_tokens,
+                        max_prompt_length=args.prompt_len + PROMPT_SLACK, max_completion_length=args.new_tokens,
                         micro_batch_size=args.micro_batch_size, learning_rate=1e-6, loss_type="dapo",
                         gradient_checkpointing=not args.no_gradient_checkpointing, packing=args.packing,
                         peft_config=lora_config(args.lora_rank, args.lora_experts),

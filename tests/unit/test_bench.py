@@ -362,3 +362,28 @@ def test_bench_rollout_and_step_keep_a_hybrids_states_in_bf16(tmp_path, capsys, 
         main(["bench", "rollout", "--model", str(tiny_hf_folder(tmp_path / "neox", "gpt_neox")), "--device", "cpu",
               "--sequences", "2", "--new_tokens", "2", "--mamba_ssm_cache_dtype", "bfloat16"])
     assert "--mamba_ssm_cache_dtype measure the native engine only" in capsys.readouterr().err
+
+
+class _ExpandingTokenizer:
+    """A real tokenizer's trait in miniature: a decoded id reads back as 1-3 ids (byte pieces, a special token's
+    name), one per letter (ids 0-25, which read back as themselves), with a BOS in front."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) * (1 + i // 26 % 3) for i in ids)
+
+    def __call__(self, text, add_special_tokens=True):
+        from types import SimpleNamespace
+        return SimpleNamespace(input_ids=[99] * add_special_tokens + [ord(c) - 97 for c in text])
+
+
+def test_bench_step_prompts_fit_the_limit_on_a_tokenizer_that_reads_them_back_longer():
+    from rlcu.bench import prompt_texts, random_prompt_ids
+
+    tok, prompts = _ExpandingTokenizer(), random_prompt_ids(12, 20, 1000)
+    assert max(len(tok(tok.decode(p)).input_ids) for p in prompts) > 28  # as decoded, they would be refused
+    texts = prompt_texts(tok, prompts, 28)
+    assert all(len(tok(t).input_ids) <= 28 for t in texts) and min(len(tok(t).input_ids) for t in texts) >= 20
+    words = word_tokenizer(1000)  # the random shapes' tokenizer reads its prompts back as they were
+    assert prompt_texts(words, prompts, 28) == [words.decode(p) for p in prompts]
+    with pytest.raises(ValueError, match="pass a larger --prompt_len"):
+        prompt_texts(tok, prompts[:1], 1)  # the BOS alone fills it
