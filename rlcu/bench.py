@@ -208,14 +208,16 @@ def prompt_texts(tok, prompts: list[list[int]], limit: int) -> list[str]:
     """The step's prompts as text, which the module takes as TRL's trainer does. A real tokenizer can read random
     ids, decoded, back as more ids (byte pieces, a special token's name spelt out): such a text is cut by its
     excess until it tokenizes within `limit` ids, so that a step on any model's tokenizer starts."""
+    from rlcu.data.prompts import encode_prompt
+
     texts = []
     for ids in prompts:
         text = tok.decode(ids)
         for _ in range(8):
-            excess = len(tok(text).input_ids) - limit
+            excess = len(encode_prompt(tok, text)) - limit  # as the module counts it
             if excess <= 0:
                 break
-            ids = tok(text, add_special_tokens=False).input_ids
+            ids = tok(text, add_special_tokens=False)["input_ids"]
             text = tok.decode(ids[:max(1, len(ids) - excess)])
         else:
             raise ValueError(f"a random prompt does not come within {limit} tokens of this tokenizer; "

@@ -372,17 +372,17 @@ class _ExpandingTokenizer:
         return "".join(chr(97 + i % 26) * (1 + i // 26 % 3) for i in ids)
 
     def __call__(self, text, add_special_tokens=True):
-        from types import SimpleNamespace
-        return SimpleNamespace(input_ids=[99] * add_special_tokens + [ord(c) - 97 for c in text])
+        encode = lambda t: [99] * add_special_tokens + [ord(c) - 97 for c in t]  # noqa: E731
+        return {"input_ids": encode(text) if isinstance(text, str) else [encode(t) for t in text]}
 
 
 def test_bench_step_prompts_fit_the_limit_on_a_tokenizer_that_reads_them_back_longer():
     from rlcu.bench import prompt_texts, random_prompt_ids
 
     tok, prompts = _ExpandingTokenizer(), random_prompt_ids(12, 20, 1000)
-    assert max(len(tok(tok.decode(p)).input_ids) for p in prompts) > 28  # as decoded, they would be refused
-    texts = prompt_texts(tok, prompts, 28)
-    assert all(len(tok(t).input_ids) <= 28 for t in texts) and min(len(tok(t).input_ids) for t in texts) >= 20
+    assert max(len(tok(tok.decode(p))["input_ids"]) for p in prompts) > 28  # as decoded, they would be refused
+    lengths = [len(tok(t)["input_ids"]) for t in prompt_texts(tok, prompts, 28)]
+    assert max(lengths) <= 28 and min(lengths) >= 20
     words = word_tokenizer(1000)  # the random shapes' tokenizer reads its prompts back as they were
     assert prompt_texts(words, prompts, 28) == [words.decode(p) for p in prompts]
     with pytest.raises(ValueError, match="pass a larger --prompt_len"):
