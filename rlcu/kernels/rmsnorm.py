@@ -8,6 +8,9 @@ and H, so per-head norms (Qwen3's q/k norm) read straight from the fused q/k/v p
 `offset` 1.0 is Gemma's form: the checkpoint stores w, the row scales by 1 + w, and the product is taken in fp32
 before one rounding to the input's dtype (where Llama's form rounds the normed row first, then multiplies).
 
+`x_scale` (with a residual) is Granite's residual multiplier: norm(x * x_scale + residual), the product rounded to
+x's dtype first as the unfused `residual + x * multiplier` rounds it, in the same launch.
+
 `gate` is Gated DeltaNet's output norm (Qwen3.5, Qwen3-Next): (w * norm(x)) * silu(gate) in fp32, rounded once to
 x's dtype, in the one launch where PyTorch takes eleven elementwise passes a layer."""
 from __future__ import annotations
@@ -19,10 +22,10 @@ from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                       offset: float = 0.0, gate: torch.Tensor | None = None):
-    """x, residual, gate: [..., H]; returns out, or (out, x + residual) when a residual is given."""
+                       offset: float = 0.0, gate: torch.Tensor | None = None, x_scale: float = 1.0):
+    """x, residual, gate: [..., H]; returns out, or (out, x * x_scale + residual) when a residual is given."""
     if residual is not None:
-        x = x + residual
+        x = (x if x_scale == 1.0 else x * x_scale) + residual
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = (h * (offset + weight.float())).to(x.dtype) if offset else weight * h.to(x.dtype)
@@ -37,9 +40,10 @@ if HAS_TRITON:
         return (rows // H) * stride_m + (rows % H) * stride_h
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, G, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, sg_m, sg_h, eps,
+    def _rms_norm_kernel(X, R, W, G, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, sg_m, sg_h, eps, x_scale,
                          N: tl.constexpr, N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         OFFSET: tl.constexpr, HAS_GATE: tl.constexpr, PRODUCT_FP32: tl.constexpr):
+                         OFFSET: tl.constexpr, HAS_GATE: tl.constexpr, PRODUCT_FP32: tl.constexpr,
+                         X_SCALED: tl.constexpr):
         """HAS_GATE: OUT = (w * normed) * silu(G) in fp32, w * normed first rounded as torch would (to x's dtype
         unless PRODUCT_FP32, where the weight is fp32 and x narrower)."""
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -48,6 +52,8 @@ if HAS_TRITON:
         dense = rows[:, None] * N + cols[None, :]  # OUT, RES_OUT: contiguous [rows, N]
         x = tl.load(X + _row_offsets(rows, H, sx_m, sx_h)[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
+            if X_SCALED:  # x * x_scale in fp32, rounded to x's dtype, as torch multiplies by a Python float
+                x = (x.to(tl.float32) * x_scale).to(X.dtype.element_ty)
             x = x + tl.load(R + _row_offsets(rows, H, sr_m, sr_h)[:, None] + cols[None, :], mask=mask, other=0.0)
             x = x.to(RES_OUT.dtype.element_ty)  # rounded to the sum's dtype, as torch does
             tl.store(RES_OUT + dense, x, mask=mask)
@@ -115,7 +121,8 @@ def _block_rows(n_pad: int) -> int:
     return max(1, min(64, 8192 // n_pad))
 
 
-def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0, gate=None):
+def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0, gate=None,
+                    x_scale: float = 1.0):
     """As rms_norm_reference; with store_rstd, also returns the fp32 1/rms of each row (for backward)."""
     shape, n = x.shape, x.shape[-1]
     x3 = _as_rows(x)
@@ -134,9 +141,9 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, off
     br = _block_rows(n_pad)
     _rms_norm_kernel[(triton.cdiv(rows, br),)](
         x3, r3, weight, g3, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
-        r3.stride(1), g3.stride(0), g3.stride(1), eps, N=n, N_PAD=n_pad, BLOCK_ROWS=br,
+        r3.stride(1), g3.stride(0), g3.stride(1), eps, float(x_scale), N=n, N_PAD=n_pad, BLOCK_ROWS=br,
         HAS_RESIDUAL=residual is not None, OFFSET=float(offset), HAS_GATE=gate is not None,
-        PRODUCT_FP32=product == torch.float32 != total)
+        PRODUCT_FP32=product == torch.float32 != total, X_SCALED=residual is not None and x_scale != 1.0)
     result = out if residual is None else (out, res_out)
     return (result, rstd) if store_rstd else result
 
@@ -166,9 +173,10 @@ def rms_norm_backward_triton(dy, s, weight, rstd, dres=None, offset: float = 0.0
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, residual, offset=0.0):
-        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True, offset=offset)
+    def forward(ctx, x, weight, eps, residual, offset=0.0, x_scale=1.0):
+        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True, offset=offset, x_scale=x_scale)
         ctx.has_residual, ctx.offset = residual is not None, offset
+        ctx.x_scale = x_scale if residual is not None else 1.0  # x is scaled only where a residual is added
         ctx.save_for_backward(result[1] if ctx.has_residual else x, weight, rstd)
         ctx.set_materialize_grads(False)
         return result
@@ -177,9 +185,11 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dout, dres=None):
         s, weight, rstd = ctx.saved_tensors
         if dout is None:  # only the residual stream was used
-            return dres, None, None, dres, None
-        dx, dw = rms_norm_backward_triton(dout, s, weight, rstd, dres, ctx.offset)
-        return dx, dw if ctx.needs_input_grad[1] else None, None, dx if ctx.has_residual else None, None
+            ds, dw = dres, None
+        else:
+            ds, dw = rms_norm_backward_triton(dout, s, weight, rstd, dres, ctx.offset)
+        dx = ds if ctx.x_scale == 1.0 else ds * ctx.x_scale  # the gradient of x * x_scale, as torch's multiply's
+        return dx, dw if ctx.needs_input_grad[1] else None, None, ds if ctx.has_residual else None, None, None
 
 
 class GatedRMSNormFunction(torch.autograd.Function):
@@ -205,10 +215,10 @@ class GatedRMSNormFunction(torch.autograd.Function):
                 None)
 
 
-def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None):
+def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None, x_scale: float = 1.0):
     """Triton on CUDA (with its backward when gradients are recorded); the PyTorch reference elsewhere."""
     if not use_triton(x):
-        return rms_norm_reference(x, weight, eps, residual, offset, gate)
+        return rms_norm_reference(x, weight, eps, residual, offset, gate, x_scale)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                               (residual is not None and residual.requires_grad) or
                                               (gate is not None and gate.requires_grad))
@@ -216,5 +226,5 @@ def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None):
         return GatedRMSNormFunction.apply(x, weight, gate, eps) if needs_grad else rms_norm_triton(x, weight, eps,
                                                                                                   gate=gate)
     if needs_grad:
-        return RMSNormFunction.apply(x, weight, eps, residual, offset)
-    return rms_norm_triton(x, weight, eps, residual, offset=offset)
+        return RMSNormFunction.apply(x, weight, eps, residual, offset, x_scale)
+    return rms_norm_triton(x, weight, eps, residual, offset=offset, x_scale=x_scale)

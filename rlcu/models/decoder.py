@@ -34,10 +34,12 @@ class RMSNorm(nn.Module):
     `tensor_parallel`: set on a q/k norm under tensor parallelism (`tensor_parallel.py`). Per head, each rank
     normalises its own heads with the whole weight, whose gradient is then the sum of the ranks'; over all heads
     (`split_dim`, the whole width: OLMo), each rank holds its heads' columns of x and of the weight, and the
-    squares are summed over the ranks."""
+    squares are summed over the ranks. `x_scale`: with a residual, x is scaled by it before the add, in the
+    kernel's launch (Granite's residual multiplier: residual + branch * multiplier)."""
 
     tensor_parallel = None
     split_dim: int | None = None
+    x_scale = 1.0
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -47,7 +49,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.split_dim:
             return split_rms_norm(x, self.weight, self.eps, self.split_dim, self.tensor_parallel)
-        return rms_norm(x, self.operand(), self.eps, residual, self.offset)
+        return rms_norm(x, self.operand(), self.eps, residual, self.offset, x_scale=self.x_scale)
 
     def operand(self) -> torch.Tensor:
         """The weight as the forward multiplies by it: under tensor parallelism through `copy_in`, so that its
@@ -164,7 +166,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         spec = cfg.spec
-        self.norm, self.multiplier = spec.norm, cfg.residual_multiplier
+        self.norm = spec.norm
         self.rope_kind = None if layer_idx in cfg.nope_layers else (
             "local" if cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None else "full")
         self.linear = layer_idx in cfg.linear_layers
@@ -185,6 +187,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
         if spec.norm != "pre":
             self.post_feedforward_layernorm = norm()
+        if spec.norm == "pre":  # Granite: residual + branch * multiplier, the multiply in the next norm's add
+            self.input_layernorm.x_scale = self.post_attention_layernorm.x_scale = cfg.residual_multiplier
 
     @property
     def mixer(self) -> nn.Module:
@@ -207,9 +211,6 @@ class DecoderLayer(nn.Module):
         if self.norm == "sandwich":  # Gemma: norms after each branch too
             h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(h, exact, record)), residual
-        if self.multiplier != 1.0:  # Granite: residual + branch * multiplier
-            h, residual = self.post_attention_layernorm(h * self.multiplier, residual)
-            return self.mlp(h, exact, record) * self.multiplier, residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h, exact, record), residual
 
@@ -220,6 +221,8 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.spec.norm_offset)
+        if cfg.spec.norm == "pre":  # the last layer's branch, scaled as DecoderLayer's are
+            self.norm.x_scale = cfg.residual_multiplier
 
 
 class CausalLM(nn.Module):

@@ -152,3 +152,31 @@ def test_gated_rms_norm_refuses_a_residual():
     x = torch.randn(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="gated RMSNorm"):
         rms_norm_triton(x, torch.ones(8, device=DEVICE), 1e-6, x, gate=x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_scales_x_before_the_residual_add_as_granite_does(dtype):
+    """Granite's `residual + branch * multiplier` then the norm: the product rounded to x's dtype as torch rounds it
+    (the unfused ops' bits), and the backward against float64 autograd of the same product."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(37, 100, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(100, generator=g)).to(dtype).to(DEVICE)
+    got = rms_norm_triton(x, w, 1e-6, r, x_scale=0.22)
+    unfused = rms_norm_triton(x * 0.22, w, 1e-6, r)  # the multiply as its own op, then the norm's launch
+    assert torch.equal(got[0], unfused[0]) and torch.equal(got[1], unfused[1])
+    assert torch.equal(got[1], rms_norm_reference(x, w, 1e-6, r, x_scale=0.22)[1])
+    assert torch.equal(got[1], r + x * 0.22)
+    assert not torch.equal(got[1], rms_norm_triton(x, w, 1e-6, r)[1])  # the scale is applied at all
+    up = [torch.randn(37, 100, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    got_grads = grads(lambda x, w, r: RMSNormFunction.apply(x, w, 1e-6, r, 0.0, 0.22), [x, w, r], up)
+    exact = grads(lambda x, w, r: _rms64(x * 0.22, w, r), [x.double(), w.double(), r.double()],
+                  [u.double() for u in up])
+    for name, a, b in zip(("x", "weight", "residual"), got_grads, exact):
+        assert_close(a, b, dtype, scale=8 if name == "weight" else 2)
+    # without a residual (a model's first norm, on the embeddings) the scale is not applied, forward or backward
+    plain = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None), [x, w], up[:1])
+    scaled = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None, 0.0, 0.22), [x, w], up[:1])
+    assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
+    assert torch.equal(rms_norm_triton(x, w, 1e-6, x_scale=0.22), rms_norm_triton(x, w, 1e-6))

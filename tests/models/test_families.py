@@ -167,6 +167,20 @@ def test_gradients_equal_transformers(tmp_path, packed, family):
     """Training's backward through gpt-oss's sinks, biased router and experts and clamped SwiGLU, and through
     Gemma 2's soft-capped scores and logits: every parameter's gradient, mapped to the checkpoint's names and
     layout, against transformers' (fp32)."""
+    assert_gradients_equal_transformers(tmp_path, packed, family)
+
+
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+def test_granite_residual_multiplier_in_the_triton_norm_under_the_interpreter(tmp_path, monkeypatch):
+    """Granite's `residual + branch * multiplier`, multiplied inside the RMSNorm kernel's residual add
+    (RLCU_TRITON=1: the Triton kernels under the interpreter, fp32): logits and every gradient against
+    transformers'."""
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    assert_gradients_equal_transformers(tmp_path, False, "granite")
+
+
+def assert_gradients_equal_transformers(tmp_path, packed, family):
     from rlcu.models.fused_linear import split_hf_parts
 
     folder = tiny_hf_folder(tmp_path, family)
@@ -183,6 +197,7 @@ def test_gradients_equal_transformers(tmp_path, packed, family):
         logits = ours.lm_head(ours.forward_packed(flat, pos, cu, int(lengths.max())))[0]
     else:
         logits = ours.logits(ids, mask)[real]
+    assert (logits - ref(input_ids=ids, attention_mask=mask).logits[real]).abs().max() < ATOL
     (logits * weights[real]).sum().backward()
     grads = {n: p.grad for n, p in ours.named_parameters()}
     spec = ours.config.spec
