@@ -11,6 +11,9 @@ before one rounding to the input's dtype (where Llama's form rounds the normed r
 `x_scale` (with a residual) is Granite's residual multiplier: norm(x * x_scale + residual), the product rounded to
 x's dtype first as the unfused `residual + x * multiplier` rounds it, in the same launch.
 
+`add_to` is OLMo 2/3's post-norm residual: add_to + norm(x), the norm rounded to its own dtype first as the unfused
+`x + norm(branch)` rounds it, then the sum rounded once, in the norm's launch.
+
 `gate` is Gated DeltaNet's output norm (Qwen3.5, Qwen3-Next): (w * norm(x)) * silu(gate) in fp32, rounded once to
 x's dtype, in the one launch where PyTorch takes eleven elementwise passes a layer."""
 from __future__ import annotations
@@ -22,8 +25,10 @@ from rlcu.kernels._triton import HAS_TRITON, next_pow2, num_sms, tl, triton, use
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                       offset: float = 0.0, gate: torch.Tensor | None = None, x_scale: float = 1.0):
-    """x, residual, gate: [..., H]; returns out, or (out, x * x_scale + residual) when a residual is given."""
+                       offset: float = 0.0, gate: torch.Tensor | None = None, x_scale: float = 1.0,
+                       add_to: torch.Tensor | None = None):
+    """x, residual, gate, add_to: [..., H]; returns out (add_to + out with add_to), or (out, x * x_scale + residual)
+    when a residual is given."""
     if residual is not None:
         x = (x if x_scale == 1.0 else x * x_scale) + residual
     h = x.float()
@@ -31,6 +36,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     out = (h * (offset + weight.float())).to(x.dtype) if offset else weight * h.to(x.dtype)
     if gate is not None:  # transformers' Qwen3_5RMSNormGated: the gate in fp32, one rounding
         out = (out * F.silu(gate.float())).to(x.dtype)
+    if add_to is not None:
+        out = add_to + out
     return out if residual is None else (out, x)
 
 
@@ -43,9 +50,10 @@ if HAS_TRITON:
     def _rms_norm_kernel(X, R, W, G, OUT, RES_OUT, RSTD, n_rows, H, sx_m, sx_h, sr_m, sr_h, sg_m, sg_h, eps, x_scale,
                          N: tl.constexpr, N_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          OFFSET: tl.constexpr, HAS_GATE: tl.constexpr, PRODUCT_FP32: tl.constexpr,
-                         X_SCALED: tl.constexpr):
+                         X_SCALED: tl.constexpr, HAS_ADD: tl.constexpr, ROUND_NORM: tl.constexpr):
         """HAS_GATE: OUT = (w * normed) * silu(G) in fp32, w * normed first rounded as torch would (to x's dtype
-        unless PRODUCT_FP32, where the weight is fp32 and x narrower)."""
+        unless PRODUCT_FP32, where the weight is fp32 and x narrower). HAS_ADD: OUT = G + the norm (the G pointer
+        carries the addend), the norm first rounded to x's dtype where ROUND_NORM (else its dtype is fp32)."""
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, N_PAD)
         mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -64,7 +72,7 @@ if HAS_TRITON:
         tl.store(RSTD + rows, rstd, mask=rows < n_rows)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         if OFFSET != 0.0:  # Gemma: (normed * (1 + w)) in fp32, one rounding
-            tl.store(OUT + dense, (h * rstd[:, None] * (OFFSET + w[None, :])).to(OUT.dtype.element_ty), mask=mask)
+            y = h * rstd[:, None] * (OFFSET + w[None, :])
         else:
             if HAS_RESIDUAL:  # rounded to the sum's dtype (x + residual may promote, e.g. bf16 + fp32 under autocast)
                 normed = (h * rstd[:, None]).to(RES_OUT.dtype.element_ty).to(tl.float32)
@@ -77,7 +85,12 @@ if HAS_TRITON:
                 g = tl.load(G + _row_offsets(rows, H, sg_m, sg_h)[:, None] + cols[None, :], mask=mask,
                             other=0.0).to(tl.float32)
                 y = y * (g / (1.0 + tl.exp(-g)))
-            tl.store(OUT + dense, y.to(OUT.dtype.element_ty), mask=mask)
+        if HAS_ADD:
+            if ROUND_NORM:
+                y = y.to(X.dtype.element_ty).to(tl.float32)
+            y = y + tl.load(G + _row_offsets(rows, H, sg_m, sg_h)[:, None] + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+        tl.store(OUT + dense, y.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_backward_kernel(DY, S, W, RSTD, DRES, DX, DW, n_rows, H, ss_m, ss_h, N: tl.constexpr,
@@ -122,19 +135,23 @@ def _block_rows(n_pad: int) -> int:
 
 
 def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0, gate=None,
-                    x_scale: float = 1.0):
+                    x_scale: float = 1.0, add_to=None):
     """As rms_norm_reference; with store_rstd, also returns the fp32 1/rms of each row (for backward)."""
     shape, n = x.shape, x.shape[-1]
     x3 = _as_rows(x)
     rows = x3.shape[0] * x3.shape[1]
     total = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype  # x + residual
     product = torch.promote_types(total, weight.dtype)
-    out_dtype = total if offset or gate is not None else product
+    norm_dtype = total if offset or gate is not None else product
+    out_dtype = norm_dtype if add_to is None else torch.promote_types(norm_dtype, add_to.dtype)
     out = torch.empty(shape, dtype=out_dtype, device=x.device)
     r3 = _as_rows(residual) if residual is not None else x3
     if gate is not None and (residual is not None or offset or gate.shape != shape):
         raise ValueError(f"a gated RMSNorm takes a gate of x's shape {tuple(shape)} and no residual or offset")
-    g3 = _as_rows(gate) if gate is not None else x3
+    if add_to is not None and (residual is not None or gate is not None or add_to.shape != shape):
+        raise ValueError(f"an RMSNorm added to a residual stream takes add_to of x's shape {tuple(shape)} and no "
+                         "residual or gate")
+    g3 = _as_rows(gate if gate is not None else add_to) if gate is not None or add_to is not None else x3
     res_out = torch.empty(shape, dtype=total, device=x.device) if residual is not None else out
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     n_pad = next_pow2(n)
@@ -143,7 +160,8 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, off
         x3, r3, weight, g3, out, res_out, rstd, rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
         r3.stride(1), g3.stride(0), g3.stride(1), eps, float(x_scale), N=n, N_PAD=n_pad, BLOCK_ROWS=br,
         HAS_RESIDUAL=residual is not None, OFFSET=float(offset), HAS_GATE=gate is not None,
-        PRODUCT_FP32=product == torch.float32 != total, X_SCALED=residual is not None and x_scale != 1.0)
+        PRODUCT_FP32=product == torch.float32 != total, X_SCALED=residual is not None and x_scale != 1.0,
+        HAS_ADD=add_to is not None, ROUND_NORM=norm_dtype != torch.float32)
     result = out if residual is None else (out, res_out)
     return (result, rstd) if store_rstd else result
 
@@ -173,9 +191,13 @@ def rms_norm_backward_triton(dy, s, weight, rstd, dres=None, offset: float = 0.0
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, residual, offset=0.0, x_scale=1.0):
-        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True, offset=offset, x_scale=x_scale)
+    def forward(ctx, x, weight, eps, residual, offset=0.0, x_scale=1.0, add_to=None):
+        result, rstd = rms_norm_triton(x, weight, eps, residual, store_rstd=True, offset=offset, x_scale=x_scale,
+                                       add_to=add_to)
         ctx.has_residual, ctx.offset = residual is not None, offset
+        # add_to + norm: the norm's gradient arrives in the norm's own dtype, as the unfused add hands it on
+        ctx.norm_dtype = None if add_to is None else (x.dtype if offset else torch.promote_types(x.dtype, weight.dtype))
+        ctx.add_dtype = None if add_to is None else add_to.dtype
         ctx.x_scale = x_scale if residual is not None else 1.0  # x is scaled only where a residual is added
         ctx.save_for_backward(result[1] if ctx.has_residual else x, weight, rstd)
         ctx.set_materialize_grads(False)
@@ -187,9 +209,11 @@ class RMSNormFunction(torch.autograd.Function):
         if dout is None:  # only the residual stream was used
             ds, dw = dres, None
         else:
-            ds, dw = rms_norm_backward_triton(dout, s, weight, rstd, dres, ctx.offset)
+            dy = dout if ctx.norm_dtype is None else dout.to(ctx.norm_dtype)
+            ds, dw = rms_norm_backward_triton(dy, s, weight, rstd, dres, ctx.offset)
         dx = ds if ctx.x_scale == 1.0 else ds * ctx.x_scale  # the gradient of x * x_scale, as torch's multiply's
-        return dx, dw if ctx.needs_input_grad[1] else None, None, ds if ctx.has_residual else None, None, None
+        dadd = None if ctx.add_dtype is None or dout is None else dout.to(ctx.add_dtype)
+        return dx, dw if ctx.needs_input_grad[1] else None, None, ds if ctx.has_residual else None, None, None, dadd
 
 
 class GatedRMSNormFunction(torch.autograd.Function):
@@ -215,16 +239,15 @@ class GatedRMSNormFunction(torch.autograd.Function):
                 None)
 
 
-def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None, x_scale: float = 1.0):
+def rms_norm(x, weight, eps, residual=None, offset: float = 0.0, gate=None, x_scale: float = 1.0, add_to=None):
     """Triton on CUDA (with its backward when gradients are recorded); the PyTorch reference elsewhere."""
     if not use_triton(x):
-        return rms_norm_reference(x, weight, eps, residual, offset, gate, x_scale)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                              (residual is not None and residual.requires_grad) or
-                                              (gate is not None and gate.requires_grad))
+        return rms_norm_reference(x, weight, eps, residual, offset, gate, x_scale, add_to)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (x, weight, residual, gate, add_to))
     if gate is not None:
         return GatedRMSNormFunction.apply(x, weight, gate, eps) if needs_grad else rms_norm_triton(x, weight, eps,
                                                                                                   gate=gate)
     if needs_grad:
-        return RMSNormFunction.apply(x, weight, eps, residual, offset, x_scale)
-    return rms_norm_triton(x, weight, eps, residual, offset=offset, x_scale=x_scale)
+        return RMSNormFunction.apply(x, weight, eps, residual, offset, x_scale, add_to)
+    return rms_norm_triton(x, weight, eps, residual, offset=offset, x_scale=x_scale, add_to=add_to)

@@ -35,7 +35,8 @@ class RMSNorm(nn.Module):
     normalises its own heads with the whole weight, whose gradient is then the sum of the ranks'; over all heads
     (`split_dim`, the whole width: OLMo), each rank holds its heads' columns of x and of the weight, and the
     squares are summed over the ranks. `x_scale`: with a residual, x is scaled by it before the add, in the
-    kernel's launch (Granite's residual multiplier: residual + branch * multiplier)."""
+    kernel's launch (Granite's residual multiplier: residual + branch * multiplier). `add_to`: returns
+    add_to + norm(x), the add in the norm's launch (OLMo's post-norm residual)."""
 
     tensor_parallel = None
     split_dim: int | None = None
@@ -46,10 +47,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, add_to: torch.Tensor | None = None):
         if self.split_dim:
             return split_rms_norm(x, self.weight, self.eps, self.split_dim, self.tensor_parallel)
-        return rms_norm(x, self.operand(), self.eps, residual, self.offset, x_scale=self.x_scale)
+        return rms_norm(x, self.operand(), self.eps, residual, self.offset, x_scale=self.x_scale, add_to=add_to)
 
     def operand(self) -> torch.Tensor:
         """The weight as the forward multiplies by it: under tensor parallelism through `copy_in`, so that its
@@ -161,7 +162,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """`forward` returns (branch output, residual stream): the next layer's first norm adds the two (fused)."""
+    """`forward` returns (branch output, residual stream): the next layer's first norm adds the two (fused). A
+    post-norm layer (OLMo) adds its branches inside its norms' launches and returns (residual stream, None)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -199,10 +201,9 @@ class DecoderLayer(nn.Module):
         exact = attention.batch_invariant
         # an MoE layer hands its routing to a context that records it (the engine's, AttentionContext)
         record = getattr(attention, "record_routing", None) if self.moe else None
-        if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x))
-            x = x if residual is None else x + residual
-            x = x + self.post_attention_layernorm(self.mixer(x, cos, sin, attention))
-            return self.post_feedforward_layernorm(self.mlp(x, exact, record)), x
+        if self.norm == "post":  # OLMo 2: x + norm(attn(x)), then x + norm(mlp(x)), each add in its norm's launch
+            x = self.post_attention_layernorm(self.mixer(x, cos, sin, attention), add_to=x)
+            return self.post_feedforward_layernorm(self.mlp(x, exact, record), add_to=x), None
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -330,7 +331,7 @@ class CausalLM(nn.Module):
                     context_fn=torch.utils.checkpoint.noop_context_fn if layer.moe else recompute_contexts)
             else:
                 x, residual = layer(x, cos, sin, attention, residual)
-        out = self.model.norm(x, residual)[0]
+        out = self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
         s = self.config.logits_scaling  # Granite's logits / s, folded into the hidden states the LM head reads
         return out if s == 1.0 else out / s
 

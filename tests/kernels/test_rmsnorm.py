@@ -180,3 +180,36 @@ def test_rms_norm_scales_x_before_the_residual_add_as_granite_does(dtype):
     scaled = grads(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, None, 0.0, 0.22), [x, w], up[:1])
     assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
     assert torch.equal(rms_norm_triton(x, w, 1e-6, x_scale=0.22), rms_norm_triton(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("stream_fp32", [False, True])
+def test_rms_norm_added_to_the_stream_as_olmo_post_norm_does(dtype, offset, stream_fp32):
+    """OLMo's `x + norm(branch)` in the norm's launch: the bits of the unfused norm then add (the norm rounded to its
+    own dtype first, the sum once; a float32 stream as under autocast), and the backward's against float64."""
+    from rlcu.kernels.rmsnorm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 100, generator=g).to(dtype).to(DEVICE)
+    s = torch.randn(37, 100, generator=g).to(torch.float32 if stream_fp32 else dtype).to(DEVICE)
+    w = (1 - offset + 0.1 * torch.randn(100, generator=g)).to(dtype).to(DEVICE)
+    got = rms_norm_triton(x, w, 1e-6, offset=offset, add_to=s)
+    unfused = s + rms_norm_triton(x, w, 1e-6, offset=offset)
+    assert got.dtype == unfused.dtype and torch.equal(got, unfused)
+    ref = rms_norm_reference(x, w, 1e-6, offset=offset, add_to=s)
+    assert ref.dtype == got.dtype and torch.allclose(got, ref, *TOLERANCE[dtype])
+    up = [torch.randn(37, 100, generator=g).to(got.dtype).to(DEVICE)]
+    got_grads = grads(lambda x, w, s: RMSNormFunction.apply(x, w, 1e-6, None, offset, 1.0, s), [x, w, s], up)
+    unfused_grads = grads(lambda x, w, s: s + RMSNormFunction.apply(x, w, 1e-6, None, offset), [x, w, s], up)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, unfused_grads))
+    exact = grads(lambda x, w, s: s + _rms64(x, w, offset=offset), [x.double(), w.double(), s.double()],
+                  [u.double() for u in up])
+    for name, a, b in zip(("x", "weight", "stream"), got_grads, exact):
+        assert_close(a, b, dtype, scale=8 if name == "weight" else 2)
+
+
+def test_rms_norm_added_to_the_stream_refuses_a_residual_or_a_gate():
+    x = torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="add_to"):
+        rms_norm_triton(x, torch.ones(8, device=DEVICE), 1e-6, x, add_to=x)

@@ -180,6 +180,15 @@ def test_granite_residual_multiplier_in_the_triton_norm_under_the_interpreter(tm
     assert_gradients_equal_transformers(tmp_path, False, "granite")
 
 
+@pytest.mark.skipif(not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for CPU machines")
+def test_olmo_post_norm_adds_in_the_triton_norm_under_the_interpreter(tmp_path, monkeypatch):
+    """OLMo 2's `x + norm(branch)`, added inside the RMSNorm kernel's launch (RLCU_TRITON=1: the Triton kernels
+    under the interpreter, fp32): logits and every gradient against transformers'."""
+    monkeypatch.setenv("RLCU_TRITON", "1")
+    assert_gradients_equal_transformers(tmp_path, False, "olmo2")
+
+
 def assert_gradients_equal_transformers(tmp_path, packed, family):
     from rlcu.models.fused_linear import split_hf_parts
 
