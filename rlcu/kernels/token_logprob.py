@@ -3,9 +3,8 @@ log-probability with respect to the logits, each in one pass over the row.
 
 The PyTorch form upcasts the [tokens x vocab] logits to fp32 and makes about eight elementwise passes
 over them (log-sum-exp, subtract, exp, multiply, sum; the backward as many again). These kernels read
-the GEMM's logits in their own dtype once, keep an online max / sum-exp / sum-exp-times-logit in fp32 over fixed
-chunks of the vocabulary, combine the chunks in order, and the backward overwrites the recomputed logits with their
-gradient in place.
+the GEMM's logits in their own dtype once, keep an online max / sum-exp / sum-exp-times-logit in fp32,
+and the backward overwrites the recomputed logits with their gradient in place.
 
 `LinearTokenLogprob` is the LM head's autograd Function over these: (logp, entropy) of targets under
 softmax(hidden @ weight.T / T), recomputing the logits in backward instead of keeping them; soft-capped logits
@@ -15,13 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlcu.kernels._triton import HAS_TRITON, next_pow2, tl, triton, use_triton
+from rlcu.kernels._triton import HAS_TRITON, tl, triton, use_triton
 from rlcu.kernels.matmul import invariant_linear
 
 BLOCK = 2048
-# columns a forward program reads: a 64-row decode step over a 151,936-token vocabulary is 1,216 programs, where one
-# program a row left half of the SMs idle and each walking its whole row
-CHUNK = 4 * BLOCK
 
 
 def _widened(logits: torch.Tensor) -> torch.Tensor:
@@ -57,21 +53,17 @@ def token_logprob_backward_reference(logits, targets, lse, grad_logp, temperatur
 
 if HAS_TRITON:
     @triton.jit
-    def _token_logprob_partial_kernel(LOGITS, PM, PS, PT, stride_row, vocab, inv_temperature, chunks,
-                                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (row, chunk): the chunk's max m, sum of exp(z - m) and sum of exp(z - m) * z, kept per lane
-        with an online max over its blocks, then reduced over the lanes."""
+    def _token_logprob_kernel(LOGITS, TARGETS, LOGP, ENTROPY, LSE, stride_row, vocab, inv_temperature,
+                              BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
         base = LOGITS + row * stride_row
         cols = tl.arange(0, BLOCK)
         m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max, sum exp, sum exp * z
         s = tl.zeros([BLOCK], tl.float32)
         t = tl.zeros([BLOCK], tl.float32)
-        for i in tl.static_range(CHUNK // BLOCK):
-            idx = chunk * CHUNK + i * BLOCK + cols
-            mask = idx < vocab
-            z = tl.load(base + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_temperature
+        for start in range(0, vocab, BLOCK):
+            mask = start + cols < vocab
+            z = tl.load(base + start + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temperature
             m_new = tl.maximum(m, z)
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only padding: no -inf - -inf
             scale = tl.exp(m - shift)
@@ -79,30 +71,14 @@ if HAS_TRITON:
             s = s * scale + e
             t = t * scale + e * tl.where(mask, z, 0.0)
             m = m_new
-        chunk_max = tl.max(m, 0)
-        lane = tl.exp(m - tl.where(chunk_max == float("-inf"), 0.0, chunk_max))
-        out = row * chunks + chunk
-        tl.store(PM + out, chunk_max)
-        tl.store(PS + out, tl.sum(s * lane, 0))
-        tl.store(PT + out, tl.sum(t * lane, 0))
-
-    @triton.jit
-    def _token_logprob_combine_kernel(LOGITS, TARGETS, PM, PS, PT, LOGP, ENTROPY, LSE, stride_row, chunks,
-                                      inv_temperature, CHUNKS_PAD: tl.constexpr):
-        """Program row: the chunks' statistics combined in the chunks' order, and the target's logit read."""
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, CHUNKS_PAD)
-        valid = c < chunks
-        m = tl.load(PM + row * chunks + c, mask=valid, other=float("-inf"))
         row_max = tl.max(m, 0)
-        w = tl.exp(m - row_max)
-        total = tl.sum(tl.load(PS + row * chunks + c, mask=valid, other=0.0) * w, 0)
-        t = tl.sum(tl.load(PT + row * chunks + c, mask=valid, other=0.0) * w, 0)
+        lane = tl.exp(m - row_max)
+        total = tl.sum(s * lane, 0)
         lse = row_max + tl.log(total)
         target = tl.load(TARGETS + row)
-        z_target = tl.load(LOGITS + row * stride_row + target).to(tl.float32) * inv_temperature
+        z_target = tl.load(base + target).to(tl.float32) * inv_temperature
         tl.store(LOGP + row, z_target - lse)
-        tl.store(ENTROPY + row, lse - t / total)
+        tl.store(ENTROPY + row, lse - tl.sum(t * lane, 0) / total)
         tl.store(LSE + row, lse)
 
     @triton.jit
@@ -131,20 +107,11 @@ if HAS_TRITON:
 
 
 def token_logprob_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """Each row's vocabulary in chunks of CHUNK columns, a program each, their statistics then combined in order:
-    the split depends on the vocabulary alone, so a row's bits do not depend on the rows around it (exact mode's
-    sampler calls this on a decode step's rows, training on a micro-batch's)."""
     n, vocab = logits.shape
     assert logits.stride(-1) == 1
-    chunks = triton.cdiv(vocab, CHUNK)
-    pm, ps, pt = (torch.empty(n, chunks, dtype=torch.float32, device=logits.device) for _ in range(3))
     logp, entropy, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
-    if n == 0:
-        return logp, entropy, lse
-    _token_logprob_partial_kernel[(n, chunks)](logits, pm, ps, pt, logits.stride(0), vocab, 1.0 / temperature,
-                                               chunks, CHUNK=CHUNK, BLOCK=BLOCK)
-    _token_logprob_combine_kernel[(n,)](logits, targets, pm, ps, pt, logp, entropy, lse, logits.stride(0), chunks,
-                                        1.0 / temperature, CHUNKS_PAD=next_pow2(chunks))
+    _token_logprob_kernel[(n,)](logits, targets, logp, entropy, lse, logits.stride(0), vocab, 1.0 / temperature,
+                                BLOCK=BLOCK)
     return logp, entropy, lse
 
 
