@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
     (`split_dim`, the whole width: OLMo), each rank holds its heads' columns of x and of the weight, and the
     squares are summed over the ranks. `x_scale`: with a residual, x is scaled by it before the add, in the
     kernel's launch (Granite's residual multiplier: residual + branch * multiplier). `add_to`: returns
-    add_to + norm(x), the add in the norm's launch (OLMo's post-norm residual)."""
+    add_to + norm(x), the add in the norm's launch (OLMo's post-norm residual; the layer norms that take it are
+    never split)."""
 
     tensor_parallel = None
     split_dim: int | None = None

@@ -140,8 +140,15 @@ def test_embedded_model_from_a_local_gguf_is_verified(monkeypatch, tmp_path):
         load_model("smollm2-135m-instruct")
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
-    model, _ = load_model(tiny_hf_folder(tmp_path, "qwen3"))
+@pytest.mark.parametrize("family,kernels", [("qwen3", False), ("olmo2", False), ("olmo2", True)])
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, monkeypatch, family, kernels):
+    """OLMo's post-norm layers hand on (residual stream, None) through the checkpoint; `kernels`: RLCU_TRITON=1, the
+    Triton RMSNorm with its add under the interpreter, as on a GPU."""
+    if kernels:
+        if not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON or torch.cuda.is_available():
+            pytest.skip("the interpreter path is for CPU machines with triton")
+        monkeypatch.setenv("RLCU_TRITON", "1")
+    model, _ = load_model(tiny_hf_folder(tmp_path, family))
     ids = torch.randint(0, 62, (2, 9))
     grads = []
     for flag in (False, True):
