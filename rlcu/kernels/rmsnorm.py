@@ -134,6 +134,12 @@ def _block_rows(n_pad: int) -> int:
     return max(1, min(64, 8192 // n_pad))
 
 
+def _norm_dtype(total: torch.dtype, weight_dtype: torch.dtype, rounded_to_x: bool) -> torch.dtype:
+    """The norm's output dtype, as the unfused ops give it: the input's (x + residual) where the product is rounded
+    to it (Gemma's offset form, the gated form), else the input's promoted with the weight's."""
+    return total if rounded_to_x else torch.promote_types(total, weight_dtype)
+
+
 def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, offset: float = 0.0, gate=None,
                     x_scale: float = 1.0, add_to=None):
     """As rms_norm_reference; with store_rstd, also returns the fp32 1/rms of each row (for backward)."""
@@ -142,7 +148,7 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, off
     rows = x3.shape[0] * x3.shape[1]
     total = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype  # x + residual
     product = torch.promote_types(total, weight.dtype)
-    norm_dtype = total if offset or gate is not None else product
+    norm_dtype = _norm_dtype(total, weight.dtype, offset or gate is not None)
     out_dtype = norm_dtype if add_to is None else torch.promote_types(norm_dtype, add_to.dtype)
     out = torch.empty(shape, dtype=out_dtype, device=x.device)
     r3 = _as_rows(residual) if residual is not None else x3
@@ -151,7 +157,8 @@ def rms_norm_triton(x, weight, eps, residual=None, store_rstd: bool = False, off
     if add_to is not None and (residual is not None or gate is not None or add_to.shape != shape):
         raise ValueError(f"an RMSNorm added to a residual stream takes add_to of x's shape {tuple(shape)} and no "
                          "residual or gate")
-    g3 = _as_rows(gate if gate is not None else add_to) if gate is not None or add_to is not None else x3
+    operand = gate if gate is not None else add_to  # the G pointer: the gate, or the addend
+    g3 = _as_rows(operand) if operand is not None else x3
     res_out = torch.empty(shape, dtype=total, device=x.device) if residual is not None else out
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     n_pad = next_pow2(n)
@@ -196,7 +203,7 @@ class RMSNormFunction(torch.autograd.Function):
                                        add_to=add_to)
         ctx.has_residual, ctx.offset = residual is not None, offset
         # add_to + norm: the norm's gradient arrives in the norm's own dtype, as the unfused add hands it on
-        ctx.norm_dtype = None if add_to is None else (x.dtype if offset else torch.promote_types(x.dtype, weight.dtype))
+        ctx.norm_dtype = None if add_to is None else _norm_dtype(x.dtype, weight.dtype, bool(offset))
         ctx.add_dtype = None if add_to is None else add_to.dtype
         ctx.x_scale = x_scale if residual is not None else 1.0  # x is scaled only where a residual is added
         ctx.save_for_backward(result[1] if ctx.has_residual else x, weight, rstd)
