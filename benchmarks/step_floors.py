@@ -11,10 +11,10 @@ each is at and what 10x the peer asks for. The defaults are one H200's measured 
 bf16 8192^3 matmul, device-to-device copy). The model is built on the meta device: nothing is allocated.
 
 What is counted, for the step's P x G sequences of a prompt of PROMPT tokens and L new ones:
-- decode: L steps, each reading the bf16 matmul weights once (the LM head included; an untied embedding's lookup
-  reads a few rows and is left out), every attention layer's bf16 keys and values over each sequence's own tokens
-  and its group's prompt, read once for the G sequences that share it (a sliding window caps both), and each
-  linear-attention layer's fp32 state and convolution window, read and written;
+- decode: L steps, each reading the matmul weights once (the LM head included; an untied embedding's lookup reads
+  a few rows and is left out), every attention layer's keys and values over each sequence's own tokens and its
+  group's prompt, read once for the G sequences that share it (a sliding window caps both), both in bf16 (FP8 with
+  --sampler_bytes 1), and each linear-attention layer's fp32 state and convolution window, read and written;
 - prefill: 2 FLOPs a matmul weight a prompt token;
 - training: 2 FLOPs a matmul weight a token for each forward, each recompute under activation checkpointing and
   each half of the backward (the weights' gradient is skipped under LoRA), plus causal attention's score and value
@@ -52,15 +52,17 @@ def geometry(name: str) -> dict:
             conv = (2 * hk * dk + hv * dv) * (cfg.linear_conv_kernel_dim - 1) * 2
             layers.append(dict(state=2 * (hv * dk * dv * 4 + conv)))  # read and written each step
         else:
-            layers.append(dict(kv=2 * kv_heads * head_dim * 2, window=window if kind == "sliding_attention" else None,
+            layers.append(dict(kv=2 * kv_heads * head_dim, window=window if kind == "sliding_attention" else None,
                                width=cfg.num_attention_heads * head_dim))
     return dict(matmul=sum(linear.values()), params=sum(params.values()), layers=layers)
 
 
 def floors(g: dict, *, groups: int, seqs: int, prompt: int, new: int, lora: bool, recompute: bool, flops: float,
-           bandwidth: float) -> dict:
-    """Seconds of each phase at the floor (see the module's docstring)."""
-    weight_bytes = 2 * g["matmul"]
+           bandwidth: float, sampler_bytes: float = 2) -> dict:
+    """Seconds of each phase at the floor (see the module's docstring); the sampler reads weights and keys and values
+    of `sampler_bytes` an element (2: bf16; 1: an FP8 sampler, whose samples come from another policy than the
+    trainer's bf16 one)."""
+    weight_bytes = sampler_bytes * g["matmul"]
     decode_bytes = 0.0
     for t in range(new):
         step = weight_bytes
@@ -70,7 +72,7 @@ def floors(g: dict, *, groups: int, seqs: int, prompt: int, new: int, lora: bool
                 continue
             window = layer["window"] or prompt + new
             own = min(t + 1, window)  # each sequence's own tokens, then the group's prompt, read once a group
-            step += layer["kv"] * (seqs * own + groups * min(prompt, window - own))
+            step += sampler_bytes * layer["kv"] * (seqs * own + groups * min(prompt, window - own))
         decode_bytes += step
     tokens = seqs * (prompt + new)
     passes = (1 + recompute) + (1 if lora else 2)  # forwards, then the backward's input (and weight) gradients
@@ -91,6 +93,8 @@ def main():
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--prompt_len", type=int, default=128)
     ap.add_argument("--new_tokens", type=int, default=512)
+    ap.add_argument("--sampler_bytes", type=float, default=2,
+                    help="bytes an element of the weights and the keys and values the sampler reads (1: FP8)")
     args = ap.parse_args()
     print("| model | decode | prefill + optimizer | train (recompute) | floor | floor without recompute "
           "| rlcu step: share of floor | 10x the peer | 10x asks of the floor |")
@@ -103,7 +107,8 @@ def main():
         measured = [float(x) for x in rest[lora:]]
         g = geometry(name)
         kw = dict(groups=args.prompts, seqs=args.prompts * args.generations, prompt=args.prompt_len,
-                  new=args.new_tokens, lora=lora, flops=args.tflops * 1e12, bandwidth=args.tbps * 1e12)
+                  new=args.new_tokens, lora=lora, flops=args.tflops * 1e12, bandwidth=args.tbps * 1e12,
+                  sampler_bytes=args.sampler_bytes)
         f, bare = floors(g, recompute=True, **kw), floors(g, recompute=False, **kw)
         total, total_bare = sum(f.values()), sum(bare.values())
         cells = ["", "", ""]
