@@ -387,3 +387,34 @@ def test_bench_step_prompts_fit_the_limit_on_a_tokenizer_that_reads_them_back_lo
     assert prompt_texts(words, prompts, 28) == [words.decode(p) for p in prompts]
     with pytest.raises(ValueError, match="pass a larger --prompt_len"):
         prompt_texts(tok, prompts[:1], 1)  # the BOS alone fills it
+
+
+def test_step_floors_count_what_transformers_counts():
+    """benchmarks/step_floors.py as docs/benchmarks.md runs it, against the floors in closed form from transformers'
+    own parameter count: SmolLM3-3B (tied head, full fine-tuning) and OLMo-3-7B (untied embedding, LoRA)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from rlcu.bench import family_config
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "benchmarks/step_floors.py", "smollm3-3b-random:3.69:22.71",
+                          "olmo3-7b-random:lora"], cwd=root, capture_output=True, text=True, check=True).stdout
+    rows = {r.split("|")[1].strip(): [c.strip().strip("*") for c in r.split("|")[2:]] for r in out.splitlines()[2:]}
+    flops, bandwidth, seqs, groups, prompt, new = 788e12, 4.24e12, 64, 8, 128, 512
+    tokens, pairs = seqs * (prompt + new), seqs * (prompt + new) * (prompt + new + 1) / 2
+    reads = seqs * new * (new + 1) / 2 + groups * prompt * new  # own tokens, then each group's prompt once a step
+    for name, passes, embedding in [("smollm3-3b-random", 4, 0), ("olmo3-7b-random LoRA", 3, 1)]:
+        hf = family_config(name.split()[0])
+        with torch.device("meta"):
+            params = AutoModelForCausalLM.from_config(hf).num_parameters()
+        weights = params - embedding * hf.vocab_size * hf.hidden_size  # an untied lookup is not a matmul
+        width = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        train = passes * (2 * weights * tokens + hf.num_hidden_layers * 4 * width * pairs) / flops
+        kv = hf.num_hidden_layers * 2 * hf.num_key_value_heads * (width // hf.num_attention_heads) * 2
+        decode = (new * 2 * weights + kv * reads) / bandwidth
+        assert float(rows[name][0].rstrip(" s")) == pytest.approx(decode, abs=0.01)
+        assert float(rows[name][2].rstrip(" s")) == pytest.approx(train, abs=0.01)
+    assert rows["smollm3-3b-random"][7].startswith("100%")  # 10x TRL's 22.71 s asks the whole floor
