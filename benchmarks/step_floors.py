@@ -3,12 +3,13 @@ generation can take (every decode step reads the weights, the keys and values of
 hybrid's recurrent states, at the GPU's bandwidth) and the least its training can take (the matmul FLOPs at the GPU's
 dense bf16 rate), and what a ratio to a peer's step asks of them.
 
-    python3 benchmarks/step_floors.py [--tflops 788] [--tbps 4.24] NAME[:lora][:RLCU_S:PEER_S] ...
+    python3 benchmarks/step_floors.py [--tflops 788] [--tbps 4.24] [--sampler_bytes 2] NAME[:lora][:RLCU_S:PEER_S] ...
 
 NAME is one of `rlcu bench`'s FAMILY_SHAPES (dense or linear-attention hybrid; not MoE). `:lora` counts a LoRA step
 (the frozen weights' gradients are not computed). RLCU_S and PEER_S, measured steps, add what share of the floor
-each is at and what 10x the peer asks for. The defaults are one H200's measured rates (../shared/gpu/README.md:
-bf16 8192^3 matmul, device-to-device copy). The model is built on the meta device: nothing is allocated.
+each is at and what 10x the peer asks for. The defaults are the rates measured on the benchmarks' H200 on
+2026-11-29 (a bf16 8192^3 matmul, a device-to-device copy's bytes read and written). The model is built on the meta
+device: nothing is allocated.
 
 What is counted, for the step's P x G sequences of a prompt of PROMPT tokens and L new ones:
 - decode: L steps, each reading the matmul weights once (the LM head included; an untied embedding's lookup reads
