@@ -11,7 +11,7 @@ each is at and what 10x the peer asks for. The defaults are the rates measured o
 2026-11-29 (a bf16 8192^3 matmul, a device-to-device copy's bytes read and written). The model is built on the meta
 device: nothing is allocated.
 
-What is counted, for the step's P x G sequences of a prompt of PROMPT tokens and L new ones:
+What is counted, for the step's P x G sequences, each of a prompt of --prompt_len tokens and L new ones:
 - decode: L steps, each reading the matmul weights once (the LM head included; an untied embedding's lookup reads
   a few rows and is left out), every attention layer's keys and values over each sequence's own tokens and its
   group's prompt, read once for the G sequences that share it (a sliding window caps both), both in bf16 (FP8 with
