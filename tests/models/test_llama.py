@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+from rlcu.kernels._triton import HAS_TRITON
 from rlcu.models import load_model, save_pretrained
 from rlcu.models.attention import DenseKVCache
 from tests.helpers import DENSE_FAMILIES, FALLBACK_FAMILIES, FAMILIES, HYBRID_FAMILIES, MOE_FAMILIES, tiny_hf_folder
@@ -145,7 +146,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, monkeypatch, 
     """OLMo's post-norm layers hand on (residual stream, None) through the checkpoint; `kernels`: RLCU_TRITON=1, the
     Triton RMSNorm with its add under the interpreter, as on a GPU."""
     if kernels:
-        if not __import__("rlcu.kernels._triton", fromlist=["x"]).HAS_TRITON or torch.cuda.is_available():
+        if not HAS_TRITON or torch.cuda.is_available():
             pytest.skip("the interpreter path is for CPU machines with triton")
         monkeypatch.setenv("RLCU_TRITON", "1")
     model, _ = load_model(tiny_hf_folder(tmp_path, family))
