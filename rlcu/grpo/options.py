@@ -71,7 +71,8 @@ class SamplingOptions(OptionGroup):
     max_prompt_length: int = option(512, "prompt tokens at most; a longer prompt is an error naming the sample "
                                          "(or keeps its end: long_prompts)", minimum=1)
     max_completion_length: int = option(512, "completion tokens at most", minimum=1)
-    temperature: float = option(1.0, "sampling temperature (0: greedy)", minimum=0)
+    temperature: float = option(1.0, "sampling temperature (> 0: the loss's logprobs are of logits / temperature; "
+                                     "held-out evaluation is greedy by itself)")
     top_p: float = option(1.0, "nucleus sampling's probability mass", minimum=1e-9, maximum=1)
     top_k: int = option(0, "sample among the k likeliest tokens (0: off)", minimum=0)
     min_p: float | None = option(None, "drop tokens below min_p times the likeliest's probability (None or 0: off)",
@@ -85,6 +86,12 @@ class SamplingOptions(OptionGroup):
     long_prompts: str = option("error", "a prompt over max_prompt_length: stop at set-up (error), or keep its end "
                                         "(truncate_left)", choices=("error", "truncate_left"))
     seed: int = option(42, "seeds the sampler (with the step and the rank)")
+
+    def check(self) -> None:
+        if not self.temperature > 0:  # NaN too
+            raise ValueError(f"temperature must be > 0, got {self.temperature}: GRPO learns from the differences "
+                             "between a group's sampled completions (greedy ones are all alike) and its logprobs "
+                             "divide the logits by it; TRL's default is 1.0")
 
     def params(self, stop_token_ids: list[int], seed: int | None = None, greedy: bool = False) -> SamplingParams:
         """The sampler's settings (greedy: temperature 0, for evaluation)."""

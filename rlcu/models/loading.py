@@ -65,7 +65,7 @@ def download_hub(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # offline, gated, or missing: say which and how to proceed
-        raise RuntimeError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+        raise ConnectionError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
                            "If this machine is offline, download the folder elsewhere and pass its local path.") from e
 
 

