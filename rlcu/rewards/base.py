@@ -118,7 +118,9 @@ def resolve_rewards(specs, weights: list[float] | None = None, extra: list[Bound
     bound = [resolve_reward(s, t) for s, t in zip(specs, tokenizers)]
     if weights is not None:
         if len(weights) != len(bound):
-            raise ValueError(f"reward_weights has {len(weights)} values for {len(bound)} rewards")
+            raise ValueError(f"reward_weights has {len(weights)} value(s) for {len(bound)} reward(s) "
+                             f"({', '.join(b.name for b in bound)}): give one weight a reward, in that order, or "
+                             "leave reward_weights unset (each reward's own weight, 1.0 by default)")
         for b, w in zip(bound, weights):
             b.weight = float(w)
     bound += list(extra)

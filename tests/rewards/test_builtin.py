@@ -91,5 +91,5 @@ def test_none_becomes_nan_and_weights_apply():
     rewards = resolve_rewards([half, "format_tags"], weights=[2.0, 1.0])
     out = score(rewards, ["a", "b"], ["x", "y"], [[1], [2]], {})
     assert out.isnan()[0, 0] and out[1, 0] == 0.5 and [r.weight for r in rewards] == [2.0, 1.0]
-    with pytest.raises(ValueError, match="2 values for 1 rewards"):
+    with pytest.raises(ValueError, match=r"reward_weights has 2 value\(s\) for 1 reward\(s\) \(half\): give one "):
         resolve_rewards([half], weights=[1.0, 2.0])
