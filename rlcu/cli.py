@@ -319,7 +319,13 @@ def trl_run(args: list[str]) -> list[str]:
     path = path or (args[1] if len(args) > 1 else "")
     if not path or not Path(path).is_file():
         raise FileNotFoundError(f"--trl_config needs a TRL GRPO config file (YAML), got {path or 'nothing'!r}")
-    values = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path} is not valid YAML{where} ({getattr(e, 'problem', None) or e}): fix the file, "
+                         "as `trl grpo --config` would need too") from e
     if not isinstance(values, dict):
         raise ValueError(f"{path}: a TRL config is a mapping of GRPOConfig's fields, got {type(values).__name__}")
     translation = translate(values)

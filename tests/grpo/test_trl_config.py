@@ -92,6 +92,18 @@ def test_a_trl_config_after_a_recipe_says_where_it_goes(flag, capsys):
     assert e.value.code == 2 and "--trl_config takes the place of a recipe" in err and err.count("\n") == 1
 
 
+def test_a_trl_config_that_is_not_valid_yaml_is_one_line_naming_where(tmp_path, capsys):
+    from rlcu import cli
+
+    bad = tmp_path / "grpo.yaml"
+    bad.write_text("learning_rate: 1.0e-6\nreward_funcs: [accuracy\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "--trl_config", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"{bad} is not valid YAML at line 3, column 1 (expected ',' or ']'" in err
+
+
 def test_a_trl_grpo_yaml_trains_a_step_through_rlcu_run(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     folder = tiny_hf_folder(tmp_path / "m", "llama", vocab_size=32, hidden=32, heads=4, kv_heads=2, head_dim=8,
