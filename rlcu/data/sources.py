@@ -36,8 +36,8 @@ def load_rows(path: str | list[str], split: str = "train", name: str | None = No
             check_local_file(file)
         try:
             return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in local], split="train")
-        except datasets.exceptions.DatasetGenerationError as e:  # its own message says only that something failed
-            cause = e.__cause__ or e
+        except Exception as e:  # pyarrow's own errors name no file; datasets' generation error only that one failed
+            cause = (e.__cause__ or e) if isinstance(e, datasets.exceptions.DatasetGenerationError) else e
             raise ValueError(f"could not read {', '.join(str(p) for p in local)}: {type(cause).__name__}: "
                              f"{' '.join(str(cause).split())[:300]}") from None
     if isinstance(path, list):

@@ -73,6 +73,15 @@ def test_bad_data_fails_at_setup_with_the_fix():
         build_dataset(str(FIXTURES / "no_prompt.jsonl"), {"n": 4})
 
 
+@pytest.mark.parametrize("name, content", [("rows.parquet", b"PAR1 not a table"), ("rows.csv", b'"a,b\n1')])
+def test_a_local_file_the_reader_refuses_is_named_in_the_error(tmp_path, name, content):
+    """pyarrow's own message (a truncated parquet footer) names no file: the error does."""
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    with pytest.raises(ValueError, match=f"^could not read {bad}: "):
+        build_dataset(str(bad), {})
+
+
 def test_a_hub_dataset_out_of_reach_is_one_user_error_line(monkeypatch):
     """A ValueError (a user error: `rlcu run` prints one line), where a RuntimeError printed a traceback."""
     import datasets
