@@ -371,9 +371,16 @@ class StreamingOptions(OptionGroup):
     def check(self) -> None:
         if self.max_inflight_tasks == 0:
             raise ValueError("max_inflight_tasks must be -1 (auto) or at least 1, got 0")
-        if self.decode_steps_during_training and not self.streaming:
+        if self.streaming:
+            return
+        if self.decode_steps_during_training:
             raise ValueError(f"decode_steps_during_training={self.decode_steps_during_training} decodes the streaming "
                              "rollout beside training: set streaming=true, or decode_steps_during_training=0")
+        moved = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if f.name in ("max_staleness", "max_inflight_tasks") and getattr(self, f.name) != f.default]
+        if moved:  # a synchronous step trains on the policy that sampled it: the setting would do nothing
+            raise ValueError(f"{', '.join(moved)} bounds the streaming rollout: set streaming=true, or leave it at "
+                             "its default")
 
 
 GROUPS: tuple[type[OptionGroup], ...] = (SamplingOptions, LossOptions, CorrectionOptions, EntropyOptions,

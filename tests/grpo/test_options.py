@@ -33,6 +33,9 @@ def test_groups_validate_themselves_with_one_line_naming_the_option():
     for greedy in (0.0, float("nan")):  # the loss would divide the logits by it: NaN gradients three steps later
         with pytest.raises(ValueError, match=r"^temperature must be > 0, got (0.0|nan): GRPO learns from the "):
             O.SamplingOptions(temperature=greedy)
+    with pytest.raises(ValueError, match=r"^max_staleness=2 bounds the streaming rollout: set streaming=true, or "):
+        O.StreamingOptions(max_staleness=2)
+    assert O.StreamingOptions(streaming=True, max_staleness=2).max_staleness == 2
     with pytest.raises(ValueError, match="top_p must be <= 1"):
         O.SamplingOptions(top_p=1.5)
     with pytest.raises(ValueError, match=r"vllm_importance_sampling_clip_min \(4\) must be <= "):

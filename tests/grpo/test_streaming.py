@@ -36,8 +36,8 @@ def test_max_staleness_0_and_1_are_the_synchronous_run_step_for_step(tmp_path, f
     # at 1 the stream holds one step's samples (max_inflight_tasks -1: max(max_staleness, 1) steps' worth)
     runs = []
     for streaming, staleness in ((False, 0), (True, 0), (True, 1)):
-        module = make(toy_model(tmp_path / "m", family), streaming=streaming, max_staleness=staleness,
-                      max_completion_length=6)
+        module = make(toy_model(tmp_path / "m", family), streaming=streaming,
+                      **({"max_staleness": staleness} if streaming else {}), max_completion_length=6)
         metrics = fit(module, toy_rows(12, seed=2), steps=3, log_dir=tmp_path / f"{streaming}{staleness}")
         runs.append((weights(module), [m["reward"] for m in metrics if "reward" in m]))
     (sync, sync_rewards), *streams = runs
