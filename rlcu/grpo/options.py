@@ -4,9 +4,12 @@ adapter from the flat names users write (Python keywords, YAML under `model:`, `
 groups; GRPOModule's signature, `--help` and `--print_config` are generated from the same definitions."""
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
+import numbers
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -48,8 +51,11 @@ class OptionGroup:
     title: ClassVar[str] = ""
 
     def __post_init__(self):
+        hints = _hints(type(self))
         for f in fields(self):
-            value, meta = getattr(self, f.name), f.metadata
+            value = _typed(f.name, getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+            meta = f.metadata
             if meta["choices"] is not None and value not in meta["choices"]:
                 raise ValueError(f"{f.name} must be one of {meta['choices']}, got {value!r}")
             low, high = meta["minimum"], meta["maximum"]
@@ -61,6 +67,46 @@ class OptionGroup:
 
     def check(self) -> None:
         """Rules across fields."""
+
+
+@functools.cache
+def _hints(group: type) -> dict[str, Any]:
+    return typing.get_type_hints(group)
+
+
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+def _is(value: Any, kind: type) -> bool:
+    """numpy's scalars count as numbers (a sweep may hand them over); a bool is no number."""
+    if kind is bool or isinstance(value, bool):
+        return isinstance(value, bool) and kind is bool
+    number = {int: numbers.Integral, float: numbers.Real}.get(kind)
+    return isinstance(value, number or kind)
+
+
+def _typed(name: str, value: Any, hint: Any) -> Any:
+    """`value` checked against the option's type: a float option takes an int, and a number written as text (YAML
+    1.1 reads `1e-5` as text, as TRL's configs meet it); any other mismatch, and NaN, is one line naming the option,
+    where a bound's comparison raised a TypeError naming none (or let NaN through). Types other than scalars and
+    their unions with None pass as given."""
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in kinds:
+        return value
+    scalars = [k for k in kinds if k is not type(None)]
+    if not scalars or any(k not in _SCALARS for k in scalars):
+        return value
+    if float in scalars and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if any(_is(value, k) for k in scalars):
+        if value != value:  # NaN passes every bound's comparison
+            raise ValueError(f"{name} is NaN: give a number")
+        return value
+    wanted = " or ".join(_SCALARS[k] for k in scalars) + (" or null" if type(None) in kinds else "")
+    raise ValueError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -88,7 +134,7 @@ class SamplingOptions(OptionGroup):
     seed: int = option(42, "seeds the sampler (with the step and the rank)")
 
     def check(self) -> None:
-        if not self.temperature > 0:  # NaN too
+        if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}: GRPO learns from the differences "
                              "between a group's sampled completions (greedy ones are all alike) and its logprobs "
                              "divide the logits by it; TRL's default is 1.0")
