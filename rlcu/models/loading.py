@@ -66,7 +66,8 @@ def download_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # offline, gated, or missing: say which and how to proceed
         raise ConnectionError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                           "If this machine is offline, download the folder elsewhere and pass its local path.") from e
+                              "If this machine is offline, download the folder elsewhere and pass its local "
+                              "path.") from e
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
