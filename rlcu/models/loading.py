@@ -39,6 +39,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def resolve_source(source: str | os.PathLike) -> Path:
     """Turn any model source into a local HF folder."""
+    if source is None or not str(source).strip():
+        raise ValueError(f"no model given: set the model (`--model.model=...`, GRPOModule's first argument) to a "
+                         f"local HF folder, a .gguf file, a hub id or an embedded name ({', '.join(NAMES)})")
     src = str(source)
     if src in NAMES:
         return fetch_embedded(src)

@@ -116,6 +116,12 @@ def test_smollm2_logits_match_transformers(smollm2_folder):
     assert (got[valid] - expected[valid]).abs().max() < 2e-4  # 30 layers, vocab 49152: fp32 sums differ slightly
 
 
+@pytest.mark.parametrize("source", [None, "", " "])
+def test_no_model_is_a_clear_error(source):
+    with pytest.raises(ValueError, match=r"^no model given: set the model \(`--model.model=...`"):
+        load_model(source)
+
+
 def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
